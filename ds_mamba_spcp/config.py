@@ -1,0 +1,262 @@
+"""The ``"mamba_sequence_parallel"`` section of a DeepSpeed ds_config.
+
+Example ds_config::
+
+    {
+      "train_micro_batch_size_per_gpu": 1,
+      "sequence_parallel_size": 2,
+      "mamba_sequence_parallel": {
+        "enabled": true,
+        "mode": "state_passing",
+        "load_balancing": "virtual",
+        "input_layout": "zigzag"
+      }
+    }
+
+DeepSpeed itself ignores the section (it does not reject unknown top-level keys); this package reads it
+with :func:`load_mamba_sp_config`, which validates it once. Everything that depends on the model (head
+and group counts) is checked later by :meth:`MambaSequenceParallelConfig.validate_for_mixer`, when the
+wrapper sees the mixer and the process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import ConfigDict, Field, model_validator
+
+SECTION = "mamba_sequence_parallel"
+"""Name of the ds_config section read by :func:`load_mamba_sp_config`."""
+
+_TOP_LEVEL_SP_SIZE = "sequence_parallel_size"
+
+# Load balancing schemes that consume the zigzag layout. "none" runs the segments in the order the
+# ranks hold them, which is causal only for the contiguous layout.
+_ZIGZAG_SCHEMES = ("virtual", "permute_p2p", "permute_a2a")
+
+
+class MambaSequenceParallelConfig(DeepSpeedConfigModel):
+    """Sequence parallelism for Mamba2 mixers, read from ``ds_config["mamba_sequence_parallel"]``.
+
+    Field-level checks (types, choices, ranges, unknown keys) and the cross-field rules run when the
+    model is built; checks that need the model's shapes run in :meth:`validate_for_mixer`.
+    """
+
+    # Field docstrings become the JSON-schema descriptions as well. Frozen: the config is validated
+    # once and shared by every layer, and pydantic would run the cross-field check only after an
+    # assignment had already changed the field. Derive a variant with
+    # MambaSequenceParallelConfig(**{**cfg.model_dump(), "mode": "ulysses"}).
+    model_config = ConfigDict(use_attribute_docstrings=True, frozen=True)
+
+    enabled: bool = False
+    """Turn the Mamba2 sequence-parallel path on. When False the wrapper runs the plain local mixer."""
+
+    mode: Literal["state_passing", "ulysses"] = "state_passing"
+    """How ranks cooperate. ``"state_passing"`` keeps each rank's sequence shard in place and exchanges
+    only the conv halo and an fp32 SSM state summary. ``"ulysses"`` re-shards with all-to-all
+    (``[L/cp, heads] -> [L, heads/cp]``), runs the full-length scan on a head slice and re-shards back;
+    it is the baseline the benchmarks compare to."""
+
+    load_balancing: Literal["none", "permute_p2p", "permute_a2a", "virtual"] = "none"
+    """How the causal chain is balanced across ranks (``"state_passing"`` mode only; ``"ulysses"``
+    needs ``"none"``). ``"none"``: segments follow rank order (contiguous input). ``"virtual"``: each
+    rank's two zigzag chunks become two causal segments packed on the batch dim, no activation moves.
+    ``"permute_p2p"`` / ``"permute_a2a"``: zigzag input is permuted to contiguous and back with
+    point-to-point sends or one all-to-all."""
+
+    input_layout: Literal["contiguous", "zigzag"] = "contiguous"
+    """Which tokens each rank holds. ``"contiguous"``: rank r holds tokens ``[r*L/cp, (r+1)*L/cp)``,
+    what DeepSpeed-Ulysses and its data-loader adapter produce. ``"zigzag"``: the sequence is cut into
+    ``2*cp`` chunks and rank r holds chunk r followed by chunk ``2*cp-1-r``."""
+
+    sequence_parallel_size: int | None = Field(default=None, ge=1, strict=True)
+    """Number of ranks sharing one sequence (>= 1). ``None`` means unset: :func:`load_mamba_sp_config`
+    fills it from the top-level ds_config key ``"sequence_parallel_size"`` when that key exists, and
+    :attr:`resolved_sequence_parallel_size` reads an unset size as 1. When set, the size of the process
+    group handed to the wrapper must equal it."""
+
+    overlap_comm: bool = True
+    """Issue the state-summary all-gather asynchronously and overlap it with the computation that needs
+    no incoming state (the chunk products C·Bᵀ)."""
+
+    backend: Literal["auto", "reference", "triton"] = "auto"
+    """Compute backend. ``"auto"``: Triton (mamba-ssm kernels) for CUDA tensors, the plain-PyTorch
+    reference otherwise. ``"reference"``: always the plain-PyTorch twin. ``"triton"``: always Triton."""
+
+    check_shapes: bool = True
+    """Compare input shapes across the ranks of the group once per new shape, so that a mismatch raises
+    on every rank instead of hanging in a collective."""
+
+    def __init__(self, **data: Any) -> None:
+        # DeepSpeedConfigModel.__init__(strict=False) silently drops every value equal to "auto" (a
+        # HF-integration shortcut), which would turn mode="auto" into the default instead of an error,
+        # and it would swallow a "strict" key; so keys are checked first and strict is always on.
+        _check_keys(data)
+        super().__init__(strict=True, **data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        # DeepSpeedConfigModel forbids extras already; this adds the list of allowed keys to the message.
+        if isinstance(data, Mapping):
+            _check_keys(data)
+        return data
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> MambaSequenceParallelConfig:
+        lb, layout = self.load_balancing, self.input_layout
+        if self.mode == "ulysses":
+            if lb != "none":
+                raise ValueError(
+                    f'mode "ulysses" does not take load_balancing "{lb}": its all-to-all already gives '
+                    'every rank the full sequence; set load_balancing to "none" (any input_layout works) '
+                    'or use mode "state_passing".'
+                )
+        elif lb == "none" and layout != "contiguous":
+            raise ValueError(
+                f'load_balancing "none" with input_layout "{layout}" would chain the segments out of causal '
+                'order; set input_layout to "contiguous", or keep "zigzag" and choose load_balancing '
+                '"virtual", "permute_p2p" or "permute_a2a".'
+            )
+        elif lb in _ZIGZAG_SCHEMES and layout != "zigzag":
+            raise ValueError(
+                f'load_balancing "{lb}" expects input_layout "zigzag" but got "{layout}"; set input_layout '
+                'to "zigzag" (and shard the data that way), or use load_balancing "none" for contiguous '
+                "input."
+            )
+        return self
+
+    @property
+    def resolved_sequence_parallel_size(self) -> int:
+        """The configured ``sequence_parallel_size``, or 1 when it is unset."""
+        return 1 if self.sequence_parallel_size is None else self.sequence_parallel_size
+
+    def validate_for_mixer(self, *, nheads: int, ngroups: int, sp_size: int) -> None:
+        """Check that this config can shard a mixer with ``nheads`` heads and ``ngroups`` B/C groups
+        over a sequence-parallel group of ``sp_size`` ranks. Raises ValueError with the fix."""
+        for name, value in (("nheads", nheads), ("ngroups", ngroups), ("sp_size", sp_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if self.sequence_parallel_size is not None and sp_size != self.sequence_parallel_size:
+            raise ValueError(
+                f"the sequence-parallel group has {sp_size} ranks but the config sets sequence_parallel_size "
+                f"{self.sequence_parallel_size}; pass a process group of that size or change "
+                f'"{SECTION}.sequence_parallel_size" (or the top-level "{_TOP_LEVEL_SP_SIZE}").'
+            )
+        if self.mode != "ulysses":
+            return
+        if nheads % sp_size != 0:
+            raise ValueError(
+                f'mode "ulysses" shards heads, but nheads={nheads} is not divisible by sp_size={sp_size}; '
+                'use a sequence-parallel size that divides nheads, or mode "state_passing".'
+            )
+        if ngroups % sp_size != 0 and sp_size % ngroups != 0:
+            raise ValueError(
+                f'mode "ulysses" shards (or replicates) the B/C groups, which needs one of ngroups={ngroups} '
+                f'and sp_size={sp_size} to divide the other; change one of them or use mode "state_passing".'
+            )
+
+
+def _check_keys(section: Mapping) -> None:
+    allowed = MambaSequenceParallelConfig.model_fields
+    unknown = [k for k in section if k not in allowed]
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        raise ValueError(
+            f'unknown key(s) {names} in the "{SECTION}" section; allowed keys: {", ".join(allowed)}.'
+        )
+
+
+def _read_json(path: str | os.PathLike) -> Any:
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"ds_config file {path!r} does not exist (or is not a file).")
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"ds_config file {path!r} is not valid JSON: {e}") from e
+
+
+def _ds_config_dict(config: Any) -> Mapping:
+    """The whole ds_config as a mapping, from any of the accepted sources."""
+    if isinstance(config, Mapping):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        loaded = _read_json(config)
+        if not isinstance(loaded, Mapping):
+            raise ValueError(
+                f"ds_config file {os.fspath(config)!r} holds a {type(loaded).__name__}, "
+                "expected a JSON object."
+            )
+        return loaded
+    if isinstance(config, DeepSpeedConfig):
+        return config._param_dict
+    # A DeepSpeedEngine keeps the parsed DeepSpeedConfig in `_config` and the ds_config dict it was
+    # initialized with in `config` (deepspeed.initialize loads paths into a dict before building it).
+    parsed = getattr(config, "_config", None)
+    if isinstance(parsed, DeepSpeedConfig):
+        return parsed._param_dict
+    raw = getattr(config, "config", None)
+    if isinstance(raw, Mapping):
+        return raw
+    raise TypeError(
+        f"cannot read a ds_config from a {type(config).__module__}.{type(config).__qualname__}; expected a "
+        "ds_config dict, a path to a JSON ds_config file, a MambaSequenceParallelConfig, a "
+        "deepspeed.runtime.config.DeepSpeedConfig, or a DeepSpeed engine."
+    )
+
+
+def _top_level_sp_size(ds_config: Mapping) -> int | None:
+    value = ds_config.get(_TOP_LEVEL_SP_SIZE)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f'top-level ds_config key "{_TOP_LEVEL_SP_SIZE}" must be an int >= 1, got {value!r}.'
+        )
+    return value
+
+
+def load_mamba_sp_config(config: Any) -> MambaSequenceParallelConfig:
+    """Read and validate the ``"mamba_sequence_parallel"`` section of a DeepSpeed config.
+
+    ``config`` may be a whole ds_config (dict), a ``str`` / ``os.PathLike`` path to a JSON ds_config
+    file, a :class:`deepspeed.runtime.config.DeepSpeedConfig`, a DeepSpeed engine (read through its
+    ``_config`` DeepSpeedConfig, else its ``config`` dict), or a :class:`MambaSequenceParallelConfig`,
+    which is returned as is. A missing section gives the defaults (``enabled=False``).
+
+    The sequence-parallel size is resolved here: when the section leaves ``sequence_parallel_size``
+    unset (absent or null), the top-level ``"sequence_parallel_size"`` fills it; when both are set
+    they must agree. If neither is set the field stays ``None`` (see
+    :attr:`MambaSequenceParallelConfig.resolved_sequence_parallel_size`).
+
+    Raises TypeError for an unsupported ``config`` type or a section that is not an object,
+    FileNotFoundError for a missing file, and ValueError (pydantic's ValidationError is one) for
+    invalid contents.
+    """
+    if isinstance(config, MambaSequenceParallelConfig):
+        return config
+    ds_config = _ds_config_dict(config)
+    section = ds_config.get(SECTION)
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise TypeError(f'the "{SECTION}" section must be a JSON object, got {type(section).__name__}.')
+    section = dict(section)
+
+    top_size = _top_level_sp_size(ds_config)
+    own_size = section.get("sequence_parallel_size")
+    if own_size is None:
+        section["sequence_parallel_size"] = top_size
+    elif top_size is not None and own_size != top_size:
+        raise ValueError(
+            f'"{SECTION}.sequence_parallel_size" is {own_size!r} but the top-level "{_TOP_LEVEL_SP_SIZE}" '
+            f"is {top_size}; make them equal or drop one of them."
+        )
+    return MambaSequenceParallelConfig(**section)
