@@ -1,3 +1,14 @@
 """ds_mamba_spcp: state-passing sequence parallelism for Mamba2 under DeepSpeed."""
 
+from ds_mamba_spcp.layout import shard_sequence, unshard_sequence
+from ds_mamba_spcp.ops.reference import mamba_split_conv1d_scan_ref
+from ds_mamba_spcp.state_passing import mamba_split_conv1d_scan_sp
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "mamba_split_conv1d_scan_ref",
+    "mamba_split_conv1d_scan_sp",
+    "shard_sequence",
+    "unshard_sequence",
+]

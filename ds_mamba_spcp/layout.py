@@ -1,0 +1,80 @@
+"""Sequence layouts over a sequence-parallel group and the segments each rank owns.
+
+- contiguous: rank r holds tokens [r*L/cp, (r+1)*L/cp): one causal segment, global index r.
+- zigzag: the sequence is cut into 2*cp equal chunks and rank r holds chunk r followed by chunk
+  2*cp-1-r. Under ``virtual`` the two chunks are two causal segments (global indices r and
+  2*cp-1-r) packed on the batch axis, so no activation moves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def segment_ids(rank: int, cp: int, layout: str) -> list[int]:
+    """Global causal indices of the segments rank ``rank`` holds, in local order."""
+    if layout == "contiguous":
+        return [rank]
+    if layout == "zigzag":
+        return [rank, 2 * cp - 1 - rank]
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def num_segments(cp: int, layout: str) -> int:
+    return cp if layout == "contiguous" else 2 * cp
+
+
+def gathered_order(cp: int, layout: str) -> torch.Tensor:
+    """Index that puts an all-gather's (rank, local segment) rows into global causal order."""
+    nlocal = len(segment_ids(0, cp, layout))
+    order = torch.empty(num_segments(cp, layout), dtype=torch.long)
+    for rank in range(cp):
+        for k, s in enumerate(segment_ids(rank, cp, layout)):
+            order[s] = rank * nlocal + k
+    return order
+
+
+def pack_segments(x: torch.Tensor, nseg: int) -> torch.Tensor:
+    """(batch, nseg*m, ...) -> (nseg*batch, m, ...): local segment k takes rows [k*batch, (k+1)*batch)."""
+    if nseg == 1:
+        return x
+    b, l = x.shape[:2]
+    return (
+        x.reshape(b, nseg, l // nseg, *x.shape[2:]).transpose(0, 1).reshape(nseg * b, l // nseg, *x.shape[2:])
+    )
+
+
+def unpack_segments(x: torch.Tensor, nseg: int) -> torch.Tensor:
+    """Inverse of ``pack_segments``."""
+    if nseg == 1:
+        return x
+    nb, m = x.shape[:2]
+    b = nb // nseg
+    return x.reshape(nseg, b, m, *x.shape[2:]).transpose(0, 1).reshape(b, nseg * m, *x.shape[2:])
+
+
+def shard_sequence(
+    x: torch.Tensor, rank: int, cp: int, layout: str = "contiguous", dim: int = 1
+) -> torch.Tensor:
+    """This rank's shard of a full sequence along ``dim`` (the length must split evenly)."""
+    n = num_segments(cp, layout)
+    if x.shape[dim] % n != 0:
+        raise ValueError(
+            f"a sequence of length {x.shape[dim]} cannot be split over {cp} ranks in the {layout} layout: "
+            f"the length must be a multiple of {n}"
+        )
+    chunks = x.chunk(n, dim=dim)
+    return torch.cat([chunks[s] for s in segment_ids(rank, cp, layout)], dim=dim)
+
+
+def unshard_sequence(shards, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """Full sequence from the list of every rank's shard (inverse of ``shard_sequence``)."""
+    cp = len(shards)
+    nlocal = len(segment_ids(0, cp, layout))
+    pieces = [None] * num_segments(cp, layout)
+    for rank, shard in enumerate(shards):
+        for k, s in enumerate(segment_ids(rank, cp, layout)):
+            pieces[s] = shard.chunk(nlocal, dim=dim)[k]
+    return torch.cat(pieces, dim=dim)

@@ -1,0 +1,30 @@
+"""Backends of the mixer core: the plain-PyTorch reference and mamba-ssm's Triton kernels.
+
+Each backend module exposes ``segment_fwd`` / ``segment_bwd`` (one causal segment, its summary
+exchanged through an ``exchange`` object) and ``single_device_op`` (the whole op on one device).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def get_backend(name: str, device) -> ModuleType:
+    """'auto' takes the Triton backend for CUDA tensors when it imports, else the reference."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == "reference" or (name == "auto" and getattr(device, "type", device) != "cuda"):
+        from ds_mamba_spcp.ops import reference
+
+        return reference
+    try:
+        from ds_mamba_spcp.ops import triton as triton_backend
+    except ImportError as e:
+        if name == "triton":
+            raise ImportError(f"the Triton backend needs mamba-ssm and causal-conv1d on CUDA: {e}") from e
+        from ds_mamba_spcp.ops import reference
+
+        return reference
+    return triton_backend

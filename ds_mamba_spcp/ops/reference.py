@@ -1,0 +1,353 @@
+"""Plain-PyTorch reference backend for the Mamba2 mixer core.
+
+Every function here is differentiable by autograd, runs on any device, and works in fp64 and
+fp32. It is the CPU path of the sequence-parallel op and the ground truth of the tests; the
+Triton backend (``ops/triton.py``) implements the same ``segment_fwd`` / ``segment_bwd`` contract.
+
+Pipeline of one causal segment (a rank's shard, or half of it under ``virtual``):
+
+    xBC --(halo + causal depthwise conv + SiLU)--> x, B, C
+    dt  --(+ dt_bias, softplus, clamp)-->          dt
+    chunked SSD from a zero state -> y0, S_ext;  log_a = sum_t dt_t * A
+    S_in arrives (exchange) -> y = y0 + C_t exp(cumsum(dt*A)_t) S_in;  S_out = a*S_in + S_ext
+    y += D*x;  out = y*silu(z) or gated RMSNorm
+
+Shapes follow mamba-ssm: x (batch, seqlen, nheads, headdim), dt (batch, seqlen, nheads),
+B and C (batch, seqlen, ngroups, dstate), states (batch, nheads, headdim, dstate).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+
+from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
+
+# ---------------------------------------------------------------------------------------------
+# conv
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_conv1d_ref(x, weight, bias=None, initial_states=None, activation="silu"):
+    """Causal depthwise conv1d over time, optionally continuing from a previous segment.
+
+    x: (batch, seqlen, dim); weight: (dim, width); bias: (dim,) or None;
+    initial_states: (batch, width-1, dim), the last width-1 *pre-conv* rows of the causally
+    previous segment (zeros when None). Returns (batch, seqlen, dim).
+    """
+    batch, seqlen, dim = x.shape
+    width = weight.shape[-1]
+    if initial_states is None:
+        initial_states = x.new_zeros(batch, width - 1, dim)
+    xpad = torch.cat([initial_states.to(x.dtype), x], dim=1)  # [b, K-1+L, d]
+    out = F.conv1d(xpad.transpose(1, 2), weight.unsqueeze(1), bias, groups=dim).transpose(1, 2)
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise NotImplementedError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# dt
+# ---------------------------------------------------------------------------------------------
+
+
+def process_dt(dt, dt_bias=None, dt_limit=(0.0, float("inf"))):
+    """softplus(dt + dt_bias) clamped to dt_limit, in fp32 at least (as mamba-ssm does)."""
+    dt = dt.to(torch.promote_types(dt.dtype, torch.float32))
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    dt = F.softplus(dt)
+    if dt_limit != (0.0, float("inf")):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+# ---------------------------------------------------------------------------------------------
+# SSD
+# ---------------------------------------------------------------------------------------------
+
+
+def _heads_from_groups(t, nheads):
+    """(b, l, g, n) -> (b, l, h, n): head i reads group i // (nheads // ngroups)."""
+    return repeat(t, "b l g n -> b l (g r) n", r=nheads // t.shape[2])
+
+
+def ssd_chunked_ref(x, dt, A, B, C, chunk_size, initial_states=None):
+    """Chunked SSD scan (no D, no z). dt is already processed (softplus, bias, clamp).
+
+    Any seqlen: the tail is padded with dt = 0, which neither decays nor feeds the state.
+    Returns y (batch, seqlen, nheads, headdim) in x's dtype and final_states
+    (batch, nheads, headdim, dstate) in the compute dtype (fp32 or fp64).
+    """
+    batch, seqlen, nheads, headdim = x.shape
+    cdtype = torch.promote_types(x.dtype, torch.float32)
+    pad = (-seqlen) % chunk_size
+    xs, dts = x.to(cdtype), dt.to(cdtype)
+    Bh = _heads_from_groups(B, nheads).to(cdtype)
+    Ch = _heads_from_groups(C, nheads).to(cdtype)
+    if pad:
+        xs, Bh, Ch = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xs, Bh, Ch))
+        dts = F.pad(dts, (0, 0, 0, pad))
+    # [b, c*T, ...] -> [b, c, T, ...]
+    xs, Bh, Ch = (rearrange(t, "b (c t) h n -> b c t h n", t=chunk_size) for t in (xs, Bh, Ch))
+    dts = rearrange(dts, "b (c t) h -> b c t h", t=chunk_size)
+    dA_cs = torch.cumsum(dts * A.to(cdtype), dim=2)  # [b, c, T, h]
+
+    # intra-chunk: y_t = sum_{s<=t} (C_t . B_s) exp(cs_t - cs_s) dt_s x_s
+    diff = dA_cs.unsqueeze(3) - dA_cs.unsqueeze(2)  # [b, c, t, s, h]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp(torch.where(causal[None, None, :, :, None], diff, float("-inf")))
+    CB = torch.einsum("bcthn,bcshn->bctsh", Ch, Bh)
+    y = torch.einsum("bctsh,bcsh,bcshp->bcthp", CB * decay, dts, xs)
+
+    # per-chunk states from zero: sum_s exp(cs_T - cs_s) dt_s x_s B_s^T
+    decay_to_end = torch.exp(dA_cs[:, :, -1:, :] - dA_cs)  # [b, c, T, h]
+    chunk_states = torch.einsum("bcsh,bcshp,bcshn->bchpn", decay_to_end * dts, xs, Bh)
+
+    # inter-chunk recurrence; the state entering each chunk reaches its rows through C
+    state = (
+        initial_states.to(cdtype)
+        if initial_states is not None
+        else x.new_zeros(batch, nheads, headdim, Bh.shape[-1], dtype=cdtype)
+    )
+    chunk_decay = torch.exp(dA_cs[:, :, -1, :])  # [b, c, h]
+    entering = []
+    for c in range(xs.shape[1]):
+        entering.append(state)
+        state = chunk_decay[:, c, :, None, None] * state + chunk_states[:, c]
+    entering = torch.stack(entering, dim=1)  # [b, c, h, p, n]
+    y = y + torch.einsum("bcthn,bchpn,bcth->bcthp", Ch, entering, torch.exp(dA_cs))
+    y = rearrange(y, "b c t h p -> b (c t) h p")[:, :seqlen]
+    return y.to(x.dtype), state
+
+
+def apply_incoming_state(y0, C, dt, A, S_in):
+    """Adds what an incoming state contributes to a segment computed from a zero state.
+
+    y0: (batch, seqlen, nheads, headdim); C: (batch, seqlen, ngroups, dstate);
+    dt: processed (batch, seqlen, nheads); S_in: (batch, nheads, headdim, dstate).
+    y_t += exp(sum_{s<=t} dt_s A) C_t S_in   (y0 was computed with S_in = 0: affine in S_in).
+    """
+    cdtype = torch.promote_types(y0.dtype, torch.float32)
+    nheads = y0.shape[2]
+    decay = torch.exp(torch.cumsum(dt.to(cdtype) * A.to(cdtype), dim=1))  # [b, l, h]
+    Ch = _heads_from_groups(C, nheads).to(cdtype)
+    corr = torch.einsum("blhn,bhpn,blh->blhp", Ch, S_in.to(cdtype), decay)
+    return (y0.to(cdtype) + corr).to(y0.dtype)
+
+
+def gated_rmsnorm_ref(y, z, weight, eps=1e-6, group_size=None, norm_before_gate=False):
+    """Gated RMSNorm as in mamba-ssm's layernorm_gated, normalising groups of group_size channels.
+
+    norm_before_gate: rmsnorm(y) * silu(z); else rmsnorm(y * silu(z)).
+    """
+    dtype = y.dtype
+    cdtype = torch.promote_types(dtype, torch.float32)
+    y, z = y.to(cdtype), z.to(cdtype)
+    if not norm_before_gate:
+        y = y * F.silu(z)
+    group_size = group_size or y.shape[-1]
+    yg = rearrange(y, "... (g d) -> ... g d", d=group_size)
+    yg = yg * torch.rsqrt(yg.square().mean(dim=-1, keepdim=True) + eps)
+    out = rearrange(yg, "... g d -> ... (g d)") * weight.to(cdtype)
+    if norm_before_gate:
+        out = out * F.silu(z)
+    return out.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the segment contract shared with the Triton backend
+# ---------------------------------------------------------------------------------------------
+
+
+def _segment_pre(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec):
+    z, xBC, dt_raw = split_zxbcdt(zxbcdt, spec)
+    xBC = causal_conv1d_ref(xBC, conv1d_weight, conv1d_bias, halo, spec.activation)
+    x, B, C = torch.split(xBC, [spec.d_inner, spec.ngroups * spec.dstate, spec.ngroups * spec.dstate], -1)
+    x = rearrange(x, "b l (h p) -> b l h p", p=spec.headdim)
+    B = rearrange(B, "b l (g n) -> b l g n", g=spec.ngroups)
+    C = rearrange(C, "b l (g n) -> b l g n", g=spec.ngroups)
+    dt = process_dt(dt_raw, dt_bias, spec.dt_limit)
+    y0, S_ext = ssd_chunked_ref(x, dt, A, B, C, spec.chunk_size)
+    log_a = (dt * A.to(dt.dtype)).sum(dim=1)  # [b, h]
+    return z, x, B, C, dt, y0, S_ext, log_a
+
+
+def _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec: CoreSpec):
+    y = apply_incoming_state(y0, C, dt, A, S_in)
+    Dh = D if D.dim() == 2 else D.unsqueeze(-1)  # [h] -> [h, 1]
+    y = (y.to(torch.promote_types(y.dtype, torch.float32)) + x * Dh.to(x.dtype)).to(x.dtype)
+    y = rearrange(y, "b l h p -> b l (h p)")
+    if rmsnorm_weight is None:
+        return (y * F.silu(z.to(y.dtype))).to(y.dtype)
+    return gated_rmsnorm_ref(
+        y, z, rmsnorm_weight, spec.rmsnorm_eps, spec.d_inner // spec.ngroups, spec.norm_before_gate
+    )
+
+
+def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, exchange):
+    """Forward of one causal segment (batch may hold several segments, see layout.py).
+
+    halo: (batch, d_conv-1, conv_dim) pre-conv xBC rows of the causally previous segment.
+    exchange.post(S_ext, log_a) -> handle; handle.wait() -> S_in (fp32 or fp64).
+    Returns (out (batch, seqlen, d_inner), S_in).
+    """
+    with torch.no_grad():
+        z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(
+            zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec
+        )
+        S_in = exchange.post(S_ext, log_a).wait()
+        out = _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec)
+    return out, S_in
+
+
+def segment_bwd(
+    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange
+):
+    """Backward of ``segment_fwd`` by recomputation under autograd.
+
+    exchange.post_grad(L) -> handle; handle.wait() -> dS_out, where L is the gradient reaching
+    S_in when S_out receives none, and dS_out the gradient that later segments send to S_out.
+    Returns the gradients of (zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D,
+    rmsnorm_weight) in that order (None for a None input).
+    """
+    inputs = [zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight]
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in inputs]
+    S_in = S_in.detach().requires_grad_()
+    with torch.enable_grad():
+        z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(*leaves[:6], spec)
+        out = _segment_post(z, x, C, dt, y0, leaves[5], leaves[6], leaves[7], S_in, spec)
+        S_out = torch.exp(log_a)[:, :, None, None] * S_in + S_ext
+        live = [t for t in leaves if t is not None]
+        # pass 1: the output's gradient, and L = its part that reaches S_in
+        g1 = torch.autograd.grad(out, live + [S_in], dout, retain_graph=True, allow_unused=True)
+        dS_out = exchange.post_grad(g1[-1]).wait()
+        # pass 2: what later segments send back through S_out (S_in is a constant here)
+        g2 = torch.autograd.grad(S_out, live, dS_out.to(S_out.dtype), allow_unused=True)
+    grads, it = [], iter(zip(g1[:-1], g2))
+    for t in leaves:
+        if t is None:
+            grads.append(None)
+            continue
+        a, b = next(it)
+        g = a if b is None else (b if a is None else a + b)
+        grads.append(torch.zeros_like(t) if g is None else g)
+    return tuple(grads)
+
+
+class LocalExchange:
+    """The exchange of a single device: S_in is the initial state (or zero), no communication."""
+
+    def __init__(self, initial_states=None):
+        self.initial_states = initial_states
+        self.final_states = None
+        self.dinitial_states = None
+        self.dfinal_states = None
+        self._log_a = None
+
+    def post(self, S_ext, log_a):
+        self._log_a = log_a
+        if self.initial_states is None:
+            S_in = torch.zeros_like(S_ext)
+        else:
+            S_in = self.initial_states.to(S_ext.dtype)
+        self.final_states = torch.exp(log_a)[:, :, None, None] * S_in + S_ext
+        return _Ready(S_in)
+
+    def post_grad(self, L):
+        dS_out = torch.zeros_like(L) if self.dfinal_states is None else self.dfinal_states.to(L.dtype)
+        self.dinitial_states = L + torch.exp(self._log_a)[:, :, None, None].to(L.dtype) * dS_out
+        return _Ready(dS_out)
+
+
+class _Ready:
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+# ---------------------------------------------------------------------------------------------
+# the single-device op on the full sequence (ground truth of the distributed tests)
+# ---------------------------------------------------------------------------------------------
+
+
+def mamba_split_conv1d_scan_ref(
+    zxbcdt,
+    conv1d_weight,
+    conv1d_bias,
+    dt_bias,
+    A,
+    D,
+    chunk_size,
+    *,
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, float("inf")),
+    headdim,
+    ngroups,
+    activation="silu",
+    rmsnorm_weight=None,
+    rmsnorm_eps=1e-6,
+    norm_before_gate=False,
+):
+    """Single-device mixer core in plain PyTorch, differentiable by autograd end to end.
+
+    Same arguments as ``mamba_split_conv1d_scan_sp`` (minus the group and layout). Returns out
+    (batch, seqlen, nheads*headdim), and final_states (batch, nheads, headdim, dstate) in fp32
+    (fp64 for fp64 input) when return_final_states.
+    """
+    spec = CoreSpec.infer(
+        zxbcdt,
+        conv1d_weight,
+        D,
+        chunk_size,
+        headdim=headdim,
+        ngroups=ngroups,
+        dt_limit=dt_limit,
+        activation=activation,
+        rmsnorm_eps=rmsnorm_eps,
+        norm_before_gate=norm_before_gate,
+    )
+    z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(
+        zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, spec
+    )
+    if initial_states is None:
+        S_in = torch.zeros_like(S_ext)
+    else:
+        S_in = initial_states.to(S_ext.dtype)
+    out = _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec)
+    if not return_final_states:
+        return out
+    return out, torch.exp(log_a)[:, :, None, None] * S_in + S_ext
+
+
+def ssd_recurrent_ref(x, dt, A, B, C, initial_states=None):
+    """Token-by-token recurrence h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = C_t h_t.
+
+    The slow, obviously-correct definition that ``ssd_chunked_ref`` is tested against.
+    """
+    batch, seqlen, nheads, headdim = x.shape
+    cdtype = torch.promote_types(x.dtype, torch.float32)
+    Bh = _heads_from_groups(B, nheads).to(cdtype)
+    Ch = _heads_from_groups(C, nheads).to(cdtype)
+    h = (
+        initial_states.to(cdtype)
+        if initial_states is not None
+        else x.new_zeros(batch, nheads, headdim, Bh.shape[-1], dtype=cdtype)
+    )
+    ys = []
+    for t in range(seqlen):
+        dtt = dt[:, t].to(cdtype)  # [b, h]
+        h = torch.exp(dtt * A.to(cdtype))[:, :, None, None] * h + torch.einsum(
+            "bh,bhp,bhn->bhpn", dtt, x[:, t].to(cdtype), Bh[:, t]
+        )
+        ys.append(torch.einsum("bhn,bhpn->bhp", Ch[:, t], h))
+    return torch.stack(ys, dim=1).to(x.dtype), h
+
+
+single_device_op = mamba_split_conv1d_scan_ref

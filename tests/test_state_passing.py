@@ -1,0 +1,189 @@
+"""The state-passing op on 2, 3 and 4 gloo ranks against the single-process reference.
+
+Each world size is spawned once and runs every case inside (``CASES``); the tests then read the
+per-case errors. Every rank builds the same global inputs from one seed, runs the op on its shard
+and the reference on the full sequence, and the errors are reduced over ranks (squared norms
+summed), so each test sees one global number per tensor.
+
+Tolerances. fp64: the sharded op computes the same sums as the reference, only chunked at other
+boundaries and reassociated across segments, so the rounding is ~1e-15 relative; 1e-10 leaves
+five orders of magnitude and still catches any algebra slip (a wrong decay or a lost term is
+>= 1e-3 relative at these sizes, see the negative control). fp32: same argument at fp32's 6e-8
+unit roundoff grown over a few hundred accumulations: relative RMS 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_utils import agree, rel_err, run_ranks
+
+FP64_TOL = 1e-10
+FP32_TOL = 1e-5
+
+# name -> options; L_per_rank multiplies the world size to give the global seqlen
+CASES = {
+    "fp64_contig_b1_g1_k4_notchunkmultiple": dict(dtype="float64", batch=1, ngroups=1, d_conv=4, chunk=8, per_rank=13),
+    "fp64_virtual_b3_g2_k2_rms_init_final_D2": dict(
+        dtype="float64", batch=3, ngroups=2, d_conv=2, chunk=4, per_rank=10, lb="virtual", rms=True,
+        init=True, final=True, D2=True,
+    ),
+    "fp64_contig_b2_g2_k4_shortshards_rmsbefore_dtlimit": dict(
+        dtype="float64", batch=2, ngroups=2, d_conv=4, chunk=16, per_rank=6, rms=True, before=True,
+        init=True, final=True, dt_limit=(0.01, 0.5),
+    ),
+    "fp64_virtual_b1_g1_k4_final": dict(dtype="float64", batch=1, ngroups=1, d_conv=4, chunk=8, per_rank=18,
+                                        lb="virtual", final=True),
+    "fp32_contig_b2_g2_k4_rms_init_final": dict(
+        dtype="float32", batch=2, ngroups=2, d_conv=4, chunk=8, per_rank=24, rms=True, init=True, final=True
+    ),
+    "fp32_virtual_b3_g1_k4": dict(dtype="float32", batch=3, ngroups=1, d_conv=4, chunk=8, per_rank=24, lb="virtual"),
+    # negative control: the backward without its reverse scan must fail the same check
+    "bug_skip_reverse_scan": dict(
+        dtype="float64", batch=2, ngroups=2, d_conv=4, chunk=4, per_rank=10, init=True, final=True,
+        bug="skip_reverse_scan",
+    ),
+}  # fmt: skip
+
+NHEADS, HEADDIM, DSTATE = 4, 3, 5
+
+
+def make_inputs(opts, seqlen, seed=0):
+    """Global inputs and upstream gradients, identical on every rank (one seed)."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, opts["dtype"])
+    b, ng, K = opts["batch"], opts["ngroups"], opts["d_conv"]
+    d_inner = NHEADS * HEADDIM
+    conv_dim = d_inner + 2 * ng * DSTATE
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    t = dict(
+        zxbcdt=rnd(b, seqlen, 2 * d_inner + 2 * ng * DSTATE + NHEADS),
+        conv1d_weight=rnd(conv_dim, K, scale=0.5),
+        conv1d_bias=rnd(conv_dim, scale=0.5),
+        dt_bias=rnd(NHEADS, scale=0.5),
+        A=-torch.rand(NHEADS, generator=g, dtype=torch.float64).add(0.5).to(dtype),
+        D=rnd(NHEADS, HEADDIM) if opts.get("D2") else rnd(NHEADS),
+    )
+    if opts.get("rms"):
+        t["rmsnorm_weight"] = rnd(d_inner, scale=0.3).add(1.0)
+    if opts.get("init"):
+        t["initial_states"] = rnd(b, NHEADS, HEADDIM, DSTATE)
+    grads = dict(out=rnd(b, seqlen, d_inner))
+    if opts.get("final"):
+        grads["final"] = rnd(b, NHEADS, HEADDIM, DSTATE)
+    return t, grads
+
+
+def op_kwargs(opts):
+    return dict(
+        headdim=HEADDIM, ngroups=opts["ngroups"], dt_limit=opts.get("dt_limit", (0.0, float("inf"))),
+        rmsnorm_weight=None, norm_before_gate=opts.get("before", False), return_final_states=opts.get("final", False),
+    )  # fmt: skip
+
+
+def _run_case(rank, world, opts):
+    import deepspeed.comm as dist
+
+    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp, scan
+
+    lb = opts.get("lb", "none")
+    seq_layout = "zigzag" if lb == "virtual" else "contiguous"
+    seqlen = opts["per_rank"] * world
+    tensors, grads = make_inputs(opts, seqlen)
+    names = list(tensors)
+
+    def call(fn, inputs, **extra):
+        kw = op_kwargs(opts)
+        kw["rmsnorm_weight"] = inputs.get("rmsnorm_weight")
+        kw["initial_states"] = inputs.get("initial_states")
+        return fn(inputs["zxbcdt"], inputs["conv1d_weight"], inputs["conv1d_bias"], inputs["dt_bias"],
+                  inputs["A"], inputs["D"], opts["chunk"], **kw, **extra)  # fmt: skip
+
+    def loss_of(res, gout, weight):
+        out, final = res if isinstance(res, tuple) else (res, None)
+        loss = (out * gout).sum()
+        if final is not None:
+            loss = loss + weight * (final * grads["final"].to(final.dtype)).sum()
+        return out, final, loss
+
+    # reference on the full sequence
+    ref_in = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    ref_out, ref_final, ref_loss = loss_of(call(mamba_split_conv1d_scan_ref, ref_in), grads["out"], 1.0)
+    ref_loss.backward()
+
+    # sharded op; each rank takes a different share of final_states' gradient (they must add up)
+    shard = lambda x: layout.shard_sequence(x, rank, world, seq_layout)  # noqa: E731
+    sp_in = {k: (shard(v) if k == "zxbcdt" else v).clone().requires_grad_() for k, v in tensors.items()}
+    weight = (rank + 1) / (world * (world + 1) / 2)
+    saved = scan.reverse_scan
+    if opts.get("bug") == "skip_reverse_scan":
+        scan.reverse_scan = lambda L, log_a, dfinal=None: (torch.zeros_like(L), L[0])
+    try:
+        sp_out, sp_final, sp_loss = loss_of(
+            call(mamba_split_conv1d_scan_sp, sp_in, load_balancing=lb), shard(grads["out"]), weight
+        )
+        sp_loss.backward()
+    finally:
+        scan.reverse_scan = saved
+
+    def global_err(local, ref_local):
+        """Relative error of sharded tensors: squared norms summed over ranks."""
+        sq = torch.tensor([(local.double() - ref_local.double()).square().sum().item(),
+                           ref_local.double().square().sum().item()], dtype=torch.float64)  # fmt: skip
+        dist.all_reduce(sq)
+        return (sq[0] / sq[1]).sqrt().item()
+
+    def summed_err(local, ref):
+        """Relative error of a replicated input's gradient: local contributions summed."""
+        total = local.detach().double().clone()
+        dist.all_reduce(total)
+        return rel_err(total, ref)
+
+    errs = {"out": global_err(sp_out.detach(), shard(ref_out.detach()))}
+    errs["dzxbcdt"] = global_err(sp_in["zxbcdt"].grad, shard(ref_in["zxbcdt"].grad))
+    for k in names:
+        if k != "zxbcdt":
+            errs["d" + k] = summed_err(sp_in[k].grad, ref_in[k].grad)
+    if ref_final is not None:
+        e = torch.tensor([rel_err(sp_final, ref_final)], dtype=torch.float64)
+        dist.all_reduce(e, op=dist.ReduceOp.MAX)
+        errs["final_states"] = e.item()
+    tol = FP64_TOL if opts["dtype"] == "float64" else FP32_TOL
+    ok = agree(all(v <= tol for v in errs.values()))
+    return {"errs": errs, "ok": ok}
+
+
+def _run_all(rank, world):
+    return {name: _run_case(rank, world, opts) for name, opts in CASES.items()}
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
+def world_results(request):
+    world = request.param
+    return world, run_ranks(_run_all, world, timeout=600)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("bug")])
+def test_matches_reference(world_results, case):
+    world, results = world_results
+    tol = FP64_TOL if CASES[case]["dtype"] == "float64" else FP32_TOL
+    errs = results[0][case]["errs"]
+    assert all(r[case]["ok"] == results[0][case]["ok"] for r in results)  # ranks agree
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"world {world}, {case}: errors over {tol}: {bad} (all: {errs})"
+    assert results[0][case]["ok"]
+    expected = {"out", "dzxbcdt", "dconv1d_weight", "dconv1d_bias", "ddt_bias", "dA", "dD"}
+    assert expected <= set(errs)
+
+
+def test_negative_control_fails(world_results):
+    """Dropping the reverse scan (a plausible bug) must break the gradients the check looks at."""
+    world, results = world_results
+    errs = results[0]["bug_skip_reverse_scan"]["errs"]
+    assert not results[0]["bug_skip_reverse_scan"]["ok"]
+    assert errs["out"] <= FP64_TOL  # forward untouched
+    assert errs["dzxbcdt"] > 1e-3 and errs["dA"] > 1e-3, errs
