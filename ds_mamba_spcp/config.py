@@ -167,9 +167,7 @@ def _check_keys(section: Mapping) -> None:
     unknown = [k for k in section if k not in allowed]
     if unknown:
         names = ", ".join(repr(k) for k in unknown)
-        raise ValueError(
-            f'unknown key(s) {names} in the "{SECTION}" section; allowed keys: {", ".join(allowed)}.'
-        )
+        raise ValueError(f'unknown key(s) {names} in the "{SECTION}" section; allowed keys: {", ".join(allowed)}.')
 
 
 def _read_json(path: str | os.PathLike) -> Any:
@@ -191,8 +189,7 @@ def _ds_config_dict(config: Any) -> Mapping:
         loaded = _read_json(config)
         if not isinstance(loaded, Mapping):
             raise ValueError(
-                f"ds_config file {os.fspath(config)!r} holds a {type(loaded).__name__}, "
-                "expected a JSON object."
+                f"ds_config file {os.fspath(config)!r} holds a {type(loaded).__name__}, expected a JSON object."
             )
         return loaded
     if isinstance(config, DeepSpeedConfig):
@@ -217,9 +214,7 @@ def _top_level_sp_size(ds_config: Mapping) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f'top-level ds_config key "{_TOP_LEVEL_SP_SIZE}" must be an int >= 1, got {value!r}.'
-        )
+        raise ValueError(f'top-level ds_config key "{_TOP_LEVEL_SP_SIZE}" must be an int >= 1, got {value!r}.')
     return value
 
 

@@ -26,14 +26,22 @@ def num_segments(cp: int, layout: str) -> int:
     return cp if layout == "contiguous" else 2 * cp
 
 
-def gathered_order(cp: int, layout: str) -> torch.Tensor:
-    """Index that puts an all-gather's (rank, local segment) rows into global causal order."""
+def gathered_order(cp: int, layout: str) -> list[int]:
+    """Row of an all-gather's flattened (rank, local segment) rows for each global segment."""
     nlocal = len(segment_ids(0, cp, layout))
-    order = torch.empty(num_segments(cp, layout), dtype=torch.long)
+    order = [0] * num_segments(cp, layout)
     for rank in range(cp):
         for k, s in enumerate(segment_ids(rank, cp, layout)):
             order[s] = rank * nlocal + k
     return order
+
+
+def take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] along dim 0 from Python indices: views stacked, no index tensor copied from the
+    host, so it stays legal inside CUDA-graph capture."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return torch.stack([t[i] for i in rows])
 
 
 def pack_segments(x: torch.Tensor, nseg: int) -> torch.Tensor:
@@ -41,9 +49,7 @@ def pack_segments(x: torch.Tensor, nseg: int) -> torch.Tensor:
     if nseg == 1:
         return x
     b, l = x.shape[:2]
-    return (
-        x.reshape(b, nseg, l // nseg, *x.shape[2:]).transpose(0, 1).reshape(nseg * b, l // nseg, *x.shape[2:])
-    )
+    return x.reshape(b, nseg, l // nseg, *x.shape[2:]).transpose(0, 1).reshape(nseg * b, l // nseg, *x.shape[2:])
 
 
 def unpack_segments(x: torch.Tensor, nseg: int) -> torch.Tensor:
@@ -55,9 +61,7 @@ def unpack_segments(x: torch.Tensor, nseg: int) -> torch.Tensor:
     return x.reshape(nseg, b, m, *x.shape[2:]).transpose(0, 1).reshape(b, nseg * m, *x.shape[2:])
 
 
-def shard_sequence(
-    x: torch.Tensor, rank: int, cp: int, layout: str = "contiguous", dim: int = 1
-) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, rank: int, cp: int, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
     """This rank's shard of a full sequence along ``dim`` (the length must split evenly)."""
     n = num_segments(cp, layout)
     if x.shape[dim] % n != 0:

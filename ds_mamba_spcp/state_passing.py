@@ -43,17 +43,16 @@ class SegmentPlan:
     def gather_ordered(self, t: torch.Tensor) -> comm.Gathered:
         """Posts an all-gather of (nlocal, ...) rows; wait() gives (nseg, ...) in causal order."""
         handle = comm.all_gather(t, self.group, self.cp, self.async_op)
-        order = layout.gathered_order(self.cp, self.layout).to(t.device)
-        return _Reordered(handle, order, self.nlocal)
+        return _Reordered(handle, layout.gathered_order(self.cp, self.layout))
 
 
 class _Reordered:
-    def __init__(self, handle, order, nlocal):
-        self.handle, self.order, self.nlocal = handle, order, nlocal
+    def __init__(self, handle, order):
+        self.handle, self.order = handle, order
 
     def wait(self):
         rows = self.handle.wait()  # [cp, nlocal, ...]
-        return rows.reshape(-1, *rows.shape[2:])[self.order]
+        return layout.take(rows.reshape(-1, *rows.shape[2:]), self.order)
 
 
 class _SummaryExchange:
@@ -62,9 +61,7 @@ class _SummaryExchange:
     Local segments sit on the batch axis: rows [k*batch, (k+1)*batch) are local segment k.
     """
 
-    def __init__(
-        self, plan: SegmentPlan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None
-    ):
+    def __init__(self, plan: SegmentPlan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None):
         self.plan, self.batch = plan, batch
         self.initial_states = initial_states
         self.log_a_all = log_a_all  # [nseg, b, h], kept from forward for the reverse scan
@@ -76,7 +73,7 @@ class _SummaryExchange:
         return t.reshape(self.plan.nlocal, self.batch, *t.shape[1:])
 
     def _local(self, t_all):  # [nseg, b, ...] -> [nlocal*b, ...]
-        return t_all[self.plan.local_ids].reshape(-1, *t_all.shape[2:])
+        return layout.take(t_all, self.plan.local_ids).reshape(-1, *t_all.shape[2:])
 
     def post(self, S_ext, log_a):
         """S_ext (nlocal*b, h, p, n), log_a (nlocal*b, h), both fp32 or wider."""
@@ -130,14 +127,14 @@ def _exchange_halo(xBC, plan: SegmentPlan, width: int, batch: int):
     tails = xBC[:, -(width - 1) :].reshape(plan.nlocal, batch, width - 1, xBC.shape[-1])
     tails_all = plan.gather_ordered(tails).wait()  # [nseg, b, K-1, conv_dim]
     prev = torch.cat([torch.zeros_like(tails_all[:1]), tails_all[:-1]])
-    return prev[plan.local_ids].reshape(-1, width - 1, xBC.shape[-1])
+    return layout.take(prev, plan.local_ids).reshape(-1, width - 1, xBC.shape[-1])
 
 
 def _return_halo_grad(dhalo, plan: SegmentPlan, batch: int):
     """Sends each segment's halo gradient to the segment that owns those rows."""
     rows = plan.gather_ordered(dhalo.reshape(plan.nlocal, batch, *dhalo.shape[1:])).wait()
     nxt = torch.cat([rows[1:], torch.zeros_like(rows[:1])])  # segment s receives from s+1
-    return nxt[plan.local_ids].reshape(-1, *dhalo.shape[1:])
+    return layout.take(nxt, plan.local_ids).reshape(-1, *dhalo.shape[1:])
 
 
 def _state_passing_fwd(zxbcdt, params, initial_states, spec: CoreSpec, plan: SegmentPlan, backend):
@@ -155,9 +152,7 @@ def _state_passing_bwd(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, spec
     zxbcdt = layout.pack_segments(zxbcdt, plan.nlocal)
     dout = layout.pack_segments(dout, plan.nlocal)
     exchange = _SummaryExchange(plan, batch, log_a_all=log_a_all, dfinal_states=dfinal)
-    dzxbcdt, dhalo, *dparams = backend.segment_bwd(
-        dout, zxbcdt, halo, *params, S_in, spec=spec, exchange=exchange
-    )
+    dzxbcdt, dhalo, *dparams = backend.segment_bwd(dout, zxbcdt, halo, *params, S_in, spec=spec, exchange=exchange)
     if dhalo is not None:
         dtail = _return_halo_grad(dhalo, plan, batch)
         start = spec.d_inner  # xBC's channels inside zxbcdt

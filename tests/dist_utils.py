@@ -52,9 +52,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600.0):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)
-    ]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
     results, error = {}, None

@@ -173,9 +173,7 @@ def test_bad_literal_names_value_and_choices(field, bad, allowed):
 
 @pytest.mark.parametrize("bad", [0, -2])
 def test_size_below_one(bad):
-    with pytest.raises(
-        pydantic.ValidationError, match=r"(?s)sequence_parallel_size.*greater than or equal to 1"
-    ):
+    with pytest.raises(pydantic.ValidationError, match=r"(?s)sequence_parallel_size.*greater than or equal to 1"):
         MambaSequenceParallelConfig(sequence_parallel_size=bad)
 
 
@@ -287,9 +285,7 @@ class TestValidateForMixer:
     def test_configured_size_must_match_group(self):
         cfg = MambaSequenceParallelConfig(sequence_parallel_size=4)
         cfg.validate_for_mixer(nheads=8, ngroups=1, sp_size=4)
-        with pytest.raises(
-            ValueError, match="group has 2 ranks but the config sets sequence_parallel_size 4"
-        ):
+        with pytest.raises(ValueError, match="group has 2 ranks but the config sets sequence_parallel_size 4"):
             cfg.validate_for_mixer(nheads=8, ngroups=1, sp_size=2)
 
     def test_fallback_size_must_match_group(self):
@@ -299,9 +295,7 @@ class TestValidateForMixer:
 
     @pytest.mark.parametrize("ngroups, sp_size", [(8, 2), (8, 8), (2, 8), (1, 4), (4, 4)])
     def test_ulysses_accepts(self, ngroups, sp_size):
-        MambaSequenceParallelConfig(mode="ulysses").validate_for_mixer(
-            nheads=16, ngroups=ngroups, sp_size=sp_size
-        )
+        MambaSequenceParallelConfig(mode="ulysses").validate_for_mixer(nheads=16, ngroups=ngroups, sp_size=sp_size)
 
     def test_ulysses_needs_heads_divisible(self):
         cfg = MambaSequenceParallelConfig(mode="ulysses")

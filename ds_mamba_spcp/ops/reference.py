@@ -196,17 +196,13 @@ def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm
     Returns (out (batch, seqlen, d_inner), S_in).
     """
     with torch.no_grad():
-        z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(
-            zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec
-        )
+        z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec)
         S_in = exchange.post(S_ext, log_a).wait()
         out = _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec)
     return out, S_in
 
 
-def segment_bwd(
-    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange
-):
+def segment_bwd(dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange):
     """Backward of ``segment_fwd`` by recomputation under autograd.
 
     exchange.post_grad(L) -> handle; handle.wait() -> dS_out, where L is the gradient reaching
@@ -313,9 +309,7 @@ def mamba_split_conv1d_scan_ref(
         rmsnorm_eps=rmsnorm_eps,
         norm_before_gate=norm_before_gate,
     )
-    z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(
-        zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, spec
-    )
+    z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, spec)
     if initial_states is None:
         S_in = torch.zeros_like(S_ext)
     else:
