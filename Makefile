@@ -1,0 +1,52 @@
+# make demo  - a real 2-rank run through the deepspeed launcher on CPU (gloo), default configuration
+# make test  - lint + the CPU test suite (what CI runs)
+# Both build .venv on first use (CPU-only torch; mamba-ssm / causal-conv1d without CUDA).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+# DeepSpeed JIT-builds a small shared-memory op on its first init: keep it inside the checkout.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo op-demo test lint format test-gpu clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements/cpu.txt
+	MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
+	CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+		mamba-ssm==2.3.2.post1 causal-conv1d==1.7.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	touch $@
+
+demo: setup
+	$(VENV)/bin/deepspeed --master_port $$($(PY) -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])') \
+		--num_gpus 2 examples/op_demo.py
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# pytest exits 5 when it collected no test: here that can only mean the suite went missing,
+# so it fails loudly instead of passing as "green".
+test: setup lint
+	@$(PY) -m pytest -m "not gpu" -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the test suite is missing"; exit 1; fi; exit $$rc
+
+# On a machine with CUDA GPUs (see README): the GPU suite.
+test-gpu:
+	$(PYTHON) -m pytest -m gpu -q $(PYTEST_ARGS)
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
