@@ -157,8 +157,39 @@ def _run_case(rank, world, opts):
     return {"errs": errs, "ok": ok}
 
 
+def _expect_error(fn):
+    try:
+        fn()
+    except (ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _run_errors(rank, world):
+    """Bad calls: every rank must raise the same kind of error (and none may hang)."""
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+
+    opts = dict(dtype="float64", batch=1, ngroups=1, d_conv=4, chunk=8)
+    t, _ = make_inputs(opts, 8 * world)
+    args = (t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], t["D"], 8)
+    kw = dict(headdim=HEADDIM, ngroups=1)
+    z = t["zxbcdt"]
+    return {
+        # rank 0 holds one token more than the others: caught by the cross-rank shape check
+        "shape_mismatch": _expect_error(lambda: mamba_split_conv1d_scan_sp(z[:, : 6 + (rank == 0)], *args, **kw)),
+        "segment_shorter_than_halo": _expect_error(lambda: mamba_split_conv1d_scan_sp(z[:, :2], *args, **kw)),
+        "virtual_odd_length": _expect_error(
+            lambda: mamba_split_conv1d_scan_sp(z[:, :7], *args, **kw, load_balancing="virtual")
+        ),
+        # the op still works after the errors (no rank left inside a collective)
+        "after": _expect_error(lambda: mamba_split_conv1d_scan_sp(z[:, :8], *args, **kw)),
+    }
+
+
 def _run_all(rank, world):
-    return {name: _run_case(rank, world, opts) for name, opts in CASES.items()}
+    results = {name: _run_case(rank, world, opts) for name, opts in CASES.items()}
+    results["errors"] = _run_errors(rank, world)
+    return results
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
@@ -187,3 +218,15 @@ def test_negative_control_fails(world_results):
     assert not results[0]["bug_skip_reverse_scan"]["ok"]
     assert errs["out"] <= FP64_TOL  # forward untouched
     assert errs["dzxbcdt"] > 1e-3 and errs["dA"] > 1e-3, errs
+
+
+def test_bad_calls_fail_on_every_rank(world_results):
+    world, results = world_results
+    errs = [r["errors"] for r in results]
+    for rank_errs in errs:
+        assert (
+            rank_errs["shape_mismatch"].startswith("ValueError") and "different shapes" in rank_errs["shape_mismatch"]
+        )
+        assert "at least d_conv-1 = 3 tokens" in rank_errs["segment_shorter_than_halo"]
+        assert "even local seqlen" in rank_errs["virtual_odd_length"]
+        assert rank_errs["after"] == "no error"
