@@ -71,3 +71,53 @@ def batch_isend_irecv(sends, recvs, group):
     if not ops:
         return []
     return dist.batch_isend_irecv(ops)
+
+
+def all_to_all_uneven(
+    output: torch.Tensor, tensor: torch.Tensor, output_split_sizes, input_split_sizes, group, async_op: bool = False
+):
+    """deepspeed.comm.all_to_all_single with explicit splits along dim 0; a work to wait on when async.
+
+    ``input_split_sizes[j]`` rows of ``tensor`` go to group rank j and ``output_split_sizes[i]``
+    rows of ``output`` come from group rank i; both are lists of Python ints (a rank's input split
+    for j must equal j's output split for it). Both tensors must be contiguous.
+    """
+    if not (output.is_contiguous() and tensor.is_contiguous()):
+        raise ValueError("all_to_all_uneven needs contiguous input and output buffers")
+    if sum(input_split_sizes) != tensor.shape[0] or sum(output_split_sizes) != output.shape[0]:
+        raise ValueError(
+            f"split sizes {list(input_split_sizes)} -> {list(output_split_sizes)} do not add up to the buffers' "
+            f"{tensor.shape[0]} and {output.shape[0]} rows"
+        )
+    return _dist().all_to_all_single(
+        output, tensor, output_split_sizes=list(output_split_sizes), input_split_sizes=list(input_split_sizes),
+        group=group, async_op=async_op,
+    )  # fmt: skip
+
+
+_checked_calls: set = set()
+
+
+def check_same_across_ranks(key: tuple, device, group, world: int, what: str) -> None:
+    """Raises the same ValueError on every rank when the ranks' call descriptors differ.
+
+    ``key`` is a flat tuple of ints (shapes, dtype codes, option indices). It is all-gathered once
+    per new (group, key), so a rank whose shapes differ makes every rank raise instead of leaving
+    the others blocked in a mismatched collective. ``what`` names the caller in the message.
+    """
+    if world == 1 or (id(group), what, key) in _checked_calls:
+        return
+    flat = [int(v) for v in key]
+    width = 64  # fixed, so that keys of different lengths (tensors of different ndim) still compare
+    if len(flat) > width:
+        raise AssertionError(f"call descriptor of {len(flat)} entries is longer than {width}")
+    desc = torch.full((width,), -7, dtype=torch.long, device=device)
+    desc[: len(flat)] = torch.tensor(flat, dtype=torch.long)
+    rows = all_gather(desc, group, world, async_op=False).wait().tolist()
+    if any(r != rows[0] for r in rows):
+        raise ValueError(
+            f"{what}: the ranks of the sequence-parallel group called it with different shapes or options; every "
+            "rank must pass the same batch, local seqlen, sizes, dtype and options. Per-rank descriptors: "
+            + "; ".join(f"rank {i}: {r[: len(flat)]}" for i, r in enumerate(rows))
+        )
+    _checked_calls.add((id(group), what, key))

@@ -1,0 +1,229 @@
+"""Zigzag <-> contiguous by moving activations, and the op behind load_balancing="permute_p2p" /
+"permute_a2a".
+
+The sequence is cut into 2*cp equal chunks. zigzag: rank r holds chunks (r, 2*cp-1-r);
+contiguous: rank r holds chunks (2r, 2r+1) (layout.py). A conversion moves every chunk once, from
+its owner in one layout to its owner in the other; chunks that stay on a rank are copied locally.
+
+- "p2p": one batch of isend/irecv with one message per peer (the chunks for one peer are packed
+  together, so no two messages share a (peer, tag) pair);
+- "a2a": one all_to_all_single with uneven splits (0, 1 or 2 chunks per peer, 0 for itself).
+
+Both read from one flat contiguous send buffer and write into one flat contiguous receive buffer,
+sized and split with Python ints derived from the local shape alone, and both wait for the
+transfer before the buffers go out of scope. The Megatron seed reported illegal memory accesses in
+its permute_a2a at large payloads; strided or non-contiguous views handed to a collective, views
+of freed temporaries and split sizes that disagree between peers are the usual causes, and none of
+them can occur here.
+
+The backward of a conversion is the inverse conversion of the gradient. Only bytes move, so both
+directions are exact.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ds_mamba_spcp import comm, layout
+
+METHODS = ("p2p", "a2a")
+_LOAD_BALANCING_METHOD = {"permute_p2p": "p2p", "permute_a2a": "a2a"}
+
+
+def _held(kind: str, rank: int, cp: int) -> list[int]:
+    """Global chunks (of 2*cp) that ``rank`` holds, in local order."""
+    if kind == "zigzag":
+        return layout.segment_ids(rank, cp, "zigzag")
+    return [2 * rank, 2 * rank + 1]
+
+
+def _owner(kind: str, chunk: int, cp: int) -> int:
+    if kind == "zigzag":
+        return chunk if chunk < cp else 2 * cp - 1 - chunk
+    return chunk // 2
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one rank sends and receives for one conversion; chunks are named by local position.
+
+    sends: (peer, local position in the source layout), ordered by peer then global chunk;
+    recvs: (peer, local position in the target layout), ordered the same way on the sender's side;
+    keep: (source position, target position) of the chunks that stay on this rank.
+    """
+
+    sends: tuple
+    recvs: tuple
+    keep: tuple
+
+    def counts(self, pairs, cp: int) -> list[int]:
+        return [sum(1 for peer, _ in pairs if peer == j) for j in range(cp)]
+
+
+@functools.cache
+def _plan(src: str, dst: str, rank: int, cp: int) -> _Plan:
+    held_src, held_dst = _held(src, rank, cp), _held(dst, rank, cp)
+    sends = sorted((_owner(dst, c, cp), c, p) for p, c in enumerate(held_src) if _owner(dst, c, cp) != rank)
+    recvs = sorted((_owner(src, c, cp), c, q) for q, c in enumerate(held_dst) if _owner(src, c, cp) != rank)
+    keep = tuple((held_src.index(c), held_dst.index(c)) for c in held_dst if c in held_src)
+    return _Plan(tuple((j, p) for j, _, p in sends), tuple((j, q) for j, _, q in recvs), keep)
+
+
+def _permute(x: torch.Tensor, group, rank: int, cp: int, src: str, dst: str, method: str, dim: int) -> torch.Tensor:
+    """Moves the two chunks of ``x`` along ``dim`` from layout ``src`` to layout ``dst``."""
+    plan = _plan(src, dst, rank, cp)
+    m = x.shape[dim] // 2
+    xv = x.unflatten(dim, (2, m))  # [.., 2m, ..] -> [.., 2, m, ..]; chunk k is xv.select(dim, k)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    ov = out.unflatten(dim, (2, m))
+    chunk_shape = xv.select(dim, 0).shape
+    numel = chunk_shape.numel()
+
+    send = torch.empty(len(plan.sends) * numel, dtype=x.dtype, device=x.device)
+    for slot, (_, p) in enumerate(plan.sends):
+        send[slot * numel : (slot + 1) * numel].view(chunk_shape).copy_(xv.select(dim, p))
+    recv = torch.empty(len(plan.recvs) * numel, dtype=x.dtype, device=x.device)
+
+    send_counts, recv_counts = plan.counts(plan.sends, cp), plan.counts(plan.recvs, cp)
+    if method == "a2a":
+        works = [comm.all_to_all_uneven(
+            recv, send, [c * numel for c in recv_counts], [c * numel for c in send_counts], group, async_op=True
+        )]  # fmt: skip
+    else:
+        works = comm.batch_isend_irecv(_per_peer(send, send_counts, numel), _per_peer(recv, recv_counts, numel), group)
+    for p, q in plan.keep:  # chunks that stay: copied while the transfer runs
+        ov.select(dim, q).copy_(xv.select(dim, p))
+    for work in works:
+        work.wait()
+    for slot, (_, q) in enumerate(plan.recvs):
+        ov.select(dim, q).copy_(recv[slot * numel : (slot + 1) * numel].view(chunk_shape))
+    return out
+
+
+def _per_peer(buf: torch.Tensor, counts: list[int], numel: int) -> list:
+    """[(contiguous slice of buf, peer)] for every peer with a non-zero count (buf is peer-ordered)."""
+    pieces, start = [], 0
+    for peer, count in enumerate(counts):
+        if count:
+            pieces.append((buf[start : start + count * numel], peer))
+            start += count * numel
+    return pieces
+
+
+class _PermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, rank, cp, src, dst, method, dim):
+        ctx.args = (group, rank, cp, dst, src, method, dim)  # the inverse conversion
+        return _permute(x, group, rank, cp, src, dst, method, dim)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return (_permute(dout, *ctx.args), None, None, None, None, None, None, None)
+
+
+def _convert(x, group, method, dim, src, dst):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    rank, cp = comm.group_rank_size(group)
+    if cp == 1:  # both layouts are the whole sequence in order
+        return x
+    dim = dim % x.dim() if x.dim() else dim
+    if x.dim() == 0 or x.shape[dim] % 2 != 0:
+        raise ValueError(
+            f"converting between the zigzag and contiguous layouts needs an even local length along dim {dim} "
+            f"(two chunks per rank), got shape {tuple(x.shape)}"
+        )
+    return _PermuteFn.apply(x, group, rank, cp, src, dst, method, dim)
+
+
+def zigzag_to_contiguous(x: torch.Tensor, group=None, method: str = "p2p", dim: int = 1) -> torch.Tensor:
+    """This rank's contiguous shard from its zigzag shard (autograd: backward is the inverse).
+
+    x: any tensor whose dim ``dim`` is the local sequence, 2*m long: chunks r and 2*cp-1-r of
+    the 2*cp equal chunks of the global sequence. Returns the same shape holding chunks 2r and
+    2r+1. Every rank of ``group`` (None: the world group) must call it with the same shape.
+    method: "p2p" (one batch of point-to-point messages) or "a2a" (one all_to_all_single).
+    """
+    return _convert(x, group, method, dim, "zigzag", "contiguous")
+
+
+def contiguous_to_zigzag(x: torch.Tensor, group=None, method: str = "p2p", dim: int = 1) -> torch.Tensor:
+    """Inverse of ``zigzag_to_contiguous`` (same arguments); its backward is ``zigzag_to_contiguous``."""
+    return _convert(x, group, method, dim, "contiguous", "zigzag")
+
+
+def permuted_scan(
+    zxbcdt,
+    conv1d_weight,
+    conv1d_bias,
+    dt_bias,
+    A,
+    D,
+    chunk_size,
+    *,
+    process_group=None,
+    load_balancing="permute_p2p",
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, float("inf")),
+    headdim,
+    ngroups,
+    activation="silu",
+    rmsnorm_weight=None,
+    rmsnorm_eps=1e-6,
+    norm_before_gate=False,
+    backend="auto",
+    overlap_comm=True,
+    check_shapes=True,
+):
+    """``mamba_split_conv1d_scan_sp`` for zigzag shards by permutation: zigzag -> contiguous,
+    the load_balancing="none" op, contiguous -> zigzag. Same arguments and output contract as
+    ``mamba_split_conv1d_scan_sp``; zxbcdt and the output are zigzag shards, final_states is
+    global. load_balancing: "permute_p2p" or "permute_a2a".
+    """
+    from ds_mamba_spcp.ops.spec import CoreSpec
+    from ds_mamba_spcp.state_passing import mamba_split_conv1d_scan_sp
+
+    if load_balancing not in _LOAD_BALANCING_METHOD:
+        raise ValueError(f"load_balancing must be one of {tuple(_LOAD_BALANCING_METHOD)}, got {load_balancing!r}")
+    method = _LOAD_BALANCING_METHOD[load_balancing]
+    rank, cp = comm.group_rank_size(process_group)
+    if cp > 1 and check_shapes:
+        key = (
+            zxbcdt.dim(), *zxbcdt.shape, *conv1d_weight.shape, D.dim(), *D.shape, _dtype_code(zxbcdt.dtype),
+            chunk_size, -1 if headdim is None else headdim, ngroups, initial_states is not None,
+            bool(return_final_states), rmsnorm_weight is not None, conv1d_bias is not None, METHODS.index(method),
+        )  # fmt: skip
+        comm.check_same_across_ranks(key, zxbcdt.device, process_group, cp, f"load_balancing={load_balancing!r}")
+    # validate before anything moves, so a bad call raises on every rank instead of mid-collective
+    CoreSpec.infer(
+        zxbcdt, conv1d_weight, D, chunk_size, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit,
+        activation=activation, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
+    )  # fmt: skip
+    if cp > 1 and zxbcdt.shape[1] % 2 != 0:
+        raise ValueError(
+            f"load_balancing={load_balancing!r} needs zigzag shards of even local seqlen (two equal chunks; the "
+            f"global seqlen must be a multiple of 2*cp = {2 * cp}), got local seqlen {zxbcdt.shape[1]}"
+        )
+    zxbcdt = zigzag_to_contiguous(zxbcdt, process_group, method)
+    res = mamba_split_conv1d_scan_sp(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group,
+        load_balancing="none", initial_states=initial_states, return_final_states=return_final_states,
+        dt_limit=dt_limit, headdim=headdim, ngroups=ngroups, activation=activation, rmsnorm_weight=rmsnorm_weight,
+        rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate, backend=backend, overlap_comm=overlap_comm,
+        check_shapes=check_shapes,
+    )  # fmt: skip
+    if return_final_states:
+        out, final_states = res
+        return contiguous_to_zigzag(out, process_group, method), final_states
+    return contiguous_to_zigzag(res, process_group, method)
+
+
+_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def _dtype_code(dtype) -> int:
+    return _DTYPE_CODES.get(dtype, 9)

@@ -1,0 +1,387 @@
+"""The all-to-all ("ulysses") path of the Mamba2 mixer core: DeepSpeed-Ulysses applied to heads.
+
+    zxbcdt [b, L/cp, z|x|B|C|dt of every head] --all-to-all--> [b, L, z|x|B|C|dt of nheads/cp heads]
+    conv1d + SSD scan + gate (+ norm) over the full sequence: the backend's single-device op
+    y [b, L, d_inner/cp] --all-to-all--> [b, L/cp, d_inner]
+
+Forward and backward each run exactly two all-to-alls over the sequence-parallel group (plus one
+small collective for final_states / initial_states when they are used). The send buffer of the
+first one is (cp, batch, local_seqlen, width): the destination rank on dim 0 (all_to_all_single's
+split axis), and inside each destination's slot the channels already in the order z, x, B, C, dt of
+a zxbcdt with nheads/cp heads and ngroups/cp groups (or the one group a rank's heads read when
+cp > ngroups). What arrives is thus a valid zxbcdt for the single-device op once its cp sequence
+pieces are in causal order; filling the buffer costs one strided copy per piece (one pass over the
+data), and the causal reorder is a view for contiguous input with batch 1, else one copy.
+
+Parameters are replicated: each rank slices its heads' rows out of conv1d_weight/bias, dt_bias, A,
+D and the norm weight under autograd, so their gradients arrive full-size with the rank's rows
+filled (and B/C rows shared by the ranks that replicate a group): the sum over the group is the
+full gradient, the same contract as the state-passing op.
+
+The gated RMSNorm normalises groups of d_inner/ngroups channels. With ngroups % cp == 0 whole norm
+groups live on each rank and the single-device op applies the norm; with cp > ngroups a norm group
+spans ranks, so the op returns y * silu(z) and the norm runs after the second all-to-all, where every
+rank holds all channels of its tokens (plain PyTorch there; norm_before_gate=True is rejected in
+that case, since y alone never leaves the op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds_mamba_spcp import comm
+from ds_mamba_spcp.layout import LAYOUTS
+from ds_mamba_spcp.ops import get_backend
+from ds_mamba_spcp.ops.spec import CoreSpec
+
+# ---------------------------------------------------------------------------------------------
+# how channels and sequence pieces are laid out in the all-to-all buffers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A run of channels split over the ranks: slice j // nrep of ``width // local`` slices goes to rank j."""
+
+    offset: int  # first channel in the full tensor
+    width: int  # channels in the full tensor
+    local: int  # channels each rank receives
+    nrep: int = 1  # consecutive ranks that receive the same slice (B and C when cp > ngroups)
+
+
+@dataclass(frozen=True)
+class _Sharding:
+    """Channels of the full tensor <-> per-rank slots (pieces concatenated in order)."""
+
+    pieces: tuple
+
+    @property
+    def local_width(self) -> int:
+        return sum(p.local for p in self.pieces)
+
+    @property
+    def full_width(self) -> int:
+        return sum(p.width for p in self.pieces)
+
+    def split(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """t (b, l, full_width) -> out (cp, b, l, local_width): out[j] is rank j's channels."""
+        cp, start = out.shape[0], 0
+        for p in self.pieces:
+            src = t[..., p.offset : p.offset + p.width].unflatten(-1, (p.width // p.local, p.local))
+            if p.nrep > 1:  # [b, l, g, n] -> [b, l, g*nrep, n]: a group for each of its ranks
+                src = src.unsqueeze(-2).expand(*src.shape[:-1], p.nrep, p.local).flatten(-3, -2)
+            assert src.shape[-2] == cp
+            out[..., start : start + p.local].copy_(src.movedim(-2, 0))  # [b, l, cp, n] -> [cp, b, l, n]
+            start += p.local
+
+    def join(self, t: torch.Tensor) -> torch.Tensor:
+        """t (cp, b, l, local_width) -> (b, l, full_width); replicated slices are summed (gradients)."""
+        cp, b, l, _ = t.shape
+        out = t.new_empty(b, l, self.full_width)
+        start = 0
+        for p in self.pieces:
+            src = t[..., start : start + p.local]
+            if p.nrep > 1:  # [cp, b, l, n] -> [g, b, l, n], summed over the ranks sharing a group
+                src = src.unflatten(0, (cp // p.nrep, p.nrep)).sum(1, dtype=torch.promote_types(t.dtype, torch.float32))
+            dst = out[..., p.offset : p.offset + p.width].unflatten(-1, (p.width // p.local, p.local))
+            dst.copy_(src.movedim(0, -2))  # [g, b, l, n] -> [b, l, g, n]
+            start += p.local
+        return out
+
+
+def _split_seq(t: torch.Tensor, out: torch.Tensor, seq_layout: str) -> None:
+    """t (b, L, c) full-length -> out (cp, b, L/cp, c): out[j] is rank j's shard in ``seq_layout``."""
+    cp, b, lloc, c = out.shape
+    if seq_layout == "contiguous":
+        out.copy_(t.unflatten(1, (cp, lloc)).transpose(0, 1))
+        return
+    m = lloc // 2
+    chunks = t.unflatten(1, (2 * cp, m))  # [b, 2cp, m, c]
+    halves = out.unflatten(2, (2, m))  # [cp, b, 2, m, c]
+    halves[:, :, 0].copy_(chunks[:, :cp].transpose(0, 1))  # rank j's first chunk is chunk j
+    for j in range(cp):  # and its second chunk is 2cp-1-j (no negative strides: one copy each)
+        halves[j, :, 1].copy_(chunks[:, 2 * cp - 1 - j])
+
+
+def _join_seq(t: torch.Tensor, seq_layout: str) -> torch.Tensor:
+    """t (cp, b, L/cp, c), rank j's shard at t[j] -> (b, L, c) contiguous in causal order."""
+    cp, b, lloc, c = t.shape
+    if seq_layout == "contiguous":
+        return t.transpose(0, 1).reshape(b, cp * lloc, c)  # a view when b == 1
+    m = lloc // 2
+    halves = t.unflatten(2, (2, m))  # [cp, b, 2, m, c]
+    out = t.new_empty(b, cp * lloc, c)
+    chunks = out.unflatten(1, (2 * cp, m))
+    chunks[:, :cp].copy_(halves[:, :, 0].transpose(0, 1))
+    for j in range(cp):
+        chunks[:, 2 * cp - 1 - j].copy_(halves[j, :, 1])
+    return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    group: object
+    rank: int
+    cp: int
+    seq_layout: str
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        recv = torch.empty_like(send)
+        comm.all_to_all_single(recv, send, self.group)
+        return recv
+
+
+def _seq_to_heads(t: torch.Tensor, sharding: _Sharding, plan: _Plan) -> torch.Tensor:
+    # [b, L/cp, full channels] -> [b, L, this rank's channels]
+    b, lloc, _ = t.shape
+    send = t.new_empty(plan.cp, b, lloc, sharding.local_width)
+    sharding.split(t, send)
+    return _join_seq(plan.all_to_all(send), plan.seq_layout)
+
+
+def _heads_to_seq(t: torch.Tensor, sharding: _Sharding, plan: _Plan) -> torch.Tensor:
+    # [b, L, this rank's channels] -> [b, L/cp, full channels]
+    b, seqlen, c = t.shape
+    send = t.new_empty(plan.cp, b, seqlen // plan.cp, c)
+    _split_seq(t, send, plan.seq_layout)
+    return sharding.join(plan.all_to_all(send))
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, sharding, plan):
+        ctx.sharding, ctx.plan = sharding, plan
+        return _seq_to_heads(t, sharding, plan)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _heads_to_seq(dout, ctx.sharding, ctx.plan), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, sharding, plan):
+        ctx.sharding, ctx.plan = sharding, plan
+        return _heads_to_seq(t, sharding, plan)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _seq_to_heads(dout, ctx.sharding, ctx.plan), None, None
+
+
+class _GatherHeads(torch.autograd.Function):
+    """final_states: this rank's heads (b, h/cp, p, n) -> every head (b, h, p, n) on every rank.
+
+    Backward: the copies on the ranks each receive a gradient and they add up, so each rank's
+    heads get the sum over ranks of their rows (one all-to-all, summed in a fixed order)."""
+
+    @staticmethod
+    def forward(ctx, t, plan):
+        ctx.plan = plan
+        rows = comm.all_gather(t, plan.group, plan.cp, async_op=False).wait()  # [cp, b, h/cp, p, n]
+        return rows.movedim(0, 1).flatten(1, 2)
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan = ctx.plan
+        send = dout.unflatten(1, (plan.cp, -1)).movedim(1, 0).contiguous()  # [b, h, ..] -> [cp, b, h/cp, ..]
+        return plan.all_to_all(send).sum(0), None
+
+
+class _SliceHeads(torch.autograd.Function):
+    """initial_states: every head (b, h, p, n) -> this rank's heads (b, h/cp, p, n).
+
+    Backward: the whole gradient on group rank 0 (zeros elsewhere), as the state-passing op does."""
+
+    @staticmethod
+    def forward(ctx, t, plan):
+        ctx.plan, ctx.shape = plan, t.shape
+        h = t.shape[1] // plan.cp
+        return t[:, plan.rank * h : (plan.rank + 1) * h].contiguous()
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan = ctx.plan
+        rows = comm.all_gather(dout, plan.group, plan.cp, async_op=False).wait()  # [cp, b, h/cp, p, n]
+        if plan.rank != 0:
+            return dout.new_zeros(ctx.shape), None
+        return rows.movedim(0, 1).flatten(1, 2), None
+
+
+def _group_rmsnorm(y: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int) -> torch.Tensor:
+    """RMSNorm over groups of ``group_size`` channels of an already gated y, in fp32 at least."""
+    cdtype = torch.promote_types(y.dtype, torch.float32)
+    yg = y.to(cdtype).unflatten(-1, (-1, group_size))
+    yg = yg * torch.rsqrt(yg.square().mean(dim=-1, keepdim=True) + eps)
+    return (yg.flatten(-2) * weight.to(cdtype)).to(y.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the public op
+# ---------------------------------------------------------------------------------------------
+
+
+def _head_layout(spec: CoreSpec, cp: int):
+    """(heads per rank, groups per rank, ranks per group) or a ValueError sentence."""
+    if spec.nheads % cp != 0:
+        raise ValueError(
+            f"the ulysses mode shards heads over the sequence-parallel group: nheads={spec.nheads} must be "
+            f"divisible by the sequence-parallel size {cp}"
+        )
+    if spec.ngroups % cp == 0:
+        return spec.nheads // cp, spec.ngroups // cp, 1
+    if cp % spec.ngroups == 0:
+        return spec.nheads // cp, 1, cp // spec.ngroups
+    raise ValueError(
+        f"the ulysses mode needs ngroups={spec.ngroups} to be a multiple or a divisor of the sequence-parallel "
+        f"size {cp} (B and C are sharded by group, or each group is replicated on the ranks of its heads)"
+    )
+
+
+def _shardings(spec: CoreSpec, h_loc: int, g_loc: int, nrep: int):
+    p, gn = spec.headdim, spec.ngroups * spec.dstate
+    di = spec.d_inner
+    zxbcdt = _Sharding((
+        _Piece(0, di, h_loc * p),  # z
+        _Piece(di, di, h_loc * p),  # x
+        _Piece(2 * di, gn, g_loc * spec.dstate, nrep),  # B
+        _Piece(2 * di + gn, gn, g_loc * spec.dstate, nrep),  # C
+        _Piece(2 * di + 2 * gn, spec.nheads, h_loc),  # dt
+    ))  # fmt: skip
+    y = _Sharding((_Piece(0, di, h_loc * p),))
+    return zxbcdt, y
+
+
+_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def mamba_split_conv1d_scan_ulysses(
+    zxbcdt,
+    conv1d_weight,
+    conv1d_bias,
+    dt_bias,
+    A,
+    D,
+    chunk_size,
+    *,
+    process_group=None,
+    input_layout="contiguous",
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, float("inf")),
+    headdim,
+    ngroups,
+    activation="silu",
+    rmsnorm_weight=None,
+    rmsnorm_eps=1e-6,
+    norm_before_gate=False,
+    backend="auto",
+    check_shapes=True,
+):
+    """Mamba2 mixer core on this rank's shard of a sequence, by all-to-all head sharding.
+
+    Arguments and output contract are those of ``mamba_split_conv1d_scan_sp``:
+        zxbcdt: (batch, local_seqlen, 2*nheads*headdim + 2*ngroups*dstate + nheads), this rank's
+            shard of in_proj's output in ``input_layout`` ("contiguous", or "zigzag": chunks r and
+            2*cp-1-r of 2*cp equal chunks; the output comes back in the same layout).
+        conv1d_weight (conv_dim, d_conv), conv1d_bias (conv_dim,) or None, dt_bias (nheads,),
+        A (nheads,), D (nheads,) or (nheads, headdim), rmsnorm_weight (nheads*headdim,) or None,
+        initial_states (batch, nheads, headdim, dstate) or None.
+    Returns this rank's shard of the output, (batch, local_seqlen, nheads*headdim), and with
+    ``return_final_states`` the state after the whole sequence, (batch, nheads, headdim, dstate) in
+    fp32 (fp64 for fp64 input), identical on every rank.
+
+    Gradients: each rank's parameter gradients are its local contribution (its heads' rows),
+    summing to the full gradient over the group; the gradient of ``initial_states`` lands whole on
+    group rank 0 (zeros elsewhere); the gradients reaching the copies of final_states add up.
+
+    Needs nheads % cp == 0 and ngroups a multiple or a divisor of cp; with rmsnorm and cp > ngroups,
+    norm_before_gate must be False. A group of size 1 runs the backend's single-device op.
+    """
+    if input_layout not in LAYOUTS:
+        raise ValueError(f"input_layout must be one of {LAYOUTS}, got {input_layout!r}")
+    rank, cp = comm.group_rank_size(process_group)
+    if cp > 1 and check_shapes:  # first, so that any error below is raised by every rank alike
+        key = (
+            zxbcdt.dim(), *zxbcdt.shape, *conv1d_weight.shape, D.dim(), *D.shape, _DTYPE_CODES.get(zxbcdt.dtype, 9),
+            chunk_size, -1 if headdim is None else headdim, ngroups, initial_states is not None,
+            bool(return_final_states), rmsnorm_weight is not None, bool(norm_before_gate), conv1d_bias is not None,
+            LAYOUTS.index(input_layout),
+        )  # fmt: skip
+        comm.check_same_across_ranks(key, zxbcdt.device, process_group, cp, "mamba_split_conv1d_scan_ulysses")
+    spec = CoreSpec.infer(
+        zxbcdt, conv1d_weight, D, chunk_size, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit,
+        activation=activation, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
+    )  # fmt: skip
+    _check_params(zxbcdt, conv1d_bias, dt_bias, A, rmsnorm_weight, initial_states, spec)
+    impl = get_backend(backend, zxbcdt.device)
+    options = dict(
+        dt_limit=dt_limit, headdim=spec.headdim, activation=activation, rmsnorm_eps=rmsnorm_eps,
+        norm_before_gate=norm_before_gate, return_final_states=return_final_states,
+    )  # fmt: skip
+    if cp == 1:
+        return impl.single_device_op(
+            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=initial_states,
+            ngroups=ngroups, rmsnorm_weight=rmsnorm_weight, **options,
+        )  # fmt: skip
+
+    h_loc, g_loc, nrep = _head_layout(spec, cp)
+    norm_after = rmsnorm_weight is not None and nrep > 1
+    if norm_after and norm_before_gate:
+        raise ValueError(
+            f"the ulysses mode with rmsnorm and ngroups={ngroups} < sequence-parallel size {cp} needs "
+            "norm_before_gate=False: a norm group then spans ranks and is normalised after the all-to-all, "
+            "where only the gated y * silu(z) is available"
+        )
+    if input_layout == "zigzag" and zxbcdt.shape[1] % 2 != 0:
+        raise ValueError(
+            f"input_layout='zigzag' needs an even local seqlen (two equal chunks; the global seqlen must be a "
+            f"multiple of 2*cp = {2 * cp}), got local seqlen {zxbcdt.shape[1]}"
+        )
+    plan = _Plan(process_group, rank, cp, input_layout)
+    shard_zxbcdt, shard_y = _shardings(spec, h_loc, g_loc, nrep)
+
+    # this rank's heads: rows of the replicated parameters, sliced under autograd
+    h0, h1 = rank * h_loc, (rank + 1) * h_loc
+    g0 = rank * g_loc if nrep == 1 else rank // nrep
+    n, di, gn = spec.dstate, spec.d_inner, spec.ngroups * spec.dstate
+    conv_rows = [(h0 * spec.headdim, h1 * spec.headdim), (di + g0 * n, di + (g0 + g_loc) * n)]
+    conv_rows.append((di + gn + g0 * n, di + gn + (g0 + g_loc) * n))
+
+    def rows(t):
+        return None if t is None else torch.cat([t[a:b] for a, b in conv_rows])
+
+    local_rmsnorm_weight = None
+    if rmsnorm_weight is not None and not norm_after:
+        local_rmsnorm_weight = rmsnorm_weight[h0 * spec.headdim : h1 * spec.headdim]
+    local_initial_states = None if initial_states is None else _SliceHeads.apply(initial_states, plan)
+
+    zxbcdt_loc = _SeqToHeads.apply(zxbcdt, shard_zxbcdt, plan)  # [b, L/cp, d_in_proj] -> [b, L, d_in_proj/cp]
+    res = impl.single_device_op(
+        zxbcdt_loc, rows(conv1d_weight), rows(conv1d_bias), dt_bias[h0:h1], A[h0:h1], D[h0:h1], chunk_size,
+        initial_states=local_initial_states, ngroups=g_loc, rmsnorm_weight=local_rmsnorm_weight, **options,
+    )  # fmt: skip
+    y_loc, final_loc = res if return_final_states else (res, None)
+    out = _HeadsToSeq.apply(y_loc, shard_y, plan)  # [b, L, d_inner/cp] -> [b, L/cp, d_inner]
+    if norm_after:
+        out = _group_rmsnorm(out, rmsnorm_weight, rmsnorm_eps, di // spec.ngroups)
+    if not return_final_states:
+        return out
+    return out, _GatherHeads.apply(final_loc, plan)
+
+
+def _check_params(zxbcdt, conv1d_bias, dt_bias, A, rmsnorm_weight, initial_states, spec):
+    expect = {
+        "conv1d_bias": (conv1d_bias, (spec.conv_dim,)),
+        "dt_bias": (dt_bias, (spec.nheads,)),
+        "A": (A, (spec.nheads,)),
+        "rmsnorm_weight": (rmsnorm_weight, (spec.d_inner,)),
+        "initial_states": (initial_states, (zxbcdt.shape[0], spec.nheads, spec.headdim, spec.dstate)),
+    }
+    for name, (t, shape) in expect.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if dt_bias is None:
+        raise NotImplementedError("dt_bias=None is not supported; pass zeros for no bias")
