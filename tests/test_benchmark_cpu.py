@@ -1,0 +1,187 @@
+"""The mixer benchmark end to end on 2 gloo ranks (its --cpu mode), so the script cannot rot
+between GPU runs: launch through torchrun, check the JSON schema, render the report.
+
+Few iterations (3 after 2 warm-ups; the GPU figures use >= 10 after >= 5): the run takes ~10 s
+on 2 idle cores once DeepSpeed's shared-memory op is built (the first deepspeed.comm init on a
+machine builds it into TORCH_EXTENSIONS_DIR, ~30 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist_utils import REPO
+
+BENCH = os.path.join(REPO, "benchmarks", "bench_mixer.py")
+REPORT = os.path.join(REPO, "benchmarks", "report.py")
+RECORD_KEYS = {"mode", "cp", "seqlen", "batch", "nheads", "ngroups", "cuda_graph", "status"}
+OK_KEYS = {"fwd_bwd_ms", "peak_mem_gib", "rank_median_ms", "rank_min_ms", "host_ms"}
+
+
+def _load_bench():
+    if "bench_mixer" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_mixer", BENCH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_mixer"] = module  # dataclasses resolve annotations through sys.modules
+        spec.loader.exec_module(module)
+    return sys.modules["bench_mixer"]
+
+
+def _env():
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "cpu.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH,
+           "--cpu", "--iters", "3", "--warmup", "2", "--no-progress", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (
+        f"bench_mixer --cpu failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
+    with open(out) as f:
+        return out, json.load(f)
+
+
+def test_cpu_run_schema(cpu_run):
+    _, data = cpu_run
+    bench = _load_bench()
+    assert data["schema"] == bench.SCHEMA
+    assert data["complete"] is True
+    header = data["header"]
+    for key in ("date", "git_commit", "hardware", "versions", "backend_module"):
+        assert key in header, key
+    for key in ("torch", "triton", "deepspeed", "mamba_ssm", "causal_conv1d", "nccl"):
+        assert key in header["versions"], key
+    assert header["versions"]["torch"] and header["versions"]["deepspeed"]
+    assert header["hardware"]["world_size"] == 2
+
+    cells, modes = data["config"]["cells"], data["config"]["modes"]
+    assert modes == list(bench.MODES)  # --cpu runs every mode by default
+    assert data["config"]["graphs"] is False
+    records = data["records"]
+    seen = {}
+    for r in records:
+        assert r.keys() >= RECORD_KEYS, RECORD_KEYS - r.keys()
+        key = (r["seqlen"], r["batch"], r["nheads"], r["ngroups"], r["mode"], r["cuda_graph"])
+        assert key not in seen, f"duplicate record {key}"
+        seen[key] = r
+    for c in cells:
+        for mode in modes:
+            r = seen.get((c["seqlen"], c["batch"], c["nheads"], c["ngroups"], mode, False))
+            assert r is not None, f"no record for mode {mode} in cell {c}"
+            assert r["cp"] == 2 and r["cuda_graph"] is False
+            # on CPU nothing may fail: a mode either runs or is skipped with a reason (a missing module)
+            assert r["status"] in ("ok", "skipped"), f"{mode} {c}: {r['status']}: {r.get('reason')}"
+            if r["status"] == "skipped":
+                assert r.get("reason"), f"{mode} {c} skipped without a reason"
+                continue
+            assert r.keys() >= OK_KEYS, OK_KEYS - r.keys()
+            assert r["fwd_bwd_ms"] > 0 and r["host_ms"] > 0
+            assert len(r["rank_median_ms"]) == 2 and min(r["rank_median_ms"]) > 0
+            assert r["fwd_bwd_ms"] == max(r["rank_median_ms"])  # the rank maximum of the medians
+            assert r["peak_mem_gib"] is None  # no allocator statistics on CPU
+        for mode in ("ideal", "state_passing", "virtual", "ulysses_compute", "ulysses_a2a"):
+            r = seen[(c["seqlen"], c["batch"], c["nheads"], c["ngroups"], mode, False)]
+            assert r["status"] == "ok", f"{mode} must run on CPU: {r.get('reason')}"
+        sp = seen[(c["seqlen"], c["batch"], c["nheads"], c["ngroups"], "state_passing", False)]
+        assert sp["pct_of_ideal"] > 0
+
+
+def test_report_renders(cpu_run, tmp_path):
+    path, data = cpu_run
+    prefix = tmp_path / "report"
+    cmd = [sys.executable, REPORT, str(path), "--out", str(prefix)]
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    if not has_mpl:
+        cmd.append("--no-plot")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = (tmp_path / "report.md").read_text()
+    assert "| L | mode | fwd+bwd ms | vs ulysses | % of ideal | peak GiB |" in text
+    for r in data["records"]:
+        if r["status"] == "ok":
+            assert f"| {r['mode']} | " in text
+    assert "## Targets (issue 5 item 4)" in text
+    assert "honest baseline" in proc.stdout and ("PASS" in proc.stdout or "MISS" in proc.stdout)
+    if has_mpl:
+        assert (tmp_path / "report.png").stat().st_size > 0
+
+
+def test_suites_and_payload():
+    bench = _load_bench()
+    default = bench.SUITES["default"]
+    K = 1024
+    # issue 5 item 2, the most important cells first
+    assert [(c.seqlen, c.batch, c.nheads) for c in default[:4]] == [(L * K, 1, 64) for L in (8, 16, 32, 128)]
+    expect = {(L * K, 1, 64, 8) for L in (4, 8, 16, 32, 64, 128, 256)}
+    expect |= {(4 * K, 3, 64, 8), (8 * K, 3, 64, 8), (32 * K, 1, 32, 4), (128 * K, 1, 32, 4)}
+    assert {(c.seqlen, c.batch, c.nheads, c.ngroups) for c in default} == expect and len(default) == len(expect)
+    assert bench.SUITES["part1"] + bench.SUITES["part2"] == default
+
+    # the raw all-to-all moves what the traffic model says ulysses moves, B/C sharded or replicated
+    import torch
+
+    from ds_mamba_spcp import traffic
+
+    for cp, nheads, ngroups in [(2, 64, 8), (2, 32, 4), (4, 8, 2), (8, 16, 1)]:
+        dims = bench.Dims(headdim=64, dstate=128, d_conv=4, chunk_size=128, dtype="bfloat16", rmsnorm=False)
+        ctx = bench.Context(rank=0, cp=cp, device=torch.device("cpu"), backend="auto", dims=dims)
+        cell = bench.Cell(seqlen=1024 * cp, batch=2, nheads=nheads, ngroups=ngroups)
+        w_in, w_out = bench.ulysses_payload_widths(cell, ctx)
+        tokens = cell.batch * cell.seqlen // cp
+        sent = 2 * tokens * (w_in + w_out) * 2 * (cp - 1) // cp  # 4 all-to-alls, bf16, own slot stays
+        assert sent == traffic.ulysses_bytes(batch=2, local_seqlen=1024, nheads=nheads, headdim=64, ngroups=ngroups,
+                                             dstate=128, cp=cp, dtype=torch.bfloat16)  # fmt: skip
+
+
+def _load_report():
+    if "bench_report" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_report", REPORT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_report"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_report"]
+
+
+def test_target_check_verdicts():
+    """The issue-5 target check on hand-made records (not measurements): one PASS, one MISS and
+    one NO DATA per kind of comparison, at the thresholds' edges."""
+    report = _load_report()
+    L = 128 * 1024
+
+    def rec(mode, ms, graph=False, mem=None, seqlen=L):
+        return dict(mode=mode, cp=2, seqlen=seqlen, batch=1, nheads=64, ngroups=8, cuda_graph=graph, status="ok",
+                    fwd_bwd_ms=ms, peak_mem_gib=mem)  # fmt: skip
+
+    records = [
+        rec("ideal", 17.0, mem=10.0), rec("state_passing", 18.0, mem=10.4), rec("virtual", 21.0),
+        rec("ulysses", 27.0), rec("ulysses_compute", 18.0), rec("ulysses_a2a", 6.0),
+        rec("ideal", 2.0, graph=True, seqlen=8 * 1024), rec("state_passing", 2.4, graph=True, seqlen=8 * 1024),
+    ]  # fmt: skip
+    targets = dict(report.check_targets(report.Index(records)))
+
+    def only(prefix):
+        (rows,) = [rows for name, rows in targets.items() if name.startswith(prefix)]
+        return rows
+
+    assert [r[2] for r in only("L=128K, batch 1, eager: state_passing")] == ["PASS"]  # 27/18 = 1.5 >= 1.35
+    assert [r[2] for r in only("L=128K, batch 1, eager: virtual")] == ["MISS"]  # 27/21 = 1.29 < 1.3
+    assert [r[2] for r in only("every L >= 32K")] == ["PASS"]  # 17/18 = 0.94
+    # cells in increasing L: 8K has graph records only, so the eager checks have no data there
+    assert [r[2] for r in only("honest baseline")] == ["NO DATA", "PASS"]  # 27 / (18 + 6) = 1.125 <= 1.15
+    assert [r[2] for r in only("state_passing peak memory")] == ["NO DATA", "PASS"]  # 10.4 / 10 = 1.04 <= 1.05
+    graph_ideal = only("CUDA graphs, every L >= 8K")
+    assert [r[2] for r in graph_ideal] == ["MISS", "NO DATA"]  # 2.4/2.0 = 1.2 > 1.15 at 8K; 128K has no graph data
+    assert report.verdict(only("CUDA graphs, L=8K and 16K")) == "NO DATA"
