@@ -592,7 +592,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mixer_<device>_cp<N>.json)")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds: start no cell that is expected to end past this (0: no limit)")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds")
     p.add_argument("--git-commit", default=None, help="record this commit (where the checkout has no .git)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
