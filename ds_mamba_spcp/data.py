@@ -1,0 +1,207 @@
+"""User helpers for sequence-parallel training: shard a batch, gather it back, combine the loss.
+
+Every rank of a sequence-parallel group works on the same sequences, each on its shard of every
+sequence. A training script that already has a full batch on every rank of the group (the same
+sampler seed, or a broadcast) calls ``shard_batch`` and gets what DeepSpeed's
+``UlyssesSPDataLoaderAdapter`` would hand that rank for the contiguous layout: the labels are
+shifted *before* sharding (so the last token of a shard is scored against the first token of the
+next one), a ``position_ids`` row holds the global positions, and every tensor is cut along the
+sequence dim. The zigzag layout (``load_balancing`` virtual / permute_*) cuts the same way into
+``2*cp`` chunks and gives rank r chunks r and ``2*cp-1-r``.
+
+The loss: each rank scores only its own tokens, so the loss to back-propagate on a rank is its
+share of the global mean, ``sum of its token losses / tokens of the whole group``. DeepSpeed then
+reduces parameter gradients over the sequence-data-parallel group, and how it does so depends on
+the ZeRO stage (DeepSpeed 0.19): stages 0, 1 and 2 *sum* the gradients of the ranks of one
+sequence-parallel group (they divide by ``dp_world / sp_size``), stage 3 with its default
+``reduce_scatter`` *averages* them (``reduce_scatter_coalesced`` divides by the whole group).
+``grad_scale_for_engine`` returns the factor that makes both give the single-rank gradient, and
+``sequence_parallel_cross_entropy`` applies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ds_mamba_spcp import comm
+from ds_mamba_spcp.layout import LAYOUTS, shard_sequence, unshard_sequence
+
+IGNORE_INDEX = -100
+"""Label value that contributes no loss (the value ``torch.nn.functional.cross_entropy`` skips)."""
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Next-token targets ``(batch, seqlen)``: ``labels[:, 1:]`` followed by ``ignore_index``.
+
+    The same shift ``UlyssesSPDataLoaderAdapter`` makes before sharding; done on the full sequence,
+    the last position of every shard but the last keeps its true target.
+    """
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+
+
+def _rank_size(group, rank, world_size) -> tuple[int, int]:
+    if (rank is None) != (world_size is None):
+        raise ValueError("give both rank and world_size, or neither (they are then read from the group)")
+    if rank is None:
+        return comm.group_rank_size(group)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a group of {world_size} ranks")
+    return rank, world_size
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def shard_batch(
+    batch: Mapping[str, Any] | torch.Tensor,
+    group=None,
+    *,
+    layout: str = "contiguous",
+    rank: int | None = None,
+    world_size: int | None = None,
+    dim: int = 1,
+    ignore_index: int = IGNORE_INDEX,
+) -> dict[str, Any] | torch.Tensor:
+    """This rank's shard of a full batch, cut along the sequence dim ``dim``.
+
+    ``batch`` is a tensor ``(batch, seqlen, ...)`` or a mapping such as
+    ``{"input_ids": (batch, seqlen), "labels": (batch, seqlen), ...}``. For a mapping:
+
+    - ``labels`` is replaced by ``shift_labels`` (next-token targets, shifted before sharding);
+    - ``position_ids`` (global positions ``0..seqlen-1``) is added when it is missing;
+    - every tensor is sharded along ``dim`` (all must have the sequence length there), anything
+      that is not a tensor is passed through unchanged.
+
+    With ``layout="contiguous"`` this is exactly the micro-batch DeepSpeed's
+    ``UlyssesSPDataLoaderAdapter`` gives rank ``rank`` for this batch (same keys, same values).
+    The rank and group size come from ``group`` (a deepspeed.comm group; ``None`` is the world,
+    or a group of one without a distributed backend) unless ``rank`` and ``world_size`` are given.
+    """
+    _check_layout(layout)
+    rank, cp = _rank_size(group, rank, world_size)
+    if torch.is_tensor(batch):
+        return shard_sequence(batch, rank, cp, layout, dim)
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a tensor or a mapping of tensors, got {type(batch).__name__}")
+    tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+    if not tensors:
+        raise ValueError("the batch holds no tensor to shard")
+    ref_key = "input_ids" if "input_ids" in tensors else next(iter(tensors))
+    ref = tensors[ref_key]
+    if ref.dim() <= dim:
+        raise ValueError(f"{ref_key!r} has shape {tuple(ref.shape)}: it has no sequence dim {dim}")
+    seqlen = ref.shape[dim]
+    out = dict(batch)
+    if "labels" in out:
+        if "shift_labels" in out:
+            raise ValueError("the batch has both 'labels' and 'shift_labels'; pass one of them")
+        out["shift_labels"] = shift_labels(out.pop("labels"), ignore_index)
+    if "position_ids" not in out and dim == 1:
+        out["position_ids"] = torch.arange(seqlen, device=ref.device).expand(ref.shape[0], seqlen)
+    for key, value in out.items():
+        if not torch.is_tensor(value):
+            continue
+        if value.dim() <= dim or value.shape[dim] != seqlen:
+            raise ValueError(
+                f"{key!r} has shape {tuple(value.shape)} but {ref_key!r} has {seqlen} tokens along dim {dim}; "
+                f"every tensor of the batch must have the sequence length there (pass other tensors separately)"
+            )
+        out[key] = shard_sequence(value, rank, cp, layout, dim)
+    return out
+
+
+@torch.no_grad()
+def gather_sequence(x: torch.Tensor, group=None, *, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """The full sequence from every rank's shard ``x`` (the inverse of ``shard_batch`` on a tensor).
+
+    All-gathers over ``group`` (every rank passes the same shape) and puts the shards back in causal
+    order for ``layout``. Not differentiable: meant for logging, evaluation and checks.
+    """
+    _check_layout(layout)
+    _, cp = comm.group_rank_size(group)
+    if cp == 1:
+        return x
+    rows = comm.all_gather(x, group, cp, async_op=False).wait()  # (cp, *x.shape)
+    return unshard_sequence(list(rows.unbind(0)), layout, dim)
+
+
+def gather_batch(batch: Mapping[str, Any], group=None, *, layout: str = "contiguous", dim: int = 1) -> dict:
+    """``gather_sequence`` on every tensor of a sharded batch; other values pass through."""
+    return {k: gather_sequence(v, group, layout=layout, dim=dim) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def grad_scale_for_engine(engine) -> float:
+    """Factor on each rank's loss share that makes DeepSpeed's reduced gradient the single-rank one.
+
+    ``engine`` is a DeepSpeed engine. Returns 1.0 when DeepSpeed sums gradients over the ranks of a
+    sequence-parallel group (ZeRO stages 0-2) and ``sp_size`` when it averages them (ZeRO stage 3
+    with ``reduce_scatter``, the default). DeepSpeed only knows about the group when it was given
+    one (``deepspeed.initialize(..., mpu=parallel_state_sp)`` after
+    ``parallel_state_sp.initialize_sequence_parallel(sp_size)``); without it the sequence-parallel
+    ranks count as data-parallel ranks and every stage averages over them, so this raises.
+    """
+    sp_size = int(getattr(engine, "sequence_parallel_size", 1) or 1)
+    stage = int(engine.zero_optimization_stage())
+    reduce_scatter = bool(engine.zero_reduce_scatter()) if stage == 3 else True
+    return grad_scale(stage, sp_size, reduce_scatter=reduce_scatter)
+
+
+def grad_scale(zero_stage: int, sp_size: int, *, reduce_scatter: bool = True) -> float:
+    """The factor of ``grad_scale_for_engine`` from the ZeRO stage and the sequence-parallel size."""
+    if sp_size < 1:
+        raise ValueError(f"sp_size must be >= 1, got {sp_size}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if sp_size == 1 or zero_stage < 3:
+        return 1.0
+    if not reduce_scatter:
+        # Stage 3 without reduce_scatter sums the gradients of buckets that fit reduce_bucket_size
+        # (__avg_scatter_contiguous_grads) and averages the others: no single factor is right.
+        raise ValueError(
+            'ZeRO stage 3 with "reduce_scatter": false sums some gradient buckets over the sequence-parallel '
+            'ranks and averages others; set "zero_optimization.reduce_scatter" to true (the default).'
+        )
+    return float(sp_size)
+
+
+def sequence_parallel_cross_entropy(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    group=None,
+    *,
+    grad_scale: float = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss of a sequence shard, combined over the sequence-parallel ``group``.
+
+    logits: (batch, local_seqlen, vocab); shift_labels: (batch, local_seqlen), from ``shard_batch``.
+    Returns ``(loss, mean_loss)``. ``loss`` is this rank's share to back-propagate:
+    ``grad_scale * (sum of this rank's token losses) / (scored tokens of the whole group)``; the
+    shares of the group add up to the global mean, so with ``grad_scale`` from
+    ``grad_scale_for_engine`` the reduced gradient is the one a single rank holding the whole
+    sequence computes. ``mean_loss`` is the detached global mean (the same number on every rank),
+    the value to log.
+    """
+    if logits.shape[:-1] != shift_labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} disagree: expected "
+            "logits (batch, local_seqlen, vocab) and labels (batch, local_seqlen)"
+        )
+    # bf16/fp16 logits are scored in fp32; fp32 and fp64 keep their precision
+    logits = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
+    token_sum = F.cross_entropy(logits, shift_labels.flatten(), ignore_index=ignore_index, reduction="sum")
+    counts = torch.stack([token_sum.detach(), (shift_labels != ignore_index).sum().to(token_sum.dtype)])
+    _, cp = comm.group_rank_size(group)
+    if cp > 1:
+        import deepspeed.comm as dist
+
+        dist.all_reduce(counts, group=group)
+    total_sum, ntokens = counts.unbind(0)
+    ntokens = ntokens.clamp_min(1)
+    return token_sum * (grad_scale / ntokens), total_sum / ntokens
