@@ -1,0 +1,322 @@
+"""DistributedMamba2: mamba-ssm's ``Mamba2`` mixer on a sequence shard, shaped like DeepSpeed's
+``DistributedAttention``.
+
+The wrapper runs the math of ``Mamba2.forward`` (its memory-efficient path: in_proj, the mixer
+core, out_proj) with the wrapped module's own parameters, but the mixer core is the
+sequence-parallel op chosen by the ``"mamba_sequence_parallel"`` config section:
+
+    state_passing / none     contiguous shards: in_proj -> mamba_split_conv1d_scan_sp -> out_proj
+    state_passing / virtual  zigzag shards, two causal segments per rank, no activation moves
+    state_passing / permute  zigzag shards: hidden_states -> contiguous (p2p or one all-to-all),
+                             the "none" path, output -> zigzag. hidden_states (d_model wide) is
+                             narrower than zxbcdt (2*d_inner + 2*ngroups*dstate + nheads), so the
+                             permutation sits outside the projections.
+    ulysses                  in_proj -> all-to-all head sharding -> full-length scan -> out_proj
+
+The wrapper is transparent to checkpoints: it shares the wrapped module's parameter, buffer and
+submodule registries (the same dict objects), so ``state_dict()``, ``named_parameters()``,
+``load_state_dict()`` and ``.to()`` see exactly the unwrapped module's names and tensors, and a
+checkpoint of the unwrapped model loads unchanged (and vice versa). Wrapping can therefore happen
+before or after ``deepspeed.initialize`` (the parameters stay the same objects).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from ds_mamba_spcp import comm
+from ds_mamba_spcp._upstream import mamba2_class
+from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config
+from ds_mamba_spcp.groups import group_size, resolve_sequence_process_group
+from ds_mamba_spcp.ops import get_backend, reference
+from ds_mamba_spcp.state_passing import mamba_split_conv1d_scan_sp
+
+# The registries of nn.Module that hold what state_dict / parameters / .to() walk.
+_SHARED_REGISTRIES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
+_UNRESOLVED = object()
+_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def _check_mixer_supported(mixer) -> None:
+    """Raises NotImplementedError for Mamba2 configurations the sequence-parallel path cannot run."""
+    if mixer.d_ssm != mixer.d_inner:
+        raise NotImplementedError(
+            f"Mamba2 with d_ssm={mixer.d_ssm} < d_inner={mixer.d_inner} (a gated-MLP part beside the SSM) is not "
+            "supported by DistributedMamba2: the sequence-parallel mixer core handles only z, xBC and dt. Build "
+            "the mixer with d_ssm=None."
+        )
+    if mixer.process_group is not None:
+        raise NotImplementedError(
+            "Mamba2 built with a tensor-parallel process_group (and its own sequence_parallel flag, which "
+            "splits batch*seqlen across the tensor-parallel ranks) is not supported by DistributedMamba2; build "
+            "the mixer with process_group=None and shard the sequence through the DeepSpeed "
+            f'"{SECTION}" section instead.'
+        )
+
+
+def _reject_call(seq_idx, cu_seqlens, inference_params) -> None:
+    if inference_params is not None:
+        raise NotImplementedError(
+            "decoding with an inference cache (inference_params) is not supported by DistributedMamba2: the "
+            "cache would hold one rank's conv and SSM state while the sequence is split across ranks. Generate "
+            f'with the unwrapped mixer, or with "{SECTION}.enabled" set to false (the wrapper then runs the '
+            "mixer's own forward)."
+        )
+    if seq_idx is not None or cu_seqlens is not None:
+        raise NotImplementedError(
+            "packed sequences (seq_idx / cu_seqlens) are not supported by DistributedMamba2: a document "
+            "boundary inside a shard would need its decay zeroed in the state summary passed to the next rank. "
+            "Give each sequence its own batch row (padded to a common length)."
+        )
+
+
+class DistributedMamba2(nn.Module):
+    """mamba-ssm's ``Mamba2`` mixer run on this rank's shard of the sequence.
+
+    Arguments:
+        local_mixer: a ``mamba_ssm.modules.mamba2.Mamba2``; its parameters are used (and stay its
+            own): the wrapper adds none.
+        sequence_process_group: the ranks that share one sequence, or None to look it up at the
+            first forward (DeepSpeed's sequence-parallel group, else the world group when its size
+            equals the configured ``sequence_parallel_size``; see :mod:`ds_mamba_spcp.groups`), so the
+            wrapper may be built before ``deepspeed.initialize`` creates DeepSpeed's groups.
+        config: a ds_config holding the ``"mamba_sequence_parallel"`` section (a dict, a path to a JSON
+            file, a DeepSpeed engine or DeepSpeedConfig) or a :class:`MambaSequenceParallelConfig`.
+
+    ``forward(u)``: u (batch, local_seqlen, d_model), this rank's shard in the configured
+    ``input_layout``, or (batch*local_seqlen, d_model) with ``seqlen=local_seqlen`` as in Mamba2.
+    Returns the shard of the output in the same layout and shape.
+
+    With ``enabled`` false the wrapper is the mixer: ``forward`` calls the mixer's own forward with
+    the same arguments. With a group of one rank it is the single-device computation: the mixer's
+    own forward when the backend is Triton, the same math on the plain-PyTorch reference op
+    otherwise (mamba-ssm's forward cannot run on CPU). Parameter gradients are each rank's local
+    contribution; DeepSpeed's gradient reduction over the ranks adds them up.
+
+    Not supported (NotImplementedError): Mamba2's gated-MLP part (d_ssm < d_inner), Mamba2's own
+    tensor-parallel process_group, decoding with ``inference_params``, packed sequences
+    (``seq_idx`` / ``cu_seqlens``), and shards of different lengths on different ranks.
+    """
+
+    def __init__(self, local_mixer: nn.Module, sequence_process_group: Any, config: Any) -> None:
+        super().__init__()
+        mamba2 = mamba2_class()
+        if not isinstance(local_mixer, mamba2):
+            raise TypeError(
+                f"DistributedMamba2 wraps a mamba_ssm.modules.mamba2.Mamba2, got {type(local_mixer).__qualname__}."
+            )
+        self.config = load_mamba_sp_config(config)
+        if self.config.enabled:
+            _check_mixer_supported(local_mixer)
+        # Transparency: share the mixer's registries instead of registering it as a child, so that
+        # the parameter names are the unwrapped ones (no "local_mixer." prefix) for state_dict,
+        # named_parameters (ZeRO's checkpoint name maps) and load_state_dict, with no key remapping;
+        # and a parameter swap through either module (.to(), load_state_dict(assign=True)) is seen by
+        # both. (ZeRO-3 later replaces this module's _parameters with its own dict holding the same
+        # Parameter objects; forward reads parameters through the wrapper, so that stays correct.)
+        for name in _SHARED_REGISTRIES:
+            self.__dict__[name] = local_mixer.__dict__[name]
+        self.__dict__["local_mixer"] = local_mixer  # a plain attribute, not a child
+        # ZeRO-3 gathers a module's parameters in its forward pre-hook. The mixer core reads the conv1d
+        # and norm weights without calling those submodules, and the disabled / group-of-one paths call
+        # the mixer, which DeepSpeed never sees (it is not a child); as a ZeRO-3 leaf, the wrapper's
+        # pre-hook gathers every parameter below it.
+        self._z3_leaf = True
+        self._group_arg = sequence_process_group
+        self._group = _UNRESOLVED
+        self._group_size = 1
+        self._checked_shards: set = set()
+        if self.config.enabled and sequence_process_group is not None:
+            self._resolve_group()  # an explicit group is checked at once
+
+    # -- the process group --------------------------------------------------------------------------
+
+    def _resolve_group(self):
+        if self._group is _UNRESOLVED:
+            group = resolve_sequence_process_group(self._group_arg, self.config)
+            size = group_size(group)
+            m = self.local_mixer
+            self.config.validate_for_mixer(nheads=m.nheads, ngroups=m.ngroups, sp_size=size)
+            self._group, self._group_size = group, size
+        return self._group
+
+    @property
+    def process_group(self):
+        """The sequence-parallel group (resolved on first use; None: a process without deepspeed.comm)."""
+        return self._resolve_group()
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Number of ranks sharing the sequence (1 when the wrapper is disabled)."""
+        if not self.config.enabled:
+            return 1
+        self._resolve_group()
+        return self._group_size
+
+    # -- nn.Module plumbing ---------------------------------------------------------------------------
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # Drop-in: public attributes and methods of the mixer (d_model, layer_idx,
+            # allocate_inference_cache, ...) read through; private ones and DeepSpeed's ds_* markers do not.
+            mixer = self.__dict__.get("local_mixer")
+            if mixer is None or name.startswith(("_", "ds_")):
+                raise
+            return getattr(mixer, name)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.local_mixer.training = mode  # not a child, so nn.Module.train does not reach it
+        return self
+
+    def extra_repr(self) -> str:
+        c = self.config
+        if not c.enabled:
+            return "enabled=False"
+        size = "unresolved" if self._group is _UNRESOLVED else self._group_size
+        return f"mode={c.mode}, load_balancing={c.load_balancing}, input_layout={c.input_layout}, sp_size={size}"
+
+    # -- forward --------------------------------------------------------------------------------------
+
+    def forward(self, u, seqlen=None, seq_idx=None, cu_seqlens=None, inference_params=None):
+        """Same signature as ``Mamba2.forward``; ``u`` is this rank's shard of the sequence."""
+        if not self.config.enabled:
+            return self.local_mixer(
+                u, seqlen=seqlen, seq_idx=seq_idx, cu_seqlens=cu_seqlens, inference_params=inference_params
+            )
+        _reject_call(seq_idx, cu_seqlens, inference_params)
+        group = self._resolve_group()
+        if self._group_size == 1 and get_backend(self.config.backend, u.device) is not reference:
+            return self.local_mixer(u, seqlen=seqlen)  # the unwrapped module itself
+        hidden = u if seqlen is None else rearrange(u, "(b l) d -> b l d", l=seqlen)
+        self._check_input(hidden)
+        if self._group_size == 1:
+            out = self._single_device(hidden)
+        else:
+            if self.config.check_shapes:
+                self._check_same_shards(hidden, group)
+            out = self._sequence_parallel(hidden, group)
+        return out if seqlen is None else rearrange(out, "b l d -> (b l) d")
+
+    def _core_args(self):
+        """The mixer core's parameters and options, read off the wrapped Mamba2 as its forward does."""
+        m = self.local_mixer
+        # Mamba2 takes A_log.float() so that fp16 weights cannot overflow to A = -inf; promoting (instead
+        # of casting) is the same for fp16/bf16/fp32 and keeps an fp64 model in fp64.
+        A = -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))
+        D = rearrange(self.D, "(h p) -> h p", p=m.headdim) if m.D_has_hdim else self.D
+        conv1d_weight = rearrange(self.conv1d.weight, "d 1 w -> d w")
+        args = (conv1d_weight, self.conv1d.bias, self.dt_bias, A, D, m.chunk_size)
+        kwargs = dict(
+            dt_limit=m.dt_limit, headdim=m.headdim, ngroups=m.ngroups, activation=m.activation,
+            rmsnorm_weight=self.norm.weight if m.rmsnorm else None, rmsnorm_eps=self.norm.eps if m.rmsnorm else 1e-6,
+            norm_before_gate=m.norm_before_gate,
+        )  # fmt: skip
+        return args, kwargs
+
+    def _check_input(self, hidden):
+        d_model = self.local_mixer.d_model
+        if hidden.dim() != 3 or hidden.shape[-1] != d_model:
+            raise ValueError(
+                f"DistributedMamba2 expects (batch, local_seqlen, d_model={d_model}) (or (batch*local_seqlen, "
+                f"d_model) with seqlen=local_seqlen), got {tuple(hidden.shape)}."
+            )
+        if self._group_size > 1 and self.config.input_layout == "zigzag" and hidden.shape[1] % 2:
+            raise ValueError(
+                f"input_layout zigzag gives every rank two equal chunks, so the local seqlen must be even; got "
+                f"{hidden.shape[1]}."
+            )
+
+    def _single_device(self, hidden):
+        args, kwargs = self._core_args()
+        y = reference.single_device_op(self.in_proj(hidden), *args, **kwargs)
+        return self.out_proj(y)
+
+    def _sequence_parallel(self, hidden, group):
+        c = self.config
+        args, kwargs = self._core_args()
+        if c.mode == "ulysses":
+            from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
+
+            y = mamba_split_conv1d_scan_ulysses(
+                self.in_proj(hidden), *args, process_group=group, input_layout=c.input_layout, backend=c.backend,
+                check_shapes=c.check_shapes, **kwargs,
+            )  # fmt: skip
+            return self.out_proj(y)
+        load_balancing, method = c.load_balancing, None
+        if load_balancing in ("permute_p2p", "permute_a2a"):
+            from ds_mamba_spcp import permute
+
+            method = load_balancing.removeprefix("permute_")
+            hidden = permute.zigzag_to_contiguous(hidden, group, method=method, dim=1)  # zigzag -> contiguous
+            load_balancing = "none"
+        y = mamba_split_conv1d_scan_sp(
+            self.in_proj(hidden), *args, process_group=group, load_balancing=load_balancing, backend=c.backend,
+            overlap_comm=c.overlap_comm, check_shapes=c.check_shapes, **kwargs,
+        )  # fmt: skip
+        out = self.out_proj(y)
+        if method is not None:
+            out = permute.contiguous_to_zigzag(out, group, method=method, dim=1)  # contiguous -> zigzag
+        return out
+
+    def _check_same_shards(self, hidden, group):
+        """Once per new input signature: every rank must hold a shard of the same shape. A different
+        local seqlen is a variable-length shard (NotImplementedError); anything else a ValueError.
+        Raised on every rank alike, instead of a hang in a mismatched collective."""
+        key = (tuple(hidden.shape), hidden.dtype)
+        if key in self._checked_shards:
+            return
+        desc = torch.tensor(
+            [*hidden.shape, _DTYPE_CODES.get(hidden.dtype, len(_DTYPE_CODES))], dtype=torch.long, device=hidden.device
+        )
+        rows = comm.all_gather(desc, group, self._group_size, async_op=False).wait().tolist()
+        seqlens = [r[1] for r in rows]
+        if len(set(seqlens)) > 1:
+            raise NotImplementedError(
+                f"variable-length shards are not supported by DistributedMamba2: the ranks of the sequence-parallel "
+                f"group hold {seqlens} tokens. Every rank must hold the same number; pad the sequence to a multiple "
+                f"of the number of chunks ({self._group_size} for contiguous input, {2 * self._group_size} for "
+                "zigzag) before sharding it."
+            )
+        if any(r != rows[0] for r in rows):
+            raise ValueError(
+                "the ranks of the sequence-parallel group passed DistributedMamba2 inputs of different shapes or "
+                "dtypes; per-rank (batch, local_seqlen, d_model, dtype code): "
+                + "; ".join(f"rank {i}: {tuple(r)}" for i, r in enumerate(rows))
+            )
+        self._checked_shards.add(key)
+
+
+def wrap_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
+    """Replaces every ``Mamba2`` submodule of ``model`` with a :class:`DistributedMamba2`, in place.
+
+    The config is read once and shared. A mixer registered at several places is wrapped once and the
+    same wrapper put at each; mixers already wrapped are left alone. Returns the number of mixers
+    wrapped. State_dict keys do not change, so this can run before or after loading a checkpoint, and
+    before or after ``deepspeed.initialize`` (the parameters stay the same objects).
+    """
+    mamba2 = mamba2_class()
+    if isinstance(model, mamba2):
+        raise ValueError(
+            "wrap_mamba2_mixers replaces Mamba2 submodules inside a model; the model itself is a Mamba2, so wrap it "
+            "directly: DistributedMamba2(mixer, sequence_process_group, config)."
+        )
+    cfg = config if isinstance(config, MambaSequenceParallelConfig) else load_mamba_sp_config(config)
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, mamba2)
+    ]
+    wrappers: dict[int, DistributedMamba2] = {}
+    for parent, name, child in targets:
+        if id(child) not in wrappers:
+            wrappers[id(child)] = DistributedMamba2(child, sequence_process_group, cfg)
+        setattr(parent, name, wrappers[id(child)])
+    return len(wrappers)
