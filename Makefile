@@ -1,4 +1,5 @@
-# make demo  - a real 2-rank run through the deepspeed launcher on CPU (gloo), default configuration
+# make demo  - a real 2-rank training run through the deepspeed launcher on CPU (gloo), default config,
+#              beside the single-process run
 # make test  - lint + the CPU test suite (what CI runs)
 # Both build .venv on first use (CPU-only torch; mamba-ssm / causal-conv1d without CUDA).
 
@@ -27,6 +28,10 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	touch $@
 
 demo: setup
+	$(PY) examples/demo.py
+
+# The sharded op alone (no training): 2 ranks vs one process, errors and bytes exchanged.
+op-demo: setup
 	$(VENV)/bin/deepspeed --master_port $$($(PY) -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])') \
 		--num_gpus 2 examples/op_demo.py
 
