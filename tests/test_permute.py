@@ -140,7 +140,7 @@ def _run_all(rank, world):
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[2, 3, 4, 8], ids=lambda w: f"world{w}")
 def world_results(request):
     world = request.param
     return world, run_ranks(_run_all, world, timeout=600)

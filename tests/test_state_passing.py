@@ -1,4 +1,4 @@
-"""The state-passing op on 2, 3 and 4 gloo ranks against the single-process reference.
+"""The state-passing op on 2, 3, 4 and 8 gloo ranks against the single-process reference.
 
 Each world size is spawned once and runs every case inside (``CASES``); the tests then read the
 per-case errors. Every rank builds the same global inputs from one seed, runs the op on its shard
@@ -192,7 +192,7 @@ def _run_all(rank, world):
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[2, 3, 4, 8], ids=lambda w: f"world{w}")
 def world_results(request):
     world = request.param
     return world, run_ranks(_run_all, world, timeout=600)
