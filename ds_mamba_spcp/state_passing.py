@@ -190,39 +190,6 @@ class _StatePassingFn(torch.autograd.Function):
         return (dzxbcdt, *dparams, dinitial, None, None, None, None)
 
 
-_checked_shapes: set = set()
-
-
-def _check_same_across_ranks(key: tuple, device, group, cp: int):
-    """Gathers a small descriptor once per new call signature, so a rank whose shapes differ
-    makes every rank raise the same error instead of hanging in a mismatched collective."""
-    if (id(group), key) in _checked_shapes:
-        return
-    flat = [int(v) for v in _flatten(key)]
-    width = 64
-    if len(flat) > width:
-        raise AssertionError("call descriptor too long")
-    desc = torch.full((width,), -7, dtype=torch.long, device=device)
-    desc[: len(flat)] = torch.tensor(flat, dtype=torch.long)
-    rows = comm.all_gather(desc, group, cp, async_op=False).wait().tolist()
-    if any(r != rows[0] for r in rows):
-        raise ValueError(
-            "mamba_split_conv1d_scan_sp: the ranks of the sequence-parallel group called it with different "
-            "shapes or options; every rank must pass the same batch, local seqlen, sizes, dtype and options. "
-            "Per-rank descriptors (shapes, dtype, options): "
-            + "; ".join(f"rank {i}: {r[: len(flat)]}" for i, r in enumerate(rows))
-        )
-    _checked_shapes.add((id(group), key))
-
-
-def _flatten(obj):
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _flatten(o)
-    else:
-        yield obj
-
-
 _DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
@@ -327,11 +294,11 @@ def mamba_split_conv1d_scan_sp(
         )
     if check_shapes:
         key = (
-            tuple(zxbcdt.shape), tuple(conv1d_weight.shape), tuple(D.shape), _DTYPE_CODES.get(zxbcdt.dtype, 9),
+            *zxbcdt.shape, *conv1d_weight.shape, *D.shape, _DTYPE_CODES.get(zxbcdt.dtype, 9),
             chunk_size, headdim, ngroups, initial_states is not None, bool(return_final_states),
             rmsnorm_weight is not None, conv1d_bias is not None, LOAD_BALANCING.index(load_balancing),
         )  # fmt: skip
-        _check_same_across_ranks(key, zxbcdt.device, process_group, cp)
+        comm.check_same_across_ranks(key, zxbcdt.device, process_group, cp, "mamba_split_conv1d_scan_sp")
     return _StatePassingFn.apply(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states, spec, plan, impl,
         bool(return_final_states),
