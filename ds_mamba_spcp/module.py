@@ -170,6 +170,16 @@ class DistributedMamba2(nn.Module):
                 raise
             return getattr(mixer, name)
 
+    def step(self, hidden_states, conv_state, ssm_state):
+        """Decoding one token with the mixer's cache: only without sequence parallelism."""
+        if self.config.enabled:
+            raise NotImplementedError(
+                "decoding (Mamba2.step with a conv/SSM state cache) is not supported by DistributedMamba2 while "
+                f'sequence parallelism is enabled: the cache would hold one rank\'s state. Set "{SECTION}.enabled" '
+                "to false for generation (the wrapper then runs the mixer itself)."
+            )
+        return self.local_mixer.step(hidden_states, conv_state, ssm_state)
+
     def train(self, mode: bool = True):
         super().train(mode)
         self.local_mixer.training = mode  # not a child, so nn.Module.train does not reach it

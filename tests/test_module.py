@@ -519,6 +519,8 @@ def test_rejections():
         w(u, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(ValueError, match="d_model=8"):
         w(u[..., :4])
+    with pytest.raises(NotImplementedError, match="decoding"):
+        w.step(u[:, :1], None, None)  # Mamba2.step must not be reachable through the wrapper
 
 
 def test_sequence_parallel_size_without_distributed_backend():
