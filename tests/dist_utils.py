@@ -2,6 +2,7 @@
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes, initialises
 deepspeed.comm in each and returns the list of what ``fn(rank, world_size, *args)`` returned.
+``backend="nccl"`` gives each rank its own GPU (cuda:rank) and NCCL instead of gloo.
 If any rank raises, the others are killed (they may be waiting in a collective) and the error is
 re-raised here with that rank's traceback; a run that outlives ``timeout`` fails the same way.
 Rank functions report; the test process asserts. Verdicts computed inside ranks go through
@@ -28,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend):
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -37,7 +38,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         import deepspeed.comm as dist
 
-        dist.init_distributed(dist_backend="gloo", verbose=False)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_distributed(dist_backend=backend, verbose=False)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
         dist.barrier()
@@ -46,13 +49,19 @@ def _worker(rank, world_size, port, fn, args, queue):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 600.0):
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns their results."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo"):
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; returns their results.
+
+    backend: "gloo" (CPU) or "nccl" (rank r on cuda:r; needs world_size GPUs)."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results, error = {}, None

@@ -1,0 +1,345 @@
+"""The mixer core on mamba-ssm's Triton SSD kernels and causal-conv1d, segment by segment.
+
+Same contract as ``ops/reference.py`` (``segment_fwd``, ``segment_bwd``, ``single_device_op``),
+built from the private pieces of mamba-ssm's ``MambaSplitConv1dScanCombinedFn`` called one by one
+so that the state summary exchange can sit between them:
+
+    forward   conv (halo as causal-conv1d's initial_states) -> _chunk_cumsum_fwd -> _chunk_state_fwd
+              -> _state_passing_fwd from zero: S_ext, log_a      post(S_ext, log_a)
+              -> _bmm_chunk_fwd (C.B^T: needs no state, overlaps the all-gather)
+              S_in = wait -> _state_passing_fwd from S_in -> _chunk_scan_fwd (D, z gate) [-> gated RMSNorm]
+    backward  recompute the forward from the saved inputs, halo and S_in
+              -> dz (or the RMSNorm backward) -> _chunk_scan_bwd_dstates -> _state_passing_bwd with no
+              gradient at the segment's end: L                 post_grad(L)
+              -> dC, dCB, ddA (need no dS_out, overlap the all-gather)
+              dS_out = wait -> _state_passing_bwd again with dfinal_states = dS_out (cheap)
+              -> dx, ddt, dD, dB -> _chunk_cumsum_bwd -> conv backward (dinitial_states = halo gradient)
+
+Numerics follow upstream's op step for step (bf16 states into the matmuls, fp32 chunk states and
+summaries), so a segment chain reproduces the single-device op up to rounding. The cross-rank
+quantities (S_ext, log_a, S_in, L, dS_out) are fp32. Nothing here reads a tensor value on the
+host, so forward and backward can be captured in a CUDA graph.
+
+Memory: the autograd Function saves only the inputs, the halo, S_in and the gathered decays; the
+conv output, x/B/C, chunk states, CB and the pre-gate output y are recomputed in backward (upstream
+saves y as well, one (batch, seqlen, nheads*headdim) tensor more).
+
+Length limit: mamba-ssm 2.3.2's kernels compute element offsets in int32 (mamba-ssm issue #1015),
+so a tensor they touch must hold fewer than 2**31 elements. The widest is zxbcdt and its gradient
+(d_in_proj elements per token): see ``max_tokens``; longer shards are refused with the way out.
+Measured on an H200 (benchmarks/probe_int32_limit.py: upstream's op, bf16, batch 1, nheads=64,
+headdim=64, ngroups=8, dstate=128, d_in_proj=10304, against the fp32 reference): 208384 tokens
+(zxbcdt 2,147,188,736 elements) match (worst 1/16 of the sequence 2.8e-3 out, 3.0e-3 dzxbcdt);
+208512 tokens (2,148,507,648 elements, the first chunk past 2**31) and 212992 and 262144 end in an
+illegal memory access. The guard's bound (208412 tokens for that shape) sits between the two.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+
+from ds_mamba_spcp import _upstream
+from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
+
+_upstream.check_pinned_versions()
+_conv_fwd_fn, _conv_bwd_fn = _upstream.causal_conv1d_functions()
+_bmm = _upstream.mamba_module("ops.triton.ssd_bmm")
+_chunk_state = _upstream.mamba_module("ops.triton.ssd_chunk_state")
+_state_passing = _upstream.mamba_module("ops.triton.ssd_state_passing")
+_chunk_scan = _upstream.mamba_module("ops.triton.ssd_chunk_scan")
+_combined = _upstream.mamba_module("ops.triton.ssd_combined")
+_layernorm = _upstream.mamba_module("ops.triton.layernorm_gated")
+
+INT32_LIMIT = 2**31  # elements; offsets at or past it wrap in mamba-ssm 2.3.2's Triton kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# the int32 offset guard
+# ---------------------------------------------------------------------------------------------
+
+
+def largest_numel(rows: int, seqlen: int, spec: CoreSpec) -> int:
+    """Elements of the largest tensor the kernels index for ``rows`` sequences of ``seqlen``."""
+    nchunks = math.ceil(seqlen / spec.chunk_size)
+    return max(
+        rows * seqlen * spec.d_in_proj,  # zxbcdt, dzxbcdt (z, xBC, dt and their gradients are views)
+        rows * nchunks * spec.nheads * spec.headdim * spec.dstate,  # chunk states, their gradients
+        rows * nchunks * spec.ngroups * spec.chunk_size * spec.chunk_size,  # C.B^T per chunk, dCB
+    )
+
+
+def max_tokens(spec: CoreSpec) -> int:
+    """The most tokens (batch * seqlen, summed over a rank's segments) one call can take."""
+    per_token = max(
+        spec.d_in_proj,
+        math.ceil(spec.nheads * spec.headdim * spec.dstate / spec.chunk_size),
+        spec.ngroups * spec.chunk_size,
+    )
+    return (INT32_LIMIT - 1) // per_token
+
+
+def check_lengths(rows: int, seqlen: int, spec: CoreSpec, *, sharded: bool) -> None:
+    """Raises ValueError, with the way out, when a call would overflow the kernels' int32 offsets.
+
+    rows x seqlen: the batch as the kernels see it (under load_balancing="virtual" a rank's two
+    segments are packed on the batch axis, so rows = 2 x batch and seqlen = local seqlen / 2).
+    """
+    if largest_numel(rows, seqlen, spec) < INT32_LIMIT:
+        return
+    tokens, limit = rows * seqlen, max_tokens(spec)
+    where = "this rank holds" if sharded else "the input holds"
+    way_out = (
+        f"Split the sequence over at least {math.ceil(tokens / limit)}x as many sequence-parallel ranks"
+        if sharded
+        else f"Shard the sequence over at least {math.ceil(tokens / limit)} sequence-parallel ranks"
+    )
+    raise ValueError(
+        f"{where} {tokens} tokens (batch x seqlen); mamba-ssm 2.3.2's Triton kernels index with int32 offsets "
+        f"and silently return wrong results once a tensor reaches 2**31 elements (mamba-ssm issue #1015). With "
+        f"d_in_proj={spec.d_in_proj} (nheads={spec.nheads}, headdim={spec.headdim}, ngroups={spec.ngroups}, "
+        f"dstate={spec.dstate}) one rank can take at most {limit} tokens (batch x local seqlen) per call. "
+        f"{way_out}, or use a smaller micro-batch, so that batch x local seqlen <= {limit}."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def _silu(spec: CoreSpec) -> bool:
+    return spec.activation in ("silu", "swish")
+
+
+def _conv_layout(t):
+    """(batch, seqlen, dim) -> (batch, dim, seqlen) with stride(1) == 1, as causal-conv1d wants it."""
+    return rearrange(_combined.ensure_stride(t), "b s d -> b d s")
+
+
+def _halo_layout(halo):
+    """(batch, d_conv-1, dim) time-major rows -> causal-conv1d's initial_states (batch, dim, d_conv-1)."""
+    return None if halo is None else halo.contiguous().transpose(1, 2)
+
+
+def _conv_fwd(xBC, halo, conv1d_weight, conv1d_bias, spec: CoreSpec):
+    out = _conv_fwd_fn(_conv_layout(xBC), conv1d_weight, conv1d_bias, None, _halo_layout(halo), None, _silu(spec))
+    return rearrange(out, "b d s -> b s d")
+
+
+def _split_xBC(xBC, spec: CoreSpec):
+    x, B, C = torch.split(xBC, [spec.d_inner, spec.ngroups * spec.dstate, spec.ngroups * spec.dstate], dim=-1)
+    x = rearrange(x, "b l (h p) -> b l h p", p=spec.headdim)
+    B = rearrange(B, "b l (g n) -> b l g n", g=spec.ngroups)
+    C = rearrange(C, "b l (g n) -> b l g n", g=spec.ngroups)
+    return x, B, C
+
+
+def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec):
+    """Conv + dt processing + per-chunk states from zero: everything before any state arrives."""
+    z, xBC, dt_raw = split_zxbcdt(zxbcdt, spec)
+    x, B, C = _split_xBC(_conv_fwd(xBC, halo, conv1d_weight, conv1d_bias, spec), spec)
+    # the stride fixes of upstream's _mamba_chunk_scan_combined_fwd
+    B = B if B.stride(-1) == 1 else B.contiguous()
+    C = C if C.stride(-1) == 1 else C.contiguous()
+    x = x if x.stride(-1) == 1 or x.stride(1) == 1 else x.contiguous()
+    z = rearrange(z, "b l (h p) -> b l h p", p=spec.headdim)
+    z = z if z.stride(-1) == 1 or z.stride(1) == 1 else z.contiguous()
+    dA_cumsum, dt = _chunk_state._chunk_cumsum_fwd(
+        dt_raw, A, spec.chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit
+    )
+    chunk_states = _chunk_state._chunk_state_fwd(B, x, dt, dA_cumsum, states_in_fp32=True)  # [b, c, h, p, n] fp32
+    return z, xBC, dt_raw, x, B, C, dt, dA_cumsum, chunk_states
+
+
+def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None):
+    """States entering every chunk (out_dtype) and the state after the last one (fp32)."""
+    flat = rearrange(chunk_states, "b c h p n -> b c h (p n)")
+    init = None if initial_states is None else rearrange(initial_states, "b h p n -> b h (p n)")
+    prev, final = _state_passing._state_passing_fwd(
+        flat, dA_cumsum[:, :, :, -1], initial_states=init, out_dtype=out_dtype
+    )
+    dstate = chunk_states.shape[-1]
+    return rearrange(prev, "b c h (p n) -> b c h p n", n=dstate), rearrange(final, "b h (p n) -> b h p n", n=dstate)
+
+
+def _rms_args(y, z, spec: CoreSpec):
+    """(b, l, h, p) y and z -> the 2-D rows the gated RMSNorm kernels take."""
+    return rearrange(y, "b l h p -> (b l) (h p)"), rearrange(z, "b l h p -> (b l) (h p)")
+
+
+# ---------------------------------------------------------------------------------------------
+# the segment contract
+# ---------------------------------------------------------------------------------------------
+
+
+def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, exchange):
+    """Forward of one causal segment (segments packed on the batch axis), see ops/reference.py.
+
+    zxbcdt: (batch, seqlen, d_in_proj); halo: (batch, d_conv-1, conv_dim) pre-conv rows of the
+    previous segment, in zxbcdt's dtype. exchange.post(S_ext, log_a) -> handle, handle.wait() -> S_in
+    (fp32). Returns (out (batch, seqlen, nheads*headdim) in zxbcdt's dtype, S_in).
+    """
+    batch, seqlen, _ = zxbcdt.shape
+    check_lengths(batch, seqlen, spec, sharded=True)
+    D = D.contiguous()
+    z, _, _, x, B, C, dt, dA_cumsum, chunk_states = _scan_inputs(
+        zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec
+    )
+    _, S_ext = _pass_states(chunk_states, dA_cumsum, None, out_dtype=C.dtype)
+    log_a = dA_cumsum[:, :, :, -1].sum(dim=-1)  # [b, h]: the segment's total decay, exp(log_a)
+    handle = exchange.post(S_ext, log_a)
+    CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, output_dtype=torch.float32)  # overlaps the all-gather
+    S_in = handle.wait()
+    prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, out_dtype=C.dtype)
+    if rmsnorm_weight is None:
+        out, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z)
+        return rearrange(out, "b l h p -> b l (h p)"), S_in
+    y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=None)
+    y_rms, z_rms = _rms_args(y, z, spec)
+    out, _, _ = _layernorm._layer_norm_fwd(
+        y_rms, rmsnorm_weight.contiguous(), None, spec.rmsnorm_eps, z_rms, group_size=spec.d_inner // spec.ngroups,
+        norm_before_gate=spec.norm_before_gate, is_rms_norm=True,
+    )  # fmt: skip
+    return rearrange(out, "(b l) d -> b l d", b=batch), S_in
+
+
+def segment_bwd(dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange):
+    """Backward of ``segment_fwd`` by recomputation, see ops/reference.py for the contract.
+
+    exchange.post_grad(L) -> handle, handle.wait() -> dS_out (fp32). Returns the gradients of
+    (zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight) (None for None inputs).
+    """
+    batch, seqlen, _ = zxbcdt.shape
+    check_lengths(batch, seqlen, spec, sharded=True)
+    D = D.contiguous()
+    dout = rearrange(dout if dout.stride(-1) == 1 else dout.contiguous(), "b l (h p) -> b l h p", p=spec.headdim)
+    z, xBC, dt_raw, x, B, C, dt, dA_cumsum, chunk_states = _scan_inputs(
+        zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec
+    )
+    prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in)  # fp32, as upstream's backward keeps them
+    del chunk_states
+    prev_lowp = prev_states.to(C.dtype)  # what the forward's chunk scan read
+    CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, output_dtype=torch.float32)
+    y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None)  # pre-gate output
+
+    # gradient buffers: views into dzxbcdt (z, dt) and into one xBC-shaped buffer (x, B, C)
+    dzxbcdt = torch.empty_like(zxbcdt)
+    dz, dxBC_given, ddt_given = split_zxbcdt(dzxbcdt, spec)
+    dxBC = torch.empty_like(xBC)
+    dx, dB, dC = _split_xBC(dxBC, spec)
+
+    # output gate / gated RMSNorm: dout -> gradient of y
+    if rmsnorm_weight is None:
+        dz = rearrange(dz, "b l (h p) -> b l h p", p=spec.headdim)
+        dz, dy, dD_gate = _chunk_scan._chunk_scan_bwd_dz(x, z, y, dout, chunk_size=spec.chunk_size, has_ddAcs=False,
+                                                         D=D, dz=dz)  # fmt: skip
+        drmsnorm_weight = None
+    else:
+        y_rms, z_rms = _rms_args(y, z, spec)
+        weight = rmsnorm_weight.contiguous()
+        group_size = spec.d_inner // spec.ngroups
+        _, _, rstd = _layernorm._layer_norm_fwd(y_rms, weight, None, spec.rmsnorm_eps, z_rms, group_size=group_size,
+                                                norm_before_gate=spec.norm_before_gate, is_rms_norm=True)  # fmt: skip
+        dy_rms, drmsnorm_weight, _, _ = _layernorm._layer_norm_bwd(
+            rearrange(dout, "b l h p -> (b l) (h p)"), y_rms, weight, None, spec.rmsnorm_eps, None, rstd, z_rms,
+            group_size=group_size, norm_before_gate=spec.norm_before_gate, is_rms_norm=True,
+            dz=rearrange(dz, "b l d -> (b l) d"),
+        )  # fmt: skip
+        dy = rearrange(dy_rms, "(b l) (h p) -> b l h p", b=batch, p=spec.headdim)
+        dD_gate = None
+    del y
+
+    # L: the gradient reaching S_in when S_out receives none
+    dprev = _chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, dtype=torch.float32)
+    prev_flat, dprev_flat = (rearrange(t, "b c h p n -> b c h (p n)") for t in (prev_states, dprev))
+    dA_last = dA_cumsum[:, :, :, -1]
+    _, _, L = _state_passing._state_passing_bwd(
+        prev_flat, dA_last, dprev_flat, dfinal_states=None, has_initial_states=True, dstates_dtype=torch.float32
+    )
+    handle = exchange.post_grad(rearrange(L, "b h (p n) -> b h p n", n=spec.dstate))
+
+    # needs no dS_out: overlaps the all-gather
+    dC_states, ddA_cumsum_prev = _chunk_scan._chunk_scan_bwd_dC(prev_lowp, dA_cumsum, dy, C=C, ngroups=spec.ngroups)
+    dCB = _chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, ngroups=spec.ngroups).to(CB.dtype)
+    _bmm._bmm_chunk_bwd(B, rearrange(dCB, "... l s -> ... s l"), residual=dC_states, out=dC)
+    ddA = _chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)
+    del dC_states, prev_lowp
+
+    dS_out = rearrange(handle.wait(), "b h p n -> b h (p n)")
+    dstates, ddA_chunk_cumsum, _ = _state_passing._state_passing_bwd(
+        prev_flat, dA_last, dprev_flat, dfinal_states=dS_out, has_initial_states=True, dstates_dtype=x.dtype
+    )
+    del prev_states, prev_flat, dprev, dprev_flat
+    dstates = rearrange(dstates, "b c h (p n) -> b c h p n", n=spec.dstate)
+    dx, ddt, dD_x = _combined._chunk_scan_chunk_state_bwd_dx(x, dt, dA_cumsum, B, CB, dy, dstates, D=D, dx=dx)
+    dB_states, ddA_next = _chunk_state._chunk_state_bwd_db(x, dt, dA_cumsum, dstates, B=B, ngroups=spec.ngroups)
+    _bmm._bmm_chunk_bwd(C, dCB, residual=dB_states, out=dB)
+    ddA_cumsum_prev[..., -1] += ddA_chunk_cumsum
+    ddA += ddA_next + ddA_cumsum_prev.flip([-1]).cumsum(dim=-1).flip([-1])
+    _, dA, ddt_bias = _chunk_state._chunk_cumsum_bwd(
+        ddA, ddt, dt_raw.clone(), A, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit, ddt=ddt_given
+    )  # upstream clones dt here too (a Triton "invalid device context" workaround)
+    dD = dD_gate if dD_gate is not None else dD_x
+
+    # conv backward, writing the xBC part of dzxbcdt; the halo's gradient is causal-conv1d's dinitial_states
+    init = _halo_layout(halo)
+    dxBC_done, dweight, dbias, dinit = _conv_bwd_fn(
+        _conv_layout(xBC), conv1d_weight, conv1d_bias, _conv_layout(dxBC), None, init, None, _conv_layout(dxBC_given),
+        init is not None, _silu(spec),
+    )  # fmt: skip
+    dxBC_done = rearrange(dxBC_done, "b d s -> b s d")
+    if dxBC_done.data_ptr() != dxBC_given.data_ptr() or dxBC_done.stride() != dxBC_given.stride():
+        dxBC_given.copy_(dxBC_done)
+    dhalo = None if dinit is None else dinit.transpose(1, 2)  # -> (batch, d_conv-1, conv_dim)
+    return (
+        dzxbcdt,
+        dhalo,
+        dweight,
+        dbias,
+        None if ddt_bias is None else ddt_bias.to(dt_bias.dtype),
+        dA.to(A.dtype),
+        dD,
+        drmsnorm_weight,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the single-device op
+# ---------------------------------------------------------------------------------------------
+
+
+def single_device_op(
+    zxbcdt,
+    conv1d_weight,
+    conv1d_bias,
+    dt_bias,
+    A,
+    D,
+    chunk_size,
+    *,
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, float("inf")),
+    headdim,
+    ngroups,
+    activation="silu",
+    rmsnorm_weight=None,
+    rmsnorm_eps=1e-6,
+    norm_before_gate=False,
+):
+    """mamba-ssm's ``mamba_split_conv1d_scan_combined`` itself (after the int32 length guard), with
+    the arguments of ``reference.mamba_split_conv1d_scan_ref``."""
+    spec = CoreSpec.infer(
+        zxbcdt, conv1d_weight, D, chunk_size, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit,
+        activation=activation, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
+    )  # fmt: skip
+    check_lengths(zxbcdt.shape[0], zxbcdt.shape[1], spec, sharded=False)
+    return _combined.mamba_split_conv1d_scan_combined(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=initial_states,
+        dt_limit=dt_limit, return_final_states=return_final_states, activation=activation,
+        rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps, headdim=headdim, ngroups=ngroups,
+        norm_before_gate=norm_before_gate,
+    )  # fmt: skip
