@@ -218,3 +218,20 @@ def test_unsupported_arguments_raise():
         mamba_split_conv1d_scan_sp(*args, **kw, initial_states=extra["initial_states"][:1])
     with pytest.raises(ValueError, match="multiple of ngroups"):
         mamba_split_conv1d_scan_sp(*args, headdim=3, ngroups=3)
+
+
+def test_backend_choice_and_fallback_warning(monkeypatch):
+    import sys
+
+    from ds_mamba_spcp import ops
+
+    assert ops.get_backend("auto", torch.device("cpu")) is ref
+    assert ops.get_backend("reference", torch.device("cuda")) is ref
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.get_backend("cuda", torch.device("cpu"))
+    monkeypatch.setitem(sys.modules, "ds_mamba_spcp.ops.triton", None)  # the Triton backend fails to import
+    monkeypatch.setattr(ops, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="slow plain-PyTorch reference"):
+        assert ops.get_backend("auto", torch.device("cuda")) is ref
+    with pytest.raises(ImportError, match="needs mamba-ssm and causal-conv1d"):
+        ops.get_backend("triton", torch.device("cuda"))

@@ -6,6 +6,7 @@ exchanged through an ``exchange`` object) and ``single_device_op`` (the whole op
 
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 
 BACKENDS = ("auto", "reference", "triton")
@@ -24,7 +25,25 @@ def get_backend(name: str, device) -> ModuleType:
     except ImportError as e:
         if name == "triton":
             raise ImportError(f"the Triton backend needs mamba-ssm and causal-conv1d on CUDA: {e}") from e
+        _warn_fallback(e)
         from ds_mamba_spcp.ops import reference
 
         return reference
     return triton_backend
+
+
+_warned = False
+
+
+def _warn_fallback(error: Exception) -> None:
+    """CUDA tensors on the plain-PyTorch path are correct but slow: say so, once per process."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"ds_mamba_spcp: the Triton backend did not import ({error}); CUDA tensors run on the slow "
+            "plain-PyTorch reference backend. Install mamba-ssm==2.3.2.post1 and causal-conv1d==1.7.0, or pass "
+            "backend='reference' to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
