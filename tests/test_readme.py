@@ -11,7 +11,7 @@ README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def test_readme_op_example_runs():
     with open(README) as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-    example = [b for b in blocks if "mamba_split_conv1d_scan_sp(zxbcdt" in b]
+    example = [b for b in blocks if "mamba_split_conv1d_scan_ref(zxbcdt" in b]
     assert len(example) == 1
     namespace: dict = {}
     exec(compile(example[0], "README.md", "exec"), namespace)  # the block asserts its own result
