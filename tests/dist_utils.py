@@ -111,3 +111,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     denom = b.norm().item()
     return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def sharded_rel_err(local: torch.Tensor, ref_local: torch.Tensor) -> float:
+    """Relative RMS error of a tensor sharded over the ranks: squared norms summed over ranks."""
+    import deepspeed.comm as dist
+
+    sq = torch.tensor(
+        [(local.double() - ref_local.double()).square().sum().item(), ref_local.double().square().sum().item()],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(sq)
+    return (sq[0] / sq[1]).sqrt().item()
+
+
+def summed_rel_err(local: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative RMS error of a replicated input's gradient: the ranks' local contributions summed."""
+    import deepspeed.comm as dist
+
+    total = local.detach().double().clone()
+    dist.all_reduce(total)
+    return rel_err(total, ref)
