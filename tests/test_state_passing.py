@@ -173,9 +173,49 @@ def _run_errors(rank, world):
     }
 
 
+def _run_traffic(rank, world):
+    """Bytes the op actually posts (counted at comm.all_gather) vs the traffic model the demo prints."""
+    from ds_mamba_spcp import comm, mamba_split_conv1d_scan_sp, state_passing
+    from ds_mamba_spcp.layout import shard_sequence
+    from ds_mamba_spcp.traffic import state_passing_bytes
+
+    counted = []
+    real_all_gather = comm.all_gather
+
+    def counting_all_gather(tensor, group, world_, async_op=True):
+        counted.append(tensor.numel() * tensor.element_size() * (world_ - 1))  # ring all-gather: (cp-1) pieces
+        return real_all_gather(tensor, group, world_, async_op)
+
+    out = {}
+    for lb in ("none", "virtual"):
+        for final in (False, True):
+            opts = dict(dtype="float32", batch=2, ngroups=2, d_conv=4, chunk=8, final=final)
+            t, _ = make_inputs(opts, 16 * world)
+            z = shard_sequence(t["zxbcdt"], rank, world, "zigzag" if lb == "virtual" else "contiguous")
+            z.requires_grad_()
+            counted.clear()
+            state_passing.comm.all_gather = counting_all_gather
+            try:
+                res = mamba_split_conv1d_scan_sp(
+                    z, t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], t["D"], 8, headdim=HEADDIM,
+                    ngroups=2, load_balancing=lb, return_final_states=final, check_shapes=False,
+                )  # fmt: skip
+                loss = (res[0].sum() + res[1].sum()) if final else res.sum()
+                loss.backward()
+            finally:
+                state_passing.comm.all_gather = real_all_gather
+            model = state_passing_bytes(
+                batch=2, local_seqlen=16, nheads=NHEADS, headdim=HEADDIM, ngroups=2, dstate=DSTATE, d_conv=4,
+                cp=world, dtype=torch.float32, load_balancing=lb, return_final_states=final,
+            )  # fmt: skip
+            out[f"{lb}_final{final}"] = (sum(counted), model)
+    return out
+
+
 def _run_all(rank, world):
     results = {name: _run_case(rank, world, opts) for name, opts in CASES.items()}
     results["errors"] = _run_errors(rank, world)
+    results["traffic"] = _run_traffic(rank, world)
     return results
 
 
@@ -217,3 +257,12 @@ def test_bad_calls_fail_on_every_rank(world_results):
         assert "at least d_conv-1 = 3 tokens" in rank_errs["segment_shorter_than_halo"]
         assert "even local seqlen" in rank_errs["virtual_odd_length"]
         assert rank_errs["after"] == "no error"
+
+
+def test_traffic_model_matches_what_is_sent(world_results):
+    """``traffic.state_passing_bytes`` (what the demo and README print) equals the bytes the op posts."""
+    world, results = world_results
+    for rank_result in results:
+        for key, (sent, model) in rank_result["traffic"].items():
+            assert sent == model, f"world {world}, {key}: op posted {sent} bytes, the traffic model says {model}"
+            assert sent > 0
