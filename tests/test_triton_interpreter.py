@@ -1,0 +1,252 @@
+"""The Triton backend's real kernels on CPU, through Triton's interpreter, against the reference backend.
+
+CI has no GPU, so ``ops/triton.py`` (mamba-ssm's private SSD kernels and the glue that calls them one
+by one around the state exchange) is run here with TRITON_INTERPRET=1: every ``@triton.jit`` kernel
+executes in numpy, program instance by program instance. ``tests/triton_cpu_shims.py`` sets that up
+(and MAMBA_DETERMINISTIC=1, CUDA shims, a plain-PyTorch stand-in for causal-conv1d's CUDA conv); it
+has to run before the kernels are defined, so the checks run in fresh processes: a subprocess for
+the single-segment checks, spawned gloo ranks for the public op. They report errors; pytest asserts.
+
+Checked, in fp32 on a tiny odd shape (nheads=4, headdim=8, ngroups=2, dstate=16, d_conv=4,
+chunk_size=16, lengths not multiples of the chunk), against the reference backend in fp64:
+1. ``segment_fwd`` / ``segment_bwd`` with a ``reference.LocalExchange`` holding an initial state and
+   a final-state gradient, and a non-zero halo: output, S_in, final states, dinitial (through the
+   exchange) and every gradient, for the plain gate and the gated RMSNorm (norm_before_gate False and
+   True), D per head and per channel, with and without dt_limit.
+2. ``mamba_split_conv1d_scan_sp(..., backend="triton")`` on two gloo ranks, load_balancing "none"
+   and "virtual", against ``mamba_split_conv1d_scan_ref`` on the full sequence.
+3. A negative control: the segment run with a wrong S_in (zero instead of the initial state) must
+   fail the same bound.
+
+Tolerance. The interpreter computes ``tl.dot`` with numpy's fp32 matmul (it ignores input_precision:
+no tf32 rounding, unlike a GPU), so the errors are plain fp32 rounding (unit roundoff 6e-8) grown over
+the chunk sums, the exp of cumulative decays and the backward's recomputation. Measured relative RMS
+against the fp64 reference: at most 5.7e-7 for single segments (ddt_bias, dconv1d_bias, dA: sums over
+every token) and 2.9e-7 for the 2-rank op. TOL = 1e-5 (the fp32 bound of test_state_passing.py) leaves
+~17x margin and sits far below what a logic error costs: the negative control is off by 0.8, a bf16
+round trip or a lost term is >= 1e-3. (Should a later Triton emulate tf32 in the interpreter, these
+errors would grow to ~1e-3 and the bound would need revisiting.)
+
+Runtime: ~1.5 s per segment forward and ~5-7 s per backward on one core; the whole file ~45 s on two idle cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.dist_utils import REPO, agree, rel_err, run_ranks, sharded_rel_err, summed_rel_err
+
+TOL = 1e-5
+SHAPE = dict(nheads=4, headdim=8, ngroups=2, dstate=16, d_conv=4, chunk=16)
+PARAMS = ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "rmsnorm_weight")
+
+# single segments: batch 2, 37 tokens (two full chunks and a partial one)
+SEGMENT_CASES = {
+    "gate_Dhead": dict(),
+    "rms_after_gate_Dchannel_dtlimit": dict(rms=True, D2=True, dt_limit=(0.03, 0.1)),
+    "rms_before_gate_Dhead_dtlimit": dict(rms=True, before=True, dt_limit=(0.02, 0.2)),
+}
+SEG_BATCH, SEG_LEN = 2, 37
+# the public op on 2 ranks: batch 1, 38 tokens per rank (under "virtual" two segments of 19)
+OP_CASES = {
+    "none_gate_init_final": dict(lb="none"),
+    "virtual_rms_Dchannel_init_final_dtlimit": dict(lb="virtual", rms=True, D2=True, dt_limit=(0.03, 0.1)),
+}
+OP_BATCH, OP_PER_RANK = 1, 38
+
+
+def make_inputs(opts, batch, seqlen, seed=0):
+    """fp32 inputs (incl. halo, initial state) and upstream gradients from one seed.
+
+    dt = softplus(dt column + dt_bias) is mostly in [0.01, 0.15] and A in [-2, -0.5], so a state
+    decays by exp(-0.1) or so per token: the incoming state still matters at the end of a segment.
+    """
+    g = torch.Generator().manual_seed(seed)
+    h, p, ng, n, K = (SHAPE[k] for k in ("nheads", "headdim", "ngroups", "dstate", "d_conv"))
+    d_inner = h * p
+    conv_dim = d_inner + 2 * ng * n
+
+    def rnd(*size, scale=1.0):
+        return torch.randn(*size, generator=g) * scale
+
+    dt0 = torch.exp(torch.rand(h, generator=g) * (math.log(0.1) - math.log(0.01)) + math.log(0.01))
+    t = dict(
+        zxbcdt=rnd(batch, seqlen, 2 * d_inner + 2 * ng * n + h),
+        conv1d_weight=rnd(conv_dim, K, scale=0.5),
+        conv1d_bias=rnd(conv_dim, scale=0.5),
+        dt_bias=dt0 + torch.log(-torch.expm1(-dt0)),  # softplus^-1(dt0)
+        A=-(torch.rand(h, generator=g) * 1.5 + 0.5),
+        D=rnd(h, SHAPE["headdim"]) if opts.get("D2") else rnd(h),
+        rmsnorm_weight=rnd(d_inner, scale=0.3) + 1.0 if opts.get("rms") else None,
+        initial_states=rnd(batch, h, p, n),
+        halo=rnd(batch, K - 1, conv_dim),
+    )
+    grads = dict(out=rnd(batch, seqlen, d_inner), final=rnd(batch, h, p, n))
+    return t, grads
+
+
+def spec_of(opts):
+    from ds_mamba_spcp.ops.spec import CoreSpec
+
+    return CoreSpec(
+        nheads=SHAPE["nheads"], headdim=SHAPE["headdim"], ngroups=SHAPE["ngroups"], dstate=SHAPE["dstate"],
+        d_conv=SHAPE["d_conv"], chunk_size=SHAPE["chunk"], dt_limit=opts.get("dt_limit", (0.0, float("inf"))),
+        norm_before_gate=opts.get("before", False),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# 1 and 3: single segments, in a subprocess
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_segment(backend, t, grads, spec, *, initial_states, backward=True):
+    """One segment through ``backend``'s contract with a LocalExchange; every result as a dict."""
+    from ds_mamba_spcp.ops import reference
+
+    ex = reference.LocalExchange(initial_states)
+    ex.dfinal_states = grads["final"]
+    params = [t[k] for k in PARAMS]
+    out, S_in = backend.segment_fwd(t["zxbcdt"], t["halo"], *params, spec=spec, exchange=ex)
+    res = dict(out=out, S_in=S_in, final_states=ex.final_states)
+    if backward:
+        dzx, dhalo, *dparams = backend.segment_bwd(grads["out"], t["zxbcdt"], t["halo"], *params, S_in, spec=spec,
+                                                   exchange=ex)  # fmt: skip
+        res.update(dzxbcdt=dzx, dhalo=dhalo, dinitial_states=ex.dinitial_states)
+        res.update({"d" + k: d for k, d in zip(PARAMS, dparams) if t[k] is not None})
+    return res
+
+
+def _errors(got, want):
+    return {k: rel_err(got[k], want[k]) for k in got}
+
+
+def segments_main():
+    """Subprocess entry: prints one line 'RESULT <json>' with the errors of every case."""
+    from tests import triton_cpu_shims
+
+    triton_backend = triton_cpu_shims.install()
+    from ds_mamba_spcp.ops import reference
+
+    torch.set_num_threads(1)
+    results = {}
+    for name, opts in SEGMENT_CASES.items():
+        t, grads = make_inputs(opts, SEG_BATCH, SEG_LEN)
+        spec = spec_of(opts)
+        t64 = {k: None if v is None else v.double() for k, v in t.items()}
+        g64 = {k: v.double() for k, v in grads.items()}
+        want = _run_segment(reference, t64, g64, spec, initial_states=t64["initial_states"])
+        start = time.perf_counter()
+        got = _run_segment(triton_backend, t, grads, spec, initial_states=t["initial_states"])
+        results[name] = dict(errs=_errors(got, want), seconds=time.perf_counter() - start)
+        if name == "gate_Dhead":
+            # negative control: S_in zero instead of the initial state (a lost state summary)
+            bad = _run_segment(triton_backend, t, grads, spec, initial_states=None, backward=False)
+            results["bug_zero_S_in"] = dict(errs=_errors(bad, want), seconds=0.0)
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+@pytest.fixture(scope="module")
+def segment_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", MAMBA_DETERMINISTIC="1")  # install() sets them too
+    code = "from tests.test_triton_interpreter import segments_main; segments_main()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    why = f"subprocess failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0 and lines, why
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+SEGMENT_KEYS = {"out", "S_in", "final_states", "dinitial_states", "dzxbcdt", "dhalo", "dconv1d_weight",
+                "dconv1d_bias", "ddt_bias", "dA", "dD"}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SEGMENT_CASES))
+def test_segment_matches_reference(segment_results, case):
+    errs = segment_results[case]["errs"]
+    expected = SEGMENT_KEYS | ({"drmsnorm_weight"} if SEGMENT_CASES[case].get("rms") else set())
+    assert set(errs) == expected
+    bad = {k: v for k, v in errs.items() if not v <= TOL}
+    assert not bad, f"{case}: errors over {TOL}: {bad} (all: {errs})"
+
+
+def test_negative_control_fails(segment_results):
+    """A wrong S_in must fail the same bound, by far: the check sees the state passing."""
+    errs = segment_results["bug_zero_S_in"]["errs"]
+    assert errs["out"] > 100 * TOL and errs["S_in"] > 100 * TOL, errs
+    assert errs["final_states"] > 100 * TOL, errs
+
+
+# ---------------------------------------------------------------------------------------------
+# 2: the public op on two gloo ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _op_case(rank, world, opts):
+    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp
+
+    lb = opts["lb"]
+    seqlen = OP_PER_RANK * world
+    t, grads = make_inputs(opts, OP_BATCH, seqlen, seed=1)
+    t.pop("halo")
+    names = [k for k, v in t.items() if v is not None]
+    kw = dict(headdim=SHAPE["headdim"], ngroups=SHAPE["ngroups"], dt_limit=opts.get("dt_limit", (0.0, float("inf"))),
+              norm_before_gate=opts.get("before", False), return_final_states=True)  # fmt: skip
+
+    def call(fn, inputs, **extra):
+        args = [inputs[k] for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D")]
+        return fn(*args, SHAPE["chunk"], rmsnorm_weight=inputs.get("rmsnorm_weight"),
+                  initial_states=inputs["initial_states"], **kw, **extra)  # fmt: skip
+
+    ref_in = {k: t[k].double().requires_grad_() for k in names}
+    ref_out, ref_final = call(mamba_split_conv1d_scan_ref, ref_in)
+    ((ref_out * grads["out"].double()).sum() + (ref_final * grads["final"].double()).sum()).backward()
+
+    shard = lambda x: layout.shard_sequence(x, rank, world, "zigzag" if lb == "virtual" else "contiguous")  # noqa: E731
+    sp_in = {k: (shard(t[k]) if k == "zxbcdt" else t[k]).clone().requires_grad_() for k in names}
+    start = time.perf_counter()
+    out, final = call(mamba_split_conv1d_scan_sp, sp_in, load_balancing=lb, backend="triton")
+    # the copies of final_states on the ranks share its gradient: their contributions add up
+    ((out * shard(grads["out"])).sum() + (final * grads["final"]).sum() / world).backward()
+    seconds = time.perf_counter() - start
+
+    errs = {"out": sharded_rel_err(out.detach(), shard(ref_out.detach()))}
+    errs["final_states"] = rel_err(final, ref_final)
+    errs["dzxbcdt"] = sharded_rel_err(sp_in["zxbcdt"].grad, shard(ref_in["zxbcdt"].grad))
+    for k in names:
+        if k != "zxbcdt":
+            errs["d" + k] = summed_rel_err(sp_in[k].grad, ref_in[k].grad)
+    return {"errs": errs, "ok": agree(all(v <= TOL for v in errs.values())), "seconds": seconds}
+
+
+def _op_main(rank, world):
+    from tests import triton_cpu_shims
+
+    triton_cpu_shims.install()  # a fresh spawned process: before anything imports the kernels
+    return {name: _op_case(rank, world, opts) for name, opts in OP_CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def op_results():
+    return run_ranks(_op_main, 2, timeout=600)
+
+
+@pytest.mark.parametrize("case", list(OP_CASES))
+def test_sharded_op_matches_reference(op_results, case):
+    results = [r[case] for r in op_results]
+    errs = results[0]["errs"]
+    expected = {"out", "final_states", "dzxbcdt", "dconv1d_weight", "dconv1d_bias", "ddt_bias", "dA", "dD",
+                "dinitial_states"} | ({"drmsnorm_weight"} if OP_CASES[case].get("rms") else set())  # fmt: skip
+    assert set(errs) == expected
+    bad = {k: v for k, v in errs.items() if not v <= TOL}
+    assert not bad, f"{case}: errors over {TOL}: {bad} (all: {errs})"
+    assert all(r["ok"] for r in results)  # every rank saw the same verdict
+    assert max(r["errs"]["final_states"] for r in results) <= TOL
