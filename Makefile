@@ -32,8 +32,9 @@ demo: setup
 
 # The sharded op alone (no training): 2 ranks vs one process, errors and bytes exchanged.
 op-demo: setup
-	$(VENV)/bin/deepspeed --master_port $$($(PY) -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])') \
-		--num_gpus 2 examples/op_demo.py
+	@port=$$($(PY) -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'); \
+	$(VENV)/bin/deepspeed --master_port $$port --num_gpus 2 examples/op_demo.py; rc=$$?; \
+	$(PY) -c "from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers as r; r($$port)"; exit $$rc
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -121,3 +121,24 @@ def check_same_across_ranks(key: tuple, device, group, world: int, what: str) ->
             + "; ".join(f"rank {i}: {r[: len(flat)]}" for i, r in enumerate(rows))
         )
     _checked_calls.add((id(group), what, key))
+
+
+def remove_deepspeed_shm_buffers(port: int, addr: str = "127.0.0.1", shm_dir: str = "/dev/shm") -> int:
+    """Deletes the shared-memory files DeepSpeed's CPU backend left for a finished run on ``addr:port``.
+
+    On CPU, ``deepspeed.comm.init_distributed`` gives every rank a ~66 MB buffer
+    ``/dev/shm/deepspeed_allreduce_buffer_<n>_<addr>_<port>_<rank>`` (its shared-memory all-reduce)
+    and never unlinks it: each CPU run leaks RAM until reboot. Call this once every process of
+    the run has exited. Returns the number of files removed.
+    """
+    import glob
+    import os
+
+    removed = 0
+    for path in glob.glob(os.path.join(shm_dir, f"deepspeed_allreduce_buffer_*_{addr}_{port}_*")):
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed

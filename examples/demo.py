@@ -27,6 +27,7 @@ if _HERE not in sys.path:
 import torch  # noqa: E402
 import train  # noqa: E402 - examples/train.py (puts the checkout on sys.path when not installed)
 
+from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers  # noqa: E402
 from ds_mamba_spcp.config import load_mamba_sp_config  # noqa: E402
 from ds_mamba_spcp.traffic import state_passing_bytes, ulysses_bytes  # noqa: E402
 
@@ -98,10 +99,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dist_log, ref_log = os.path.join(tmp, "dist.jsonl"), os.path.join(tmp, "single.jsonl")
         script = os.path.join(REPO, "examples", "train.py")
-        cmd = launcher() + ["--master_port", str(free_port()), "--num_gpus", "2", script] + common
+        port = free_port()
+        cmd = launcher() + ["--master_port", str(port), "--num_gpus", "2", script] + common
         shown = ["deepspeed", "--master_port", "<free>", "--num_gpus", "2", "examples/train.py", *common]
         print("$ " + " ".join(shown).replace(REPO + os.sep, ""), flush=True)
-        subprocess.run(cmd + ["--log-json", dist_log], env=env, cwd=REPO, check=True)
+        try:
+            subprocess.run(cmd + ["--log-json", dist_log], env=env, cwd=REPO, check=True)
+        finally:
+            remove_deepspeed_shm_buffers(port)  # DeepSpeed's CPU backend leaves them in /dev/shm
         print(f"$ python examples/train.py {' '.join(common)}".replace(REPO + os.sep, ""), flush=True)
         subprocess.run([sys.executable, script, *common, "--log-json", ref_log], env=env, cwd=REPO, check=True)
         dist, ref = read_log(dist_log), read_log(ref_log)

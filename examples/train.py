@@ -303,6 +303,9 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         dist.all_reduce(total)
         log.step(step, total.item() / world, time.perf_counter() - t0)
     log.close()
+    if engine.device.type == "cpu" and "MASTER_PORT" in os.environ:
+        dist.barrier()  # nobody needs DeepSpeed's CPU all-reduce buffers any more: free them (it never does)
+        comm.remove_deepspeed_shm_buffers(int(os.environ["MASTER_PORT"]), os.environ.get("MASTER_ADDR", "127.0.0.1"))
     return log.records
 
 

@@ -20,6 +20,8 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -90,6 +92,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600.0, backend: str =
             if p.is_alive():
                 p.kill()
                 p.join()
+        remove_deepspeed_shm_buffers(port)  # DeepSpeed's CPU backend never unlinks them
     if error is not None:
         raise RuntimeError(error)
     return [results[r] for r in range(world_size)]

@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from tests.dist_utils import REPO
+from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
+from tests.dist_utils import REPO, free_port
 
 BENCH = os.path.join(REPO, "benchmarks", "bench_mixer.py")
 REPORT = os.path.join(REPO, "benchmarks", "report.py")
@@ -44,9 +45,14 @@ def _env():
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "cpu.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH,
-           "--cpu", "--iters", "3", "--warmup", "2", "--no-progress", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), BENCH, "--cpu", "--iters", "3", "--warmup", "2", "--no-progress",
+           "--out", str(out)]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    finally:
+        remove_deepspeed_shm_buffers(port)  # DeepSpeed's CPU backend leaves them in /dev/shm
     assert proc.returncode == 0, (
         f"bench_mixer --cpu failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     )

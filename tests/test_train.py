@@ -28,6 +28,7 @@ import sys
 
 import pytest
 
+from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
 from tests.dist_utils import REPO, free_port, run_ranks
 
 TOL = 1e-4
@@ -175,9 +176,13 @@ def test_launcher_default_config_hybrid_zigzag(tmp_path):
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     dist_log, ref_log = tmp_path / "dist.jsonl", tmp_path / "ref.jsonl"
     script = os.path.join(REPO, "examples", "train.py")
-    cmd = [launcher, "--master_port", str(free_port()), "--num_gpus", str(CP), script]
-    proc = subprocess.run(cmd + argv + ["--log-json", str(dist_log)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    port = free_port()
+    cmd = [launcher, "--master_port", str(port), "--num_gpus", str(CP), script]
+    try:
+        proc = subprocess.run(cmd + argv + ["--log-json", str(dist_log)], env=env, cwd=REPO, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+    finally:
+        remove_deepspeed_shm_buffers(port)
     assert proc.returncode == 0, f"launcher failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert "step   20 | loss" in proc.stdout, proc.stdout[-2000:]
     train = load_train()
