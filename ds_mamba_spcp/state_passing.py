@@ -137,26 +137,27 @@ def _return_halo_grad(dhalo, plan: SegmentPlan, batch: int):
     return layout.take(nxt, plan.local_ids).reshape(-1, *dhalo.shape[1:])
 
 
-def _state_passing_fwd(zxbcdt, params, initial_states, spec: CoreSpec, plan: SegmentPlan, backend):
+def _state_passing_fwd(zxbcdt, params, initial_states, spec: CoreSpec, plan: SegmentPlan, backend, kept=None):
     batch = zxbcdt.shape[0]
     zxbcdt = layout.pack_segments(zxbcdt, plan.nlocal)  # [b, nlocal*m, d] -> [nlocal*b, m, d]
     _, xBC, _ = split_zxbcdt(zxbcdt, spec)
     halo = _exchange_halo(xBC, plan, spec.d_conv, batch)
     exchange = _SummaryExchange(plan, batch, initial_states)
-    out, S_in = backend.segment_fwd(zxbcdt, halo, *params, spec=spec, exchange=exchange)
+    out, S_in = backend.segment_fwd(zxbcdt, halo, *params, spec=spec, exchange=exchange, kept=kept)
     return layout.unpack_segments(out, plan.nlocal), halo, S_in, exchange
 
 
-def _state_passing_bwd(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, spec, plan, backend):
+def _state_passing_bwd(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, spec, plan, backend, kept=()):
     batch = zxbcdt.shape[0]
     zxbcdt = layout.pack_segments(zxbcdt, plan.nlocal)
     dout = layout.pack_segments(dout, plan.nlocal)
     exchange = _SummaryExchange(plan, batch, log_a_all=log_a_all, dfinal_states=dfinal)
-    dzxbcdt, dhalo, *dparams = backend.segment_bwd(dout, zxbcdt, halo, *params, S_in, spec=spec, exchange=exchange)
+    dzxbcdt, dhalo, *dparams = backend.segment_bwd(
+        dout, zxbcdt, halo, *params, S_in, spec=spec, exchange=exchange, kept=kept
+    )
     if dhalo is not None:
         dtail = _return_halo_grad(dhalo, plan, batch)
-        start = spec.d_inner  # xBC's channels inside zxbcdt
-        dzxbcdt = dzxbcdt.clone()
+        start = spec.d_inner  # xBC's channels inside zxbcdt; dzxbcdt is the backend's own fresh buffer
         dzxbcdt[:, -dtail.shape[1] :, start : start + spec.conv_dim] += dtail.to(dzxbcdt.dtype)
     return layout.unpack_segments(dzxbcdt, plan.nlocal), dparams, exchange.dinitial_states
 
@@ -164,10 +165,12 @@ def _state_passing_bwd(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, spec
 class _StatePassingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states, spec, plan,
-                backend, return_final_states):  # fmt: skip
+                backend, return_final_states, recompute_output):  # fmt: skip
         params = (conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight)
-        out, halo, S_in, exchange = _state_passing_fwd(zxbcdt, params, initial_states, spec, plan, backend)
-        ctx.save_for_backward(zxbcdt, halo, S_in, exchange.log_a_all, *params)
+        kept = None if recompute_output else []  # the backend appends what it keeps for backward
+        out, halo, S_in, exchange = _state_passing_fwd(zxbcdt, params, initial_states, spec, plan, backend, kept)
+        ctx.num_kept = len(kept or ())
+        ctx.save_for_backward(zxbcdt, halo, S_in, exchange.log_a_all, *params, *(kept or ()))
         ctx.spec, ctx.plan, ctx.backend = spec, plan, backend
         ctx.has_initial_states = initial_states is not None
         ctx.initial_dtype = None if initial_states is None else initial_states.dtype
@@ -178,16 +181,17 @@ class _StatePassingFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *rest):
-        zxbcdt, halo, S_in, log_a_all, *params = ctx.saved_tensors
+        zxbcdt, halo, S_in, log_a_all, *rest_saved = ctx.saved_tensors
+        params, kept = rest_saved[:6], tuple(rest_saved[6:])
         dfinal = rest[0] if ctx.return_final_states else None
         dzxbcdt, dparams, dinit = _state_passing_bwd(
-            dout.contiguous(), zxbcdt, halo, params, S_in, log_a_all, dfinal, ctx.spec, ctx.plan, ctx.backend
+            dout.contiguous(), zxbcdt, halo, params, S_in, log_a_all, dfinal, ctx.spec, ctx.plan, ctx.backend, kept
         )
         dinitial = None
         if ctx.has_initial_states:
             # replicated input: the full gradient lands on the rank holding segment 0, zeros elsewhere
             dinitial = (dinit if ctx.plan.rank == 0 else torch.zeros_like(dinit)).to(ctx.initial_dtype)
-        return (dzxbcdt, *dparams, dinitial, None, None, None, None)
+        return (dzxbcdt, *dparams, dinitial, None, None, None, None, None)
 
 
 _DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -218,6 +222,7 @@ def mamba_split_conv1d_scan_sp(
     backend="auto",
     overlap_comm=True,
     check_shapes=True,
+    recompute_output=True,
 ):
     """Mamba2 mixer core (conv1d + SSD + gating) on this rank's shard of a sequence.
 
@@ -244,6 +249,10 @@ def mamba_split_conv1d_scan_sp(
     deepspeed.comm is a group of one). A group of size 1 runs the plain single-device op.
     load_balancing: "none" (contiguous shards) or "virtual" (zigzag shards as two causal segments
     packed on the batch axis). backend: "auto" (Triton on CUDA, else reference), "reference", "triton".
+    recompute_output: True (default) saves only the inputs, the halo, S_in and the decays and
+    recomputes everything else in backward; False also keeps the pre-gate output y (batch,
+    local_seqlen, nheads*headdim) from forward, as mamba-ssm's own op does, so the Triton backward
+    skips one chunk-scan kernel (the reference backend ignores it).
     """
     if seq_idx is not None or cu_seqlens is not None:
         raise NotImplementedError(
@@ -301,7 +310,7 @@ def mamba_split_conv1d_scan_sp(
         comm.check_same_across_ranks(key, zxbcdt.device, process_group, cp, "mamba_split_conv1d_scan_sp")
     return _StatePassingFn.apply(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states, spec, plan, impl,
-        bool(return_final_states),
+        bool(return_final_states), bool(recompute_output),
     )  # fmt: skip
 
 

@@ -14,7 +14,8 @@ chunk_size=16, lengths not multiples of the chunk), against the reference backen
    exchange) and every gradient, for the plain gate and the gated RMSNorm (norm_before_gate False and
    True), D per head and per channel, with and without dt_limit.
 2. ``mamba_split_conv1d_scan_sp(..., backend="triton")`` on two gloo ranks, load_balancing "none"
-   and "virtual", against ``mamba_split_conv1d_scan_ref`` on the full sequence.
+   and "virtual", against ``mamba_split_conv1d_scan_ref`` on the full sequence, also with
+   ``recompute_output=False`` (the pre-gate output kept from forward instead of recomputed).
 3. A negative control: the segment run with a wrong S_in (zero instead of the initial state) must
    fail the same bound.
 
@@ -59,6 +60,9 @@ SEG_BATCH, SEG_LEN = 2, 37
 OP_CASES = {
     "none_gate_init_final": dict(lb="none"),
     "virtual_rms_Dchannel_init_final_dtlimit": dict(lb="virtual", rms=True, D2=True, dt_limit=(0.03, 0.1)),
+    # recompute_output=False: the forward keeps the pre-gate output y and the backward reuses it
+    "none_gate_keep_output": dict(lb="none", keep=True),
+    "virtual_rms_keep_output": dict(lb="virtual", rms=True, before=True, keep=True),
 }
 OP_BATCH, OP_PER_RANK = 1, 38
 
@@ -213,7 +217,9 @@ def _op_case(rank, world, opts):
     shard = lambda x: layout.shard_sequence(x, rank, world, "zigzag" if lb == "virtual" else "contiguous")  # noqa: E731
     sp_in = {k: (shard(t[k]) if k == "zxbcdt" else t[k]).clone().requires_grad_() for k in names}
     start = time.perf_counter()
-    out, final = call(mamba_split_conv1d_scan_sp, sp_in, load_balancing=lb, backend="triton")
+    out, final = call(
+        mamba_split_conv1d_scan_sp, sp_in, load_balancing=lb, backend="triton", recompute_output=not opts.get("keep")
+    )
     # the copies of final_states on the ranks share its gradient: their contributions add up
     ((out * shard(grads["out"])).sum() + (final * grads["final"]).sum() / world).backward()
     seconds = time.perf_counter() - start

@@ -188,11 +188,13 @@ def _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec: CoreSpec):
     )
 
 
-def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, exchange):
+def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, exchange, kept=None):
     """Forward of one causal segment (batch may hold several segments, see layout.py).
 
     halo: (batch, d_conv-1, conv_dim) pre-conv xBC rows of the causally previous segment.
     exchange.post(S_ext, log_a) -> handle; handle.wait() -> S_in (fp32 or fp64).
+    kept: None, or a list the backend may append tensors to, to be handed back to segment_bwd
+    (trading memory for recomputation; this backend recomputes everything and appends nothing).
     Returns (out (batch, seqlen, d_inner), S_in).
     """
     with torch.no_grad():
@@ -202,7 +204,9 @@ def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm
     return out, S_in
 
 
-def segment_bwd(dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange):
+def segment_bwd(
+    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange, kept=()
+):
     """Backward of ``segment_fwd`` by recomputation under autograd.
 
     exchange.post_grad(L) -> handle; handle.wait() -> dS_out, where L is the gradient reaching

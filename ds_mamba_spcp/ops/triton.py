@@ -175,12 +175,14 @@ def _rms_args(y, z, spec: CoreSpec):
 # ---------------------------------------------------------------------------------------------
 
 
-def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, exchange):
+def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, exchange, kept=None):
     """Forward of one causal segment (segments packed on the batch axis), see ops/reference.py.
 
     zxbcdt: (batch, seqlen, d_in_proj); halo: (batch, d_conv-1, conv_dim) pre-conv rows of the
     previous segment, in zxbcdt's dtype. exchange.post(S_ext, log_a) -> handle, handle.wait() -> S_in
-    (fp32). Returns (out (batch, seqlen, nheads*headdim) in zxbcdt's dtype, S_in).
+    (fp32). kept: None, or a list to which the pre-gate output y is appended for segment_bwd (what
+    upstream's op saves; the backward then skips one _chunk_scan_fwd). Returns (out (batch, seqlen,
+    nheads*headdim) in zxbcdt's dtype, S_in).
     """
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
@@ -195,9 +197,13 @@ def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm
     S_in = handle.wait()
     prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, out_dtype=C.dtype)
     if rmsnorm_weight is None:
-        out, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z)
+        out, y = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z)  # y: before the gate
+        if kept is not None:
+            kept.append(y)
         return rearrange(out, "b l h p -> b l (h p)"), S_in
     y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=None)
+    if kept is not None:
+        kept.append(y)
     y_rms, z_rms = _rms_args(y, z, spec)
     out, _, _ = _layernorm._layer_norm_fwd(
         y_rms, rmsnorm_weight.contiguous(), None, spec.rmsnorm_eps, z_rms, group_size=spec.d_inner // spec.ngroups,
@@ -206,11 +212,14 @@ def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm
     return rearrange(out, "(b l) d -> b l d", b=batch), S_in
 
 
-def segment_bwd(dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange):
+def segment_bwd(
+    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange, kept=()
+):
     """Backward of ``segment_fwd`` by recomputation, see ops/reference.py for the contract.
 
     exchange.post_grad(L) -> handle, handle.wait() -> dS_out (fp32). Returns the gradients of
     (zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight) (None for None inputs).
+    kept: what segment_fwd appended (the pre-gate output y), or () to recompute it.
     """
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
@@ -223,7 +232,10 @@ def segment_bwd(dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, r
     del chunk_states
     prev_lowp = prev_states.to(C.dtype)  # what the forward's chunk scan read
     CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, output_dtype=torch.float32)
-    y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None)  # pre-gate output
+    if kept:
+        (y,) = kept  # the pre-gate output, kept by the forward
+    else:
+        y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None)  # pre-gate output
 
     # gradient buffers: views into dzxbcdt (z, dt) and into one xBC-shaped buffer (x, B, C)
     dzxbcdt = torch.empty_like(zxbcdt)
