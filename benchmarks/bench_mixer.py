@@ -125,6 +125,7 @@ class Context:
     backend: str
     dims: Dims
     seed: int = 1234
+    recompute_output: bool = True  # False: the sp op keeps the pre-gate output from forward (--keep-output)
 
     @property
     def cuda(self) -> bool:
@@ -215,7 +216,13 @@ def build_step(mode: str, cell: Cell, ctx: Context):
         lb = SP_LOAD_BALANCING[mode]
         inp = CoreInputs(cell.batch, local, cell.nheads, cell.ngroups, ctx)
         return inp.fwd_bwd(
-            lambda: mamba_split_conv1d_scan_sp(*inp.args(), load_balancing=lb, backend=ctx.backend, **inp.kwargs())
+            lambda: mamba_split_conv1d_scan_sp(
+                *inp.args(),
+                load_balancing=lb,
+                backend=ctx.backend,
+                recompute_output=ctx.recompute_output,
+                **inp.kwargs(),
+            )
         )
     if mode == "ulysses":
         ulysses_local_groups(cell.nheads, cell.ngroups, ctx.cp)
@@ -583,6 +590,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default=None)
     p.add_argument("--rmsnorm", action="store_true", help="include the gated RMSNorm (norm after the gate)")
+    p.add_argument("--keep-output", action="store_true",
+                   help="sp modes keep the pre-gate output from forward (recompute_output=False)")  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES), help=f"comma separated subset of {','.join(MODES)}")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="also time CUDA-graph replay (default: on with CUDA, off with --cpu)")  # fmt: skip
@@ -641,7 +650,14 @@ def init(args) -> Context:
         torch.cuda.set_device(device)
     dist.init_distributed(dist_backend="gloo" if args.cpu else "nccl", verbose=False,
                           timeout=timedelta(seconds=args.timeout))  # fmt: skip
-    ctx = Context(rank=dist.get_rank(), cp=dist.get_world_size(), device=device, backend=args.backend, dims=args.dims)
+    ctx = Context(
+        rank=dist.get_rank(),
+        cp=dist.get_world_size(),
+        device=device,
+        backend=args.backend,
+        dims=args.dims,
+        recompute_output=not args.keep_output,
+    )
     torch.manual_seed(ctx.seed + ctx.rank)
     return ctx
 
@@ -662,6 +678,7 @@ def main(argv=None):
             warmup=args.warmup,
             cells=[asdict(c) for c in args.cells],
             suite=args.suite,
+            recompute_output=ctx.recompute_output,
         ),
         records=[],
         complete=False,
