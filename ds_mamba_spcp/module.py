@@ -38,7 +38,6 @@ from ds_mamba_spcp.state_passing import mamba_split_conv1d_scan_sp
 # The registries of nn.Module that hold what state_dict / parameters / .to() walk.
 _SHARED_REGISTRIES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
 _UNRESOLVED = object()
-_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
 def _check_mixer_supported(mixer) -> None:
@@ -282,9 +281,8 @@ class DistributedMamba2(nn.Module):
         key = (tuple(hidden.shape), hidden.dtype)
         if key in self._checked_shards:
             return
-        desc = torch.tensor(
-            [*hidden.shape, _DTYPE_CODES.get(hidden.dtype, len(_DTYPE_CODES))], dtype=torch.long, device=hidden.device
-        )
+        code = comm.DTYPE_CODES.get(hidden.dtype, len(comm.DTYPE_CODES))
+        desc = torch.tensor([*hidden.shape, code], dtype=torch.long, device=hidden.device)
         rows = comm.all_gather(desc, group, self._group_size, async_op=False).wait().tolist()
         seqlens = [r[1] for r in rows]
         if len(set(seqlens)) > 1:

@@ -222,8 +222,5 @@ def permuted_scan(
     return contiguous_to_zigzag(res, process_group, method)
 
 
-_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-
-
 def _dtype_code(dtype) -> int:
-    return _DTYPE_CODES.get(dtype, 9)
+    return comm.DTYPE_CODES.get(dtype, 9)

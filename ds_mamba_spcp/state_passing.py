@@ -194,9 +194,6 @@ class _StatePassingFn(torch.autograd.Function):
         return (dzxbcdt, *dparams, dinitial, None, None, None, None, None)
 
 
-_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-
-
 def mamba_split_conv1d_scan_sp(
     zxbcdt,
     conv1d_weight,
@@ -303,7 +300,7 @@ def mamba_split_conv1d_scan_sp(
         )
     if check_shapes:
         key = (
-            *zxbcdt.shape, *conv1d_weight.shape, *D.shape, _DTYPE_CODES.get(zxbcdt.dtype, 9),
+            *zxbcdt.shape, *conv1d_weight.shape, *D.shape, comm.DTYPE_CODES.get(zxbcdt.dtype, 9),
             chunk_size, headdim, ngroups, initial_states is not None, bool(return_final_states),
             rmsnorm_weight is not None, conv1d_bias is not None, LOAD_BALANCING.index(load_balancing),
         )  # fmt: skip

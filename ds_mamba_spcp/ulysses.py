@@ -254,9 +254,6 @@ def _shardings(spec: CoreSpec, h_loc: int, g_loc: int, nrep: int):
     return zxbcdt, y
 
 
-_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-
-
 def mamba_split_conv1d_scan_ulysses(
     zxbcdt,
     conv1d_weight,
@@ -305,7 +302,7 @@ def mamba_split_conv1d_scan_ulysses(
     rank, cp = comm.group_rank_size(process_group)
     if cp > 1 and check_shapes:  # first, so that any error below is raised by every rank alike
         key = (
-            zxbcdt.dim(), *zxbcdt.shape, *conv1d_weight.shape, D.dim(), *D.shape, _DTYPE_CODES.get(zxbcdt.dtype, 9),
+            zxbcdt.dim(), *zxbcdt.shape, *conv1d_weight.shape, D.dim(), *D.shape, comm.DTYPE_CODES.get(zxbcdt.dtype, 9),
             chunk_size, -1 if headdim is None else headdim, ngroups, initial_states is not None,
             bool(return_final_states), rmsnorm_weight is not None, bool(norm_before_gate), conv1d_bias is not None,
             LAYOUTS.index(input_layout),
