@@ -125,7 +125,7 @@ class Context:
     backend: str
     dims: Dims
     seed: int = 1234
-    recompute_output: bool = True  # False: the sp op keeps the pre-gate output from forward (--keep-output)
+    recompute_output: bool = False  # the sp op's recompute_output (--recompute-output: True)
 
     @property
     def cuda(self) -> bool:
@@ -590,8 +590,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default=None)
     p.add_argument("--rmsnorm", action="store_true", help="include the gated RMSNorm (norm after the gate)")
-    p.add_argument("--keep-output", action="store_true",
-                   help="sp modes keep the pre-gate output from forward (recompute_output=False)")  # fmt: skip
+    p.add_argument("--recompute-output", action="store_true",
+                   help="sp modes recompute the pre-gate output in backward (recompute_output=True)")  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES), help=f"comma separated subset of {','.join(MODES)}")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="also time CUDA-graph replay (default: on with CUDA, off with --cpu)")  # fmt: skip
@@ -656,7 +656,7 @@ def init(args) -> Context:
         device=device,
         backend=args.backend,
         dims=args.dims,
-        recompute_output=not args.keep_output,
+        recompute_output=args.recompute_output,
     )
     torch.manual_seed(ctx.seed + ctx.rank)
     return ctx

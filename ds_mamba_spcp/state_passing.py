@@ -147,7 +147,7 @@ def _state_passing_fwd(zxbcdt, params, initial_states, spec: CoreSpec, plan: Seg
     return layout.unpack_segments(out, plan.nlocal), halo, S_in, exchange
 
 
-def _state_passing_bwd(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, spec, plan, backend, kept=()):
+def _state_passing_bwd(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, spec, plan, backend, kept=None):
     batch = zxbcdt.shape[0]
     zxbcdt = layout.pack_segments(zxbcdt, plan.nlocal)
     dout = layout.pack_segments(dout, plan.nlocal)
@@ -169,8 +169,11 @@ class _StatePassingFn(torch.autograd.Function):
         params = (conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight)
         kept = None if recompute_output else []  # the backend appends what it keeps for backward
         out, halo, S_in, exchange = _state_passing_fwd(zxbcdt, params, initial_states, spec, plan, backend, kept)
-        ctx.num_kept = len(kept or ())
-        ctx.save_for_backward(zxbcdt, halo, S_in, exchange.log_a_all, *params, *(kept or ()))
+        ctx.save_for_backward(zxbcdt, halo, S_in, exchange.log_a_all, *params)
+        # Not saved tensors: the backward pops them and frees them as soon as it is done with them
+        # (a saved tensor lives until the backward returns). Internal intermediates that nothing
+        # else can modify; a second backward (retain_graph) finds the list empty and recomputes.
+        ctx.kept = kept
         ctx.spec, ctx.plan, ctx.backend = spec, plan, backend
         ctx.has_initial_states = initial_states is not None
         ctx.initial_dtype = None if initial_states is None else initial_states.dtype
@@ -181,8 +184,8 @@ class _StatePassingFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *rest):
-        zxbcdt, halo, S_in, log_a_all, *rest_saved = ctx.saved_tensors
-        params, kept = rest_saved[:6], tuple(rest_saved[6:])
+        zxbcdt, halo, S_in, log_a_all, *params = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None
         dfinal = rest[0] if ctx.return_final_states else None
         dzxbcdt, dparams, dinit = _state_passing_bwd(
             dout.contiguous(), zxbcdt, halo, params, S_in, log_a_all, dfinal, ctx.spec, ctx.plan, ctx.backend, kept
@@ -219,7 +222,7 @@ def mamba_split_conv1d_scan_sp(
     backend="auto",
     overlap_comm=True,
     check_shapes=True,
-    recompute_output=True,
+    recompute_output=False,
 ):
     """Mamba2 mixer core (conv1d + SSD + gating) on this rank's shard of a sequence.
 
@@ -246,10 +249,11 @@ def mamba_split_conv1d_scan_sp(
     deepspeed.comm is a group of one). A group of size 1 runs the plain single-device op.
     load_balancing: "none" (contiguous shards) or "virtual" (zigzag shards as two causal segments
     packed on the batch axis). backend: "auto" (Triton on CUDA, else reference), "reference", "triton".
-    recompute_output: True (default) saves only the inputs, the halo, S_in and the decays and
-    recomputes everything else in backward; False also keeps the pre-gate output y (batch,
-    local_seqlen, nheads*headdim) from forward, as mamba-ssm's own op does, so the Triton backward
-    skips one chunk-scan kernel (the reference backend ignores it).
+    recompute_output: False (default) keeps the pre-gate output y (batch, local_seqlen,
+    nheads*headdim) from forward, as mamba-ssm's own op does, so that the Triton backward skips one
+    chunk-scan kernel, and frees it as soon as the gate's backward has used it; True saves only the
+    inputs, the halo, S_in and the decays and recomputes y too (one activation less held between
+    forward and backward, one kernel more). The reference backend always recomputes.
     """
     if seq_idx is not None or cu_seqlens is not None:
         raise NotImplementedError(

@@ -88,6 +88,9 @@ def _cases():
     for lb in ("none", "virtual"):  # 1500- and 750-token segments: not multiples of the 64-token chunk
         cases[f"small_rms_L3000_b2_{lb}"] = dict(shape="small_rms", L=3000, batch=2, lb=lb)
     cases["bench_L131072_b1_none"] = dict(shape="bench", L=131072, batch=1, lb="none")
+    # the op's other memory mode (recompute_output=True: the pre-gate output recomputed in backward)
+    cases["bench_L8192_b1_none_recompute"] = dict(shape="bench", L=8192, batch=1, lb="none", recompute=True)
+    cases["bench_L8192_b3_virtual_recompute"] = dict(shape="bench", L=8192, batch=3, lb="virtual", recompute=True)
     return cases
 
 
@@ -164,7 +167,8 @@ def _run_case(rank, world, case):
         scan.reverse_scan = lambda L_, log_a, dfinal=None: (torch.zeros_like(L_), L_[0])
     try:
         sp_out, sp_final, sp_grads = _fwd_bwd(mamba_split_conv1d_scan_sp, sp_inputs, shard(grads["out"]), gfinal,
-                                              shape, opts, weight, load_balancing=lb, backend="triton")  # fmt: skip
+                                              shape, opts, weight, load_balancing=lb, backend="triton",
+                                              recompute_output=case.get("recompute", False))  # fmt: skip
     finally:
         scan.reverse_scan = saved
 

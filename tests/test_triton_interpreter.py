@@ -63,6 +63,8 @@ OP_CASES = {
     # recompute_output=False: the forward keeps the pre-gate output y and the backward reuses it
     "none_gate_keep_output": dict(lb="none", keep=True),
     "virtual_rms_keep_output": dict(lb="virtual", rms=True, before=True, keep=True),
+    # two backwards through one graph (retain_graph): the first consumes the kept y, the second recomputes it
+    "none_gate_keep_output_backward_twice": dict(lb="none", keep=True, twice=True),
 }
 OP_BATCH, OP_PER_RANK = 1, 38
 
@@ -155,7 +157,32 @@ def segments_main():
             # negative control: S_in zero instead of the initial state (a lost state summary)
             bad = _run_segment(triton_backend, t, grads, spec, initial_states=None, backward=False)
             results["bug_zero_S_in"] = dict(errs=_errors(bad, want), seconds=0.0)
+    results["fold_chunks"] = _fold_chunks_vs_upstream(triton_backend)
     print("RESULT " + json.dumps(results), flush=True)
+
+
+def _fold_chunks_vs_upstream(triton_backend):
+    """The backend's own reduction kernel against the mamba-ssm outputs it replaces (largest abs diff)."""
+    from ds_mamba_spcp import _upstream
+
+    sp = _upstream.mamba_module("ops.triton.ssd_state_passing")
+    g = torch.Generator().manual_seed(3)
+    b, c, h, p, n = 2, 5, 3, 4, 24  # p*n = 96: not a power of two, so the kernel's mask is exercised
+    x = torch.randn(b, c, h, p, n, generator=g)
+    dA_cs = -torch.rand(b, h, c, 16, generator=g).cumsum(-1)  # a cumulative log-decay per chunk
+    dA_last = dA_cs[..., -1]  # (b, h, c), strided like the backend's dA_cumsum[:, :, :, -1]
+    flat = x.reshape(b, c, h, p * n)
+    _, final = sp._state_passing_fwd(flat, dA_last)
+    prev = torch.randn(b, c, h, p * n, generator=g)
+    _, _, dinit = sp._state_passing_bwd(prev, dA_last, flat, has_initial_states=True, dstates_dtype=torch.float32)
+    fwd = triton_backend._fold_chunks(x, dA_last, reverse=False).reshape(b, h, p * n)
+    bwd = triton_backend._fold_chunks(x, dA_last, reverse=True).reshape(b, h, p * n)
+    return dict(errs={"S_ext": (fwd - final).abs().max().item(), "L": (bwd - dinit).abs().max().item()}, seconds=0.0)
+
+
+def test_fold_chunks_equals_upstream(segment_results):
+    """Same recurrence, same order, fp32: bitwise equal under the interpreter (numpy, no fused multiply-add)."""
+    assert segment_results["fold_chunks"]["errs"] == {"S_ext": 0.0, "L": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +248,12 @@ def _op_case(rank, world, opts):
         mamba_split_conv1d_scan_sp, sp_in, load_balancing=lb, backend="triton", recompute_output=not opts.get("keep")
     )
     # the copies of final_states on the ranks share its gradient: their contributions add up
-    ((out * shard(grads["out"])).sum() + (final * grads["final"]).sum() / world).backward()
+    loss = (out * shard(grads["out"])).sum() + (final * grads["final"]).sum() / world
+    loss.backward(retain_graph=bool(opts.get("twice")))
+    if opts.get("twice"):
+        loss.backward()  # gradients accumulate: twice the single backward's (halving below is exact)
+        for v in sp_in.values():
+            v.grad.div_(2)
     seconds = time.perf_counter() - start
 
     errs = {"out": sharded_rel_err(out.detach(), shard(ref_out.detach()))}

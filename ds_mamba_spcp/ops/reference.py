@@ -193,8 +193,8 @@ def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm
 
     halo: (batch, d_conv-1, conv_dim) pre-conv xBC rows of the causally previous segment.
     exchange.post(S_ext, log_a) -> handle; handle.wait() -> S_in (fp32 or fp64).
-    kept: None, or a list the backend may append tensors to, to be handed back to segment_bwd
-    (trading memory for recomputation; this backend recomputes everything and appends nothing).
+    kept: None, or a list the backend may append tensors to, handed back to segment_bwd (trading
+    memory for recomputation; this backend recomputes everything and appends nothing).
     Returns (out (batch, seqlen, d_inner), S_in).
     """
     with torch.no_grad():
@@ -205,9 +205,12 @@ def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm
 
 
 def segment_bwd(
-    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange, kept=()
+    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange, kept=None
 ):
     """Backward of ``segment_fwd`` by recomputation under autograd.
+
+    kept: the list segment_fwd filled, or None. A backend pops what it uses (so that a kept
+    tensor is freed as soon as the backward is done with it) and recomputes what is missing.
 
     exchange.post_grad(L) -> handle; handle.wait() -> dS_out, where L is the gradient reaching
     S_in when S_out receives none, and dS_out the gradient that later segments send to S_out.

@@ -5,24 +5,29 @@ built from the private pieces of mamba-ssm's ``MambaSplitConv1dScanCombinedFn`` 
 so that the state summary exchange can sit between them:
 
     forward   conv (halo as causal-conv1d's initial_states) -> _chunk_cumsum_fwd -> _chunk_state_fwd
-              -> _state_passing_fwd from zero: S_ext, log_a      post(S_ext, log_a)
+              -> S_ext = the chunk states folded from zero (our _fold_chunks_kernel), log_a
+              post(S_ext, log_a)
               -> _bmm_chunk_fwd (C.B^T: needs no state, overlaps the all-gather)
               S_in = wait -> _state_passing_fwd from S_in -> _chunk_scan_fwd (D, z gate) [-> gated RMSNorm]
-    backward  recompute the forward from the saved inputs, halo and S_in
-              -> dz (or the RMSNorm backward) -> _chunk_scan_bwd_dstates -> _state_passing_bwd with no
-              gradient at the segment's end: L                 post_grad(L)
-              -> dC, dCB, ddA (need no dS_out, overlap the all-gather)
-              dS_out = wait -> _state_passing_bwd again with dfinal_states = dS_out (cheap)
-              -> dx, ddt, dD, dB -> _chunk_cumsum_bwd -> conv backward (dinitial_states = halo gradient)
+    backward  recompute the forward's inputs to the scan from the saved inputs, halo and S_in (the
+              pre-gate output y is kept from forward unless recompute_output)
+              -> dz (or the RMSNorm backward) -> _chunk_scan_bwd_dstates
+              -> L = those state gradients folded back to the segment's start (_fold_chunks_kernel)
+              post_grad(L)
+              -> dCB, ddA (need no dS_out, overlap the all-gather)
+              dS_out = wait -> _state_passing_bwd with dfinal_states = dS_out -> dC, dx, ddt, dD, dB
+              -> _chunk_cumsum_bwd -> conv backward (dinitial_states = halo gradient)
 
 Numerics follow upstream's op step for step (bf16 states into the matmuls, fp32 chunk states and
 summaries), so a segment chain reproduces the single-device op up to rounding. The cross-rank
 quantities (S_ext, log_a, S_in, L, dS_out) are fp32. Nothing here reads a tensor value on the
 host, so forward and backward can be captured in a CUDA graph.
 
-Memory: the autograd Function saves only the inputs, the halo, S_in and the gathered decays; the
-conv output, x/B/C, chunk states, CB and the pre-gate output y are recomputed in backward (upstream
-saves y as well, one (batch, seqlen, nheads*headdim) tensor more).
+Memory: the autograd Function saves the inputs, the halo, S_in and the gathered decays, plus the
+pre-gate output y as upstream's op does (freed as soon as the gate's backward has used it; with
+recompute_output=True it is recomputed instead); the conv output, x/B/C, chunk states and CB are
+recomputed in backward. The summaries are folds that store nothing per chunk, so the peak stays at or
+below upstream's op on the same tokens (benchmarks/results).
 
 Length limit: mamba-ssm 2.3.2's kernels compute element offsets in int32 (mamba-ssm issue #1015),
 so a tensor they touch must hold fewer than 2**31 elements. The widest is zxbcdt and its gradient
@@ -39,6 +44,8 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 from einops import rearrange
 
 from ds_mamba_spcp import _upstream
@@ -165,6 +172,51 @@ def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None):
     return rearrange(prev, "b c h (p n) -> b c h p n", n=dstate), rearrange(final, "b h (p n) -> b h p n", n=dstate)
 
 
+@triton.jit
+def _fold_chunks_kernel(
+    x_ptr, dA_ptr, out_ptr, nchunks, dim,
+    stride_x_b, stride_x_c, stride_x_h, stride_x_d,
+    stride_dA_b, stride_dA_h, stride_dA_c,
+    stride_out_b, stride_out_h, stride_out_d,
+    REVERSE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_b, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs = pid_m * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < dim
+    x_ptr += pid_b * stride_x_b + pid_h * stride_x_h + offs * stride_x_d
+    dA_ptr += pid_b * stride_dA_b + pid_h * stride_dA_h
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(nchunks):
+        c = nchunks - 1 - i if REVERSE else i
+        scale = tl.exp(tl.load(dA_ptr + c * stride_dA_c).to(tl.float32))
+        acc = scale * acc + tl.load(x_ptr + c * stride_x_c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid_b * stride_out_b + pid_h * stride_out_h + offs * stride_out_d, acc, mask=mask)
+
+
+def _fold_chunks(x, dA_last, *, reverse: bool):
+    """acc <- exp(dA_last[c]) * acc + x[c] over the chunks, from zero; fp32 (b, h, p, n).
+
+    x: (b, c, h, p, n) per-chunk values; dA_last: (b, h, c) each chunk's total log-decay.
+    Forward (chunk states): the state after the segment's last chunk when it starts from zero,
+    S_ext. reverse (gradients reaching the states entering each chunk): the gradient reaching the
+    state entering the segment when its end receives none, L. The same recurrences, in the same
+    order and precision, as mamba-ssm's _state_passing_fwd (final_states) and _state_passing_bwd
+    (dinitial_states), but the per-chunk outputs those write and we would throw away are never
+    stored: one read of x.
+    """
+    b, nchunks, h, p, n = x.shape
+    flat = x.reshape(b, nchunks, h, p * n)
+    out = torch.empty(b, h, p * n, device=x.device, dtype=torch.float32)
+    block = min(512, triton.next_power_of_2(p * n))
+    grid = (triton.cdiv(p * n, block), b, h)
+    with torch.cuda.device(x.device.index):
+        _fold_chunks_kernel[grid](
+            flat, dA_last, out, nchunks, p * n, *flat.stride(), *dA_last.stride(), *out.stride(),
+            REVERSE=reverse, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out.view(b, h, p, n)
+
+
 def _rms_args(y, z, spec: CoreSpec):
     """(b, l, h, p) y and z -> the 2-D rows the gated RMSNorm kernels take."""
     return rearrange(y, "b l h p -> (b l) (h p)"), rearrange(z, "b l h p -> (b l) (h p)")
@@ -190,7 +242,7 @@ def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm
     z, _, _, x, B, C, dt, dA_cumsum, chunk_states = _scan_inputs(
         zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec
     )
-    _, S_ext = _pass_states(chunk_states, dA_cumsum, None, out_dtype=C.dtype)
+    S_ext = _fold_chunks(chunk_states, dA_cumsum[:, :, :, -1], reverse=False)
     log_a = dA_cumsum[:, :, :, -1].sum(dim=-1)  # [b, h]: the segment's total decay, exp(log_a)
     handle = exchange.post(S_ext, log_a)
     CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, output_dtype=torch.float32)  # overlaps the all-gather
@@ -213,13 +265,14 @@ def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm
 
 
 def segment_bwd(
-    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange, kept=()
+    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange, kept=None
 ):
     """Backward of ``segment_fwd`` by recomputation, see ops/reference.py for the contract.
 
     exchange.post_grad(L) -> handle, handle.wait() -> dS_out (fp32). Returns the gradients of
     (zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight) (None for None inputs).
-    kept: what segment_fwd appended (the pre-gate output y), or () to recompute it.
+    kept: the list segment_fwd appended the pre-gate output y to; it is popped, so that y is freed
+    once the gate's backward has used it. None or empty: y is recomputed.
     """
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
@@ -230,11 +283,12 @@ def segment_bwd(
     )
     prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in)  # fp32, as upstream's backward keeps them
     del chunk_states
-    prev_lowp = prev_states.to(C.dtype)  # what the forward's chunk scan read
     CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, output_dtype=torch.float32)
     if kept:
-        (y,) = kept  # the pre-gate output, kept by the forward
+        y = kept.pop()  # the pre-gate output, kept by the forward
+        prev_lowp = None  # the states as the forward's chunk scan read them: from _state_passing_bwd below
     else:
+        prev_lowp = prev_states.to(C.dtype)
         y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None)  # pre-gate output
 
     # gradient buffers: views into dzxbcdt (z, dt) and into one xBC-shaped buffer (x, B, C)
@@ -262,29 +316,32 @@ def segment_bwd(
         )  # fmt: skip
         dy = rearrange(dy_rms, "(b l) (h p) -> b l h p", b=batch, p=spec.headdim)
         dD_gate = None
+        del y_rms  # a view: it would keep y's memory alive
     del y
 
     # L: the gradient reaching S_in when S_out receives none
     dprev = _chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, dtype=torch.float32)
     prev_flat, dprev_flat = (rearrange(t, "b c h p n -> b c h (p n)") for t in (prev_states, dprev))
     dA_last = dA_cumsum[:, :, :, -1]
-    _, _, L = _state_passing._state_passing_bwd(
-        prev_flat, dA_last, dprev_flat, dfinal_states=None, has_initial_states=True, dstates_dtype=torch.float32
-    )
-    handle = exchange.post_grad(rearrange(L, "b h (p n) -> b h p n", n=spec.dstate))
+    handle = exchange.post_grad(_fold_chunks(dprev, dA_last, reverse=True))
 
     # needs no dS_out: overlaps the all-gather
-    dC_states, ddA_cumsum_prev = _chunk_scan._chunk_scan_bwd_dC(prev_lowp, dA_cumsum, dy, C=C, ngroups=spec.ngroups)
     dCB = _chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, ngroups=spec.ngroups).to(CB.dtype)
-    _bmm._bmm_chunk_bwd(B, rearrange(dCB, "... l s -> ... s l"), residual=dC_states, out=dC)
     ddA = _chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)
-    del dC_states, prev_lowp
 
     dS_out = rearrange(handle.wait(), "b h p n -> b h (p n)")
-    dstates, ddA_chunk_cumsum, _ = _state_passing._state_passing_bwd(
-        prev_flat, dA_last, dprev_flat, dfinal_states=dS_out, has_initial_states=True, dstates_dtype=x.dtype
-    )
-    del prev_states, prev_flat, dprev, dprev_flat
+    # with the gradient the later segments send, and (as upstream) the states rounded to the
+    # compute dtype in the same pass, where the recomputation did not need them
+    dstates, ddA_chunk_cumsum, _, *converted = _state_passing._state_passing_bwd(
+        prev_flat, dA_last, dprev_flat, dfinal_states=dS_out, has_initial_states=True, dstates_dtype=x.dtype,
+        states_dtype=x.dtype if prev_lowp is None else None,
+    )  # fmt: skip
+    if prev_lowp is None:
+        prev_lowp = rearrange(converted[0], "b c h (p n) -> b c h p n", n=spec.dstate)
+    del prev_states, prev_flat, dprev, dprev_flat, converted
+    dC_states, ddA_cumsum_prev = _chunk_scan._chunk_scan_bwd_dC(prev_lowp, dA_cumsum, dy, C=C, ngroups=spec.ngroups)
+    _bmm._bmm_chunk_bwd(B, rearrange(dCB, "... l s -> ... s l"), residual=dC_states, out=dC)
+    del dC_states, prev_lowp
     dstates = rearrange(dstates, "b c h (p n) -> b c h p n", n=spec.dstate)
     dx, ddt, dD_x = _combined._chunk_scan_chunk_state_bwd_dx(x, dt, dA_cumsum, B, CB, dy, dstates, D=D, dx=dx)
     dB_states, ddA_next = _chunk_state._chunk_state_bwd_db(x, dt, dA_cumsum, dstates, B=B, ngroups=spec.ngroups)
