@@ -11,7 +11,9 @@ split axis), and inside each destination's slot the channels already in the orde
 a zxbcdt with nheads/cp heads and ngroups/cp groups (or the one group a rank's heads read when
 cp > ngroups). What arrives is thus a valid zxbcdt for the single-device op once its cp sequence
 pieces are in causal order; filling the buffer costs one strided copy per piece (one pass over the
-data), and the causal reorder is a view for contiguous input with batch 1, else one copy.
+data), and the causal reorder is a view for contiguous input with batch 1, else one copy. The way
+back mirrors it: for contiguous input with batch 1 the full-length output already is the send
+buffer (rank j's tokens are its j-th block), and one copy per piece puts the channels in place.
 
 Parameters are replicated: each rank slices its heads' rows out of conv1d_weight/bias, dt_bias, A,
 D and the norm weight under autograd, so their gradients arrive full-size with the rank's rows
@@ -144,8 +146,11 @@ def _seq_to_heads(t: torch.Tensor, sharding: _Sharding, plan: _Plan) -> torch.Te
 def _heads_to_seq(t: torch.Tensor, sharding: _Sharding, plan: _Plan) -> torch.Tensor:
     # [b, L, this rank's channels] -> [b, L/cp, full channels]
     b, seqlen, c = t.shape
-    send = t.new_empty(plan.cp, b, seqlen // plan.cp, c)
-    _split_seq(t, send, plan.seq_layout)
+    if plan.seq_layout == "contiguous" and b == 1 and t.is_contiguous():
+        send = t.view(plan.cp, b, seqlen // plan.cp, c)  # rank j's rows are already block j: no copy
+    else:
+        send = t.new_empty(plan.cp, b, seqlen // plan.cp, c)
+        _split_seq(t, send, plan.seq_layout)
     return sharding.join(plan.all_to_all(send))
 
 
