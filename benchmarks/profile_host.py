@@ -1,0 +1,110 @@
+"""Where the host time of one eager fwd+bwd goes: cProfile of bench_mixer's steps, per mode.
+
+Eager mode is host-bound at short shards (bench_mixer's ``host_ms`` is close to ``fwd_bwd_ms``);
+this prints, for each mode, the Python functions that spend that time (rank 0; the other ranks
+run the same steps unprofiled so that the collectives pair up):
+
+    torchrun --nproc_per_node 2 benchmarks/profile_host.py --seqlen 8K --modes ideal,state_passing
+    torchrun --nproc_per_node 2 benchmarks/profile_host.py --cpu      # gloo, reference backend
+
+Writes ``<out>/host_<mode>.txt`` (top functions by own time and by cumulative time) and prints a
+line per mode: host ms per step with and without the profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_mixer as bm  # noqa: E402
+import torch  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--seqlen", default=None, help="global seqlen (default 8K; 64 with --cpu)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--modes", default="ideal,state_passing")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--recompute-output", action="store_true")
+    p.add_argument("--out", default="/tmp/profile_host")
+    p.add_argument("--top", type=int, default=45)
+    p.add_argument("--kernels", action="store_true", help="also a torch.profiler table of GPU time per kernel")
+    args = p.parse_args(argv)
+    # bench_mixer's own defaults (dims, backend, timeout) for the rest
+    bm_argv = ["--cpu"] if args.cpu else []
+    bm_argv += ["--seqlens", args.seqlen or ("64" if args.cpu else "8K"), "--batch", str(args.batch)]
+    bm_argv += ["--recompute-output"] if args.recompute_output else []
+    return args, bm.parse_args(bm_argv)
+
+
+def _kernel_table(step, mode, cell, ctx, args):
+    """GPU time per kernel over a few steps (rank 0 writes ``<out>/kernels_<mode>.txt``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bm._dist().barrier()
+    steps = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    if ctx.rank == 0:
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70)
+        with open(os.path.join(args.out, f"kernels_{mode}.txt"), "w") as f:
+            f.write(f"{mode} {cell.label()} cp={ctx.cp}: totals over {steps} steps\n{table}\n")
+
+
+def main(argv=None):
+    args, bargs = parse_args(argv)
+    ctx = bm.init(bargs)
+    cell = bargs.cells[0]
+    os.makedirs(args.out, exist_ok=True)
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        step = bm.build_step(mode, cell, ctx)
+        for _ in range(5):  # compile, autotune
+            step()
+        bm._sync(ctx)
+        bm._dist().barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            step()
+        plain_ms = (time.perf_counter() - t0) * 1e3 / args.iters
+        bm._sync(ctx)
+        bm._dist().barrier()
+        prof = cProfile.Profile() if ctx.rank == 0 else None
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        for _ in range(args.iters):
+            step()
+        if prof:
+            prof.disable()
+        profiled_ms = (time.perf_counter() - t0) * 1e3 / args.iters
+        bm._sync(ctx)
+        if ctx.rank == 0:
+            buf = io.StringIO()
+            buf.write(f"{mode} {cell.label()} cp={ctx.cp}: host {plain_ms:.2f} ms/step, {profiled_ms:.2f} profiled\n")
+            for key in ("tottime", "cumulative"):
+                buf.write(f"\n=== by {key} (totals over {args.iters} steps) ===\n")
+                pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(args.top)
+            with open(os.path.join(args.out, f"host_{mode}.txt"), "w") as f:
+                f.write(buf.getvalue())
+            print(f"{mode}: host {plain_ms:.2f} ms/step ({profiled_ms:.2f} under cProfile)", flush=True)
+        if args.kernels and ctx.cuda:
+            _kernel_table(step, mode, cell, ctx, args)
+        del step
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    bm._dist().barrier()
+
+
+if __name__ == "__main__":
+    main()
