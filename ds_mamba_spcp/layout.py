@@ -45,11 +45,12 @@ def take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def pack_segments(x: torch.Tensor, nseg: int) -> torch.Tensor:
-    """(batch, nseg*m, ...) -> (nseg*batch, m, ...): local segment k takes rows [k*batch, (k+1)*batch)."""
+    """(batch, nseg*m, ...) -> (batch*nseg, m, ...): row i*nseg + k is batch element i's local
+    segment k. A view of contiguous input (no activation is copied)."""
     if nseg == 1:
         return x
     b, l = x.shape[:2]
-    return x.reshape(b, nseg, l // nseg, *x.shape[2:]).transpose(0, 1).reshape(nseg * b, l // nseg, *x.shape[2:])
+    return x.reshape(b * nseg, l // nseg, *x.shape[2:])
 
 
 def unpack_segments(x: torch.Tensor, nseg: int) -> torch.Tensor:
@@ -57,8 +58,17 @@ def unpack_segments(x: torch.Tensor, nseg: int) -> torch.Tensor:
     if nseg == 1:
         return x
     nb, m = x.shape[:2]
-    b = nb // nseg
-    return x.reshape(nseg, b, m, *x.shape[2:]).transpose(0, 1).reshape(b, nseg * m, *x.shape[2:])
+    return x.reshape(nb // nseg, nseg * m, *x.shape[2:])
+
+
+def rows_to_segments(t: torch.Tensor, nseg: int) -> torch.Tensor:
+    """Packed rows (batch*nseg, ...) -> (nseg, batch, ...), a view: [k, i] is row i*nseg + k."""
+    return t.unflatten(0, (-1, nseg)).transpose(0, 1)
+
+
+def segments_to_rows(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``rows_to_segments``: (nseg, batch, ...) -> (batch*nseg, ...)."""
+    return t.transpose(0, 1).flatten(0, 1)
 
 
 def shard_sequence(x: torch.Tensor, rank: int, cp: int, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:

@@ -58,7 +58,8 @@ class _Reordered:
 class _SummaryExchange:
     """The ``exchange`` object a backend talks to: post the local summary, wait for S_in.
 
-    Local segments sit on the batch axis: rows [k*batch, (k+1)*batch) are local segment k.
+    Local segments sit on the batch axis: row i*nlocal + k is batch element i's local segment k
+    (layout.pack_segments).
     """
 
     def __init__(self, plan: SegmentPlan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None):
@@ -69,14 +70,14 @@ class _SummaryExchange:
         self.final_states = None
         self.dinitial_states = None
 
-    def _split(self, t):  # [nlocal*b, ...] -> [nlocal, b, ...]
-        return t.reshape(self.plan.nlocal, self.batch, *t.shape[1:])
+    def _split(self, t):  # [b*nlocal, ...] -> [nlocal, b, ...]
+        return layout.rows_to_segments(t, self.plan.nlocal)
 
-    def _local(self, t_all):  # [nseg, b, ...] -> [nlocal*b, ...]
-        return layout.take(t_all, self.plan.local_ids).reshape(-1, *t_all.shape[2:])
+    def _local(self, t_all):  # [nseg, b, ...] -> [b*nlocal, ...]
+        return layout.segments_to_rows(layout.take(t_all, self.plan.local_ids))
 
     def post(self, S_ext, log_a):
-        """S_ext (nlocal*b, h, p, n), log_a (nlocal*b, h), both fp32 or wider."""
+        """S_ext (b*nlocal, h, p, n), log_a (b*nlocal, h), both fp32 or wider."""
         cdtype = torch.promote_types(S_ext.dtype, torch.float32)
         S_ext, log_a = S_ext.to(cdtype), log_a.to(cdtype)
         numel = S_ext[0].numel()
@@ -92,7 +93,7 @@ class _SummaryExchange:
         return self._local(S_in_all)
 
     def post_grad(self, L):
-        """L (nlocal*b, h, p, n): gradient reaching the incoming states from this rank's outputs."""
+        """L (b*nlocal, h, p, n): gradient reaching the incoming states from this rank's outputs."""
         cdtype = torch.promote_types(L.dtype, torch.float32)
         L = self._split(L.to(cdtype))
         if self.dfinal_states is not None:
@@ -120,28 +121,28 @@ class _Deferred:
         return self.fn()
 
 
-def _exchange_halo(xBC, plan: SegmentPlan, width: int, batch: int):
+def _exchange_halo(xBC, plan: SegmentPlan, width: int):
     """Last width-1 pre-conv rows of the causally previous segment for every local segment."""
     if width <= 1:
         return None
-    tails = xBC[:, -(width - 1) :].reshape(plan.nlocal, batch, width - 1, xBC.shape[-1])
+    tails = layout.rows_to_segments(xBC[:, -(width - 1) :], plan.nlocal)  # [nlocal, b, K-1, conv_dim]
     tails_all = plan.gather_ordered(tails).wait()  # [nseg, b, K-1, conv_dim]
     prev = torch.cat([torch.zeros_like(tails_all[:1]), tails_all[:-1]])
-    return layout.take(prev, plan.local_ids).reshape(-1, width - 1, xBC.shape[-1])
+    return layout.segments_to_rows(layout.take(prev, plan.local_ids))
 
 
-def _return_halo_grad(dhalo, plan: SegmentPlan, batch: int):
+def _return_halo_grad(dhalo, plan: SegmentPlan):
     """Sends each segment's halo gradient to the segment that owns those rows."""
-    rows = plan.gather_ordered(dhalo.reshape(plan.nlocal, batch, *dhalo.shape[1:])).wait()
+    rows = plan.gather_ordered(layout.rows_to_segments(dhalo, plan.nlocal)).wait()
     nxt = torch.cat([rows[1:], torch.zeros_like(rows[:1])])  # segment s receives from s+1
-    return layout.take(nxt, plan.local_ids).reshape(-1, *dhalo.shape[1:])
+    return layout.segments_to_rows(layout.take(nxt, plan.local_ids))
 
 
 def _state_passing_fwd(zxbcdt, params, initial_states, spec: CoreSpec, plan: SegmentPlan, backend, kept=None):
     batch = zxbcdt.shape[0]
-    zxbcdt = layout.pack_segments(zxbcdt, plan.nlocal)  # [b, nlocal*m, d] -> [nlocal*b, m, d]
+    zxbcdt = layout.pack_segments(zxbcdt, plan.nlocal)  # [b, nlocal*m, d] -> [b*nlocal, m, d], a view
     _, xBC, _ = split_zxbcdt(zxbcdt, spec)
-    halo = _exchange_halo(xBC, plan, spec.d_conv, batch)
+    halo = _exchange_halo(xBC, plan, spec.d_conv)
     exchange = _SummaryExchange(plan, batch, initial_states)
     out, S_in = backend.segment_fwd(zxbcdt, halo, *params, spec=spec, exchange=exchange, kept=kept)
     return layout.unpack_segments(out, plan.nlocal), halo, S_in, exchange
@@ -156,7 +157,7 @@ def _state_passing_bwd(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, spec
         dout, zxbcdt, halo, *params, S_in, spec=spec, exchange=exchange, kept=kept
     )
     if dhalo is not None:
-        dtail = _return_halo_grad(dhalo, plan, batch)
+        dtail = _return_halo_grad(dhalo, plan)
         start = spec.d_inner  # xBC's channels inside zxbcdt; dzxbcdt is the backend's own fresh buffer
         dzxbcdt[:, -dtail.shape[1] :, start : start + spec.conv_dim] += dtail.to(dzxbcdt.dtype)
     return layout.unpack_segments(dzxbcdt, plan.nlocal), dparams, exchange.dinitial_states
