@@ -184,9 +184,11 @@ def test_target_check_verdicts():
 
     assert [r[2] for r in only("L=128K, batch 1, eager: state_passing")] == ["PASS"]  # 27/18 = 1.5 >= 1.35
     assert [r[2] for r in only("L=128K, batch 1, eager: virtual")] == ["MISS"]  # 27/21 = 1.29 < 1.3
-    assert [r[2] for r in only("every L >= 32K")] == ["PASS"]  # 17/18 = 0.94
+    assert [r[2] for r in only("every L >= 32K, eager")] == ["PASS"]  # 17/18 = 0.94
+    assert [r[2] for r in only("every L >= 32K, CUDA graphs")] == ["NO DATA"]  # no graph record at 128K
     # cells in increasing L: 8K has graph records only, so the eager checks have no data there
-    assert [r[2] for r in only("honest baseline")] == ["NO DATA", "PASS"]  # 27 / (18 + 6) = 1.125 <= 1.15
+    assert [r[2] for r in only("honest baseline, eager")] == ["NO DATA", "PASS"]  # 27 / (18 + 6) = 1.125 <= 1.15
+    assert [r[2] for r in only("honest baseline, CUDA graphs")] == ["NO DATA", "NO DATA"]  # no graph ulysses
     assert [r[2] for r in only("state_passing peak memory")] == ["NO DATA", "PASS"]  # 10.4 / 10 = 1.04 <= 1.05
     graph_ideal = only("CUDA graphs, every L >= 8K")
     assert [r[2] for r in graph_ideal] == ["MISS", "NO DATA"]  # 2.4/2.0 = 1.2 > 1.15 at 8K; 128K has no graph data
