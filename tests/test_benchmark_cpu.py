@@ -193,3 +193,22 @@ def test_target_check_verdicts():
     graph_ideal = only("CUDA graphs, every L >= 8K")
     assert [r[2] for r in graph_ideal] == ["MISS", "NO DATA"]  # 2.4/2.0 = 1.2 > 1.15 at 8K; 128K has no graph data
     assert report.verdict(only("CUDA graphs, L=8K and 16K")) == "NO DATA"
+
+
+def test_profile_host_cpu(tmp_path):
+    """benchmarks/profile_host.py on 2 gloo ranks: one profile per mode, naming the op's own code."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), os.path.join(REPO, "benchmarks", "profile_host.py"), "--cpu", "--iters", "3",
+           "--modes", "ideal,state_passing", "--out", str(tmp_path)]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    finally:
+        remove_deepspeed_shm_buffers(port)
+    assert proc.returncode == 0, (
+        f"profile_host failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["host_ideal.txt", "host_state_passing.txt"]
+    text = (tmp_path / "host_state_passing.txt").read_text()
+    assert text.startswith("state_passing L=64 b=1 h=4 g=2 cp=2: host ") and "by cumulative" in text
+    assert "state_passing.py" in text  # the profile reaches into the op's code

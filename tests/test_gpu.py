@@ -62,11 +62,13 @@ pytestmark = [
 ]
 
 WORLD = 2
-# Measured (2x H200, 2026-11-30, the 12 benchmark-shape cases): sp vs upstream at most 2.4e-3, always
+# Measured (2x H200, 2026-11-30, commit 2fca25b, every case): sp vs upstream at most 2.41e-3 on the
+# benchmark shape and 2.67e-3 on the small odd shapes (dconv1d_bias, small_rms_L3000_b2_virtual), always
 # on a replicated parameter's gradient (dconv1d_weight, dconv1d_bias, drmsnorm_weight). Each rank
 # returns its partial gradient rounded to the parameter's bf16 and the partials are summed, against
 # upstream's single rounding of the total: one bf16 rounding is ~1.7e-3 relative RMS, so
-# sqrt(1/2 + 1) x 1.7e-3 = 2.0e-3 is expected. Output and dzxbcdt agree far closer (same kernels on
+# sqrt(1/2 + 1) x 1.7e-3 = 2.0e-3 is expected (the small shape's gradients have a few hundred
+# elements, so their RMS scatters more around it). Output and dzxbcdt agree far closer (same kernels on
 # the same chunks). sp vs fp32 equalled upstream vs fp32 (worst 5.7e-3, ddt_bias, in both).
 TOL = 3e-3
 # tensor -> (bound, measured reason); applies to "sp vs upstream" in every case
