@@ -267,7 +267,7 @@ class DistributedMamba2(nn.Module):
             load_balancing = "none"
         y = mamba_split_conv1d_scan_sp(
             self.in_proj(hidden), *args, process_group=group, load_balancing=load_balancing, backend=c.backend,
-            overlap_comm=c.overlap_comm, check_shapes=c.check_shapes, **kwargs,
+            overlap_comm=c.overlap_comm, check_shapes=c.check_shapes, recompute_output=c.recompute_output, **kwargs,
         )  # fmt: skip
         out = self.out_proj(y)
         if method is not None:

@@ -18,6 +18,7 @@ FIELDS = (
     "overlap_comm",
     "backend",
     "check_shapes",
+    "recompute_output",
 )
 
 # Every field differs from its default, and the combination is valid.
@@ -30,6 +31,7 @@ NON_DEFAULT = {
     "overlap_comm": False,
     "backend": "reference",
     "check_shapes": False,
+    "recompute_output": True,
 }
 
 
@@ -59,6 +61,7 @@ def test_defaults():
         "overlap_comm": True,
         "backend": "auto",
         "check_shapes": True,
+        "recompute_output": False,
     }
     assert_fields(MambaSequenceParallelConfig(), expected)
     assert_fields(load_mamba_sp_config(ds_config()), expected)

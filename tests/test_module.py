@@ -529,3 +529,23 @@ def test_sequence_parallel_size_without_distributed_backend():
     w = DistributedMamba2(make_mixer("gate_g1"), None, section(sequence_parallel_size=2))
     with pytest.raises(ValueError, match="not initialized"):
         w(torch.randn(1, 8, D_MODEL, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(recompute_output=True, overlap_comm=False, check_shapes=False)])
+def test_config_options_reach_the_op(monkeypatch, fields):
+    """The section's op options are what the wrapper passes to mamba_split_conv1d_scan_sp."""
+    from ds_mamba_spcp import DistributedMamba2, module
+
+    seen = {}
+
+    def op(zxbcdt, *args, **kwargs):
+        seen.update(kwargs)
+        return zxbcdt.new_zeros(*zxbcdt.shape[:2], m.d_ssm)
+
+    monkeypatch.setattr(module, "mamba_split_conv1d_scan_sp", op)
+    m = make_mixer("gate_g1")
+    w = DistributedMamba2(m, None, section(backend="reference", **fields))
+    w._sequence_parallel(torch.randn(BATCH, 6, D_MODEL, dtype=torch.float64), None)
+    expected = {**dict(recompute_output=False, overlap_comm=True, check_shapes=True), **fields}
+    assert {k: seen[k] for k in expected} == expected
+    assert seen["backend"] == "reference" and seen["load_balancing"] == "none"
