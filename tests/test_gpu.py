@@ -28,8 +28,10 @@ parameters' gradients summed over the ranks as DeepSpeed's reduction does):
 The cases: two shapes (the benchmark shape with the gated RMSNorm; a small odd shape with the z
 gate, D per channel, dt_limit, initial and final states) x global L {2048, 8192, 32768} x batch
 {1, 3} x load_balancing {none, virtual}; an odd length (segments not multiples of the chunk);
-and global L = 131072 (65536 tokens per rank). A negative control (the backward without its
-reverse scan) must fail the same bound.
+global L = 131072 (65536 tokens per rank); recompute_output=True; the permute modes and the
+all-to-all (ulysses) path on contiguous and zigzag input. A negative control (the backward without
+its reverse scan) must fail the same bound. DS_MAMBA_SPCP_GPU_WORLD sets the number of ranks
+(default 2; every global length splits into 2 x world chunks up to world 8).
 
 Also: the int32 length guard refuses a shard past mamba-ssm's offset limit with an error that
 says how to stay under it; an eager fwd+bwd raises nothing under
@@ -57,11 +59,13 @@ from tests.gpu_cases import BENCH, PARAMS, SMALL, block_errors, chained_referenc
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)"
+        not torch.cuda.is_available() or torch.cuda.device_count() < int(os.environ.get("DS_MAMBA_SPCP_GPU_WORLD", 2)),
+        reason="needs DS_MAMBA_SPCP_GPU_WORLD (default 2) CUDA GPUs (NCCL)",
     ),
 ]
 
-WORLD = 2
+# ranks of the sequence-parallel group (one GPU each): DS_MAMBA_SPCP_GPU_WORLD, default 2
+WORLD = int(os.environ.get("DS_MAMBA_SPCP_GPU_WORLD", 2))
 # Measured (2x H200, 2026-11-30, commit 2fca25b, every case): sp vs upstream at most 2.41e-3 on the
 # benchmark shape and 2.67e-3 on the small odd shapes (dconv1d_bias, small_rms_L3000_b2_virtual), always
 # on a replicated parameter's gradient (dconv1d_weight, dconv1d_bias, drmsnorm_weight). Each rank
@@ -93,6 +97,11 @@ def _cases():
     # the op's other memory mode (recompute_output=True: the pre-gate output recomputed in backward)
     cases["bench_L8192_b1_none_recompute"] = dict(shape="bench", L=8192, batch=1, lb="none", recompute=True)
     cases["bench_L8192_b3_virtual_recompute"] = dict(shape="bench", L=8192, batch=3, lb="virtual", recompute=True)
+    # the other modes of the package: zigzag input permuted to contiguous and back, and the all-to-all path
+    for lb in ("permute_p2p", "permute_a2a"):
+        cases[f"bench_L8192_b1_{lb}"] = dict(shape="bench", L=8192, batch=1, lb=lb)
+    for lb in ("none", "zigzag"):  # ulysses: lb only names the input layout
+        cases[f"bench_L8192_b3_ulysses_{lb}"] = dict(shape="bench", L=8192, batch=3, lb=lb, mode="ulysses")
     return cases
 
 
@@ -141,11 +150,12 @@ def _run_case(rank, world, case):
 
     from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp, scan
     from ds_mamba_spcp.ops import triton as triton_backend
+    from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
 
     shape, opts = SHAPES[case["shape"]]
     dev = _dev(rank)
     L, batch, lb = case["L"], case["batch"], case["lb"]
-    seq_layout = "zigzag" if lb == "virtual" else "contiguous"
+    seq_layout = "contiguous" if lb == "none" else "zigzag"
     spec = spec_of(
         shape, dt_limit=opts.get("dt_limit", (0.0, float("inf"))), norm_before_gate=opts.get("before", False)
     )
@@ -168,9 +178,12 @@ def _run_case(rank, world, case):
     if case.get("bug") == "skip_reverse_scan":
         scan.reverse_scan = lambda L_, log_a, dfinal=None: (torch.zeros_like(L_), L_[0])
     try:
-        sp_out, sp_final, sp_grads = _fwd_bwd(mamba_split_conv1d_scan_sp, sp_inputs, shard(grads["out"]), gfinal,
-                                              shape, opts, weight, load_balancing=lb, backend="triton",
-                                              recompute_output=case.get("recompute", False))  # fmt: skip
+        if case.get("mode") == "ulysses":
+            fn, extra = mamba_split_conv1d_scan_ulysses, dict(input_layout=seq_layout, backend="triton")
+        else:
+            fn = mamba_split_conv1d_scan_sp
+            extra = dict(load_balancing=lb, backend="triton", recompute_output=case.get("recompute", False))
+        sp_out, sp_final, sp_grads = _fwd_bwd(fn, sp_inputs, shard(grads["out"]), gfinal, shape, opts, weight, **extra)
     finally:
         scan.reverse_scan = saved
 
