@@ -91,8 +91,11 @@ def _cases():
             for batch in (1, 3):
                 for lb in ("none", "virtual"):
                     cases[f"{shape}_L{L}_b{batch}_{lb}"] = dict(shape=shape, L=L, batch=batch, lb=lb)
-    for lb in ("none", "virtual"):  # 1500- and 750-token segments: not multiples of the 64-token chunk
-        cases[f"small_rms_L3000_b2_{lb}"] = dict(shape="small_rms", L=3000, batch=2, lb=lb)
+    # segments that are not multiples of the 64-token chunk: at 2 ranks 1500 and 750 tokens (3000 splits
+    # into 2 x world chunks up to 4 ranks; 3024 at 8 ranks: 378 and 189)
+    odd = 3000 if 3000 % (2 * WORLD) == 0 else 3024
+    for lb in ("none", "virtual"):
+        cases[f"small_rms_L{odd}_b2_{lb}"] = dict(shape="small_rms", L=odd, batch=2, lb=lb)
     cases["bench_L131072_b1_none"] = dict(shape="bench", L=131072, batch=1, lb="none")
     # the op's other memory mode (recompute_output=True: the pre-gate output recomputed in backward)
     cases["bench_L8192_b1_none_recompute"] = dict(shape="bench", L=8192, batch=1, lb="none", recompute=True)
