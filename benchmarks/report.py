@@ -1,11 +1,12 @@
-"""Tables, plots and the issue-5 target check from bench_mixer.py results.
+"""Tables, plots and the target check (issue 5 at cp=2, issue 7 at cp=4 and 8) from bench_mixer.py results.
 
     python benchmarks/report.py benchmarks/results/h200x2.json [more.json ...] [--out PREFIX] [--no-plot]
 
 Writes PREFIX.md (default: the first JSON's path without .json) and PREFIX.png beside it (plus
 PREFIX_h<nheads>_g<ngroups>_b<batch>.png for every other shape with several lengths), and prints
-the Markdown, whose last section is PASS / MISS / NO DATA for each target of issue 5 item 4.
-Several JSONs (e.g. the two halves of a suite) are merged; a later file's record for the same
+the Markdown, whose last section is PASS / MISS / NO DATA for each target of issue 5 item 4 (a cp=2
+run) or issue 7 item 2 (cp=4, cp=8). Several JSONs of one sequence-parallel size (e.g. the two
+halves of a suite) are merged; a later file's record for the same
 cell replaces an earlier one. The targets are benchmark figures, not assertions: the exit status
 is 0 whatever they say.
 """
@@ -155,12 +156,21 @@ def _cell_text(s) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 5 item 4: the targets
+# the targets: issue 5 item 4 (cp=2), issue 7 item 2 (cp=4 and cp=8)
 # ---------------------------------------------------------------------------------------------
 
 
 def check_targets(idx: Index) -> list[tuple[str, list[tuple[str, str, str]]]]:
-    """[(target, [(cell, measured, PASS|MISS|NO DATA)])] for every target of issue 5 item 4."""
+    """[(target, [(cell, measured, PASS|MISS|NO DATA)])]: issue 5's targets for a cp=2 run, issue 7's
+    for cp=4 and cp=8 (none for other sizes)."""
+    cps = {r["cp"] for r in idx.records}
+    if len(cps) > 1:
+        raise SystemExit(f"records of several sequence-parallel sizes {sorted(cps)}: report one size at a time")
+    cp = cps.pop() if cps else 2
+    if cp in (4, 8):
+        return _targets_cp4_cp8(idx, cp)
+    if cp != 2:
+        return []
     shapes = idx.shapes()
 
     def cells(pred):
@@ -248,6 +258,48 @@ def check_targets(idx: Index) -> list[tuple[str, list[tuple[str, str, str]]]]:
     return targets
 
 
+def _targets_cp4_cp8(idx: Index, cp: int):
+    """Issue 7 item 2: state passing (contiguous and virtual) against ulysses at cp=4 and cp=8, eager."""
+
+    def speedups(pred, need):
+        rows = []
+        for s in idx.shapes():
+            for L in idx.seqlens(s):
+                if not pred(s, L):
+                    continue
+                for mode in ("state_passing", "virtual"):
+                    desc = f"L={fmt_len(L)} b={s[2]} h={s[0]} g={s[1]}, {mode}"
+                    u, m = idx.ms(s, L, False, "ulysses"), idx.ms(s, L, False, mode)
+                    if u is None or m is None:
+                        rows.append((desc, "no data", "NO DATA"))
+                        continue
+                    rows.append((desc, f"ulysses / {mode} = {u / m:.2f}", "PASS" if u / m >= need else "MISS"))
+        return rows
+
+    targets = [
+        (
+            f"cp={cp}, L=128K, batch 1, eager: state_passing and virtual >= 1.8x faster than ulysses",
+            speedups(lambda s, L: L == 128 * K and s[2] == 1, 1.8),
+        )
+    ]
+    if cp == 4:
+        targets.append(
+            (
+                "cp=4, L=4K, batch 1, eager: state_passing and virtual >= 1.28x faster than ulysses",
+                speedups(lambda s, L: L == 4 * K and s[2] == 1, 1.28),
+            )
+        )
+    else:  # "short local sequences": at most 4K tokens per rank
+        targets.append(
+            (
+                "cp=8, short local sequences (L/cp <= 4K tokens), batch 1, eager: state_passing and virtual >= 1.2x "
+                "faster than ulysses",
+                speedups(lambda s, L: L // cp <= 4 * K and s[2] == 1, 1.2),
+            )
+        )
+    return targets
+
+
 def verdict(rows) -> str:
     results = {r[2] for r in rows}
     if not rows or results == {"NO DATA"}:
@@ -297,7 +349,9 @@ def markdown(headers: list[dict], idx: Index, targets) -> str:
             out += [f"fwd+bwd ms, {'CUDA graph replay' if g else 'eager'}:", ""] + summary_table(idx, shape, g) + [""]
         for g in idx.graph_flags():
             out += [f"### {title}, {'CUDA graph replay' if g else 'eager'}", ""] + cell_table(idx, shape, g) + [""]
-    out += ["## Targets (issue 5 item 4)", ""] + targets_markdown(targets) + [""]
+    cps = sorted({r["cp"] for r in idx.records})
+    which = "issue 5 item 4" if cps == [2] else ("issue 7 item 2" if cps in ([4], [8]) else "none for this size")
+    out += [f"## Targets ({which})", ""] + targets_markdown(targets) + [""]
     return "\n".join(out)
 
 

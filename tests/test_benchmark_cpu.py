@@ -212,3 +212,30 @@ def test_profile_host_cpu(tmp_path):
     text = (tmp_path / "host_state_passing.txt").read_text()
     assert text.startswith("state_passing L=64 b=1 h=4 g=2 cp=2: host ") and "by cumulative" in text
     assert "state_passing.py" in text  # the profile reaches into the op's code
+
+
+def test_target_check_cp4_cp8():
+    """Issue 7's targets on hand-made records (not measurements): chosen by the records' cp, one
+    PASS / MISS / NO DATA at the thresholds' edges; records of two sizes are refused."""
+    report = _load_report()
+    K = 1024
+
+    def rec(mode, ms, seqlen, cp):
+        return dict(mode=mode, cp=cp, seqlen=seqlen, batch=1, nheads=64, ngroups=8, cuda_graph=False, status="ok",
+                    fwd_bwd_ms=ms, peak_mem_gib=None)  # fmt: skip
+
+    cp4 = [rec("ulysses", 18.0, 128 * K, 4), rec("state_passing", 10.0, 128 * K, 4), rec("virtual", 10.5, 128 * K, 4),
+           rec("ulysses", 3.2, 4 * K, 4), rec("state_passing", 2.5, 4 * K, 4)]  # fmt: skip
+    t4 = report.check_targets(report.Index(cp4))
+    assert [name.split(",")[0] for name, _ in t4] == ["cp=4", "cp=4"]
+    assert [r[2] for r in t4[0][1]] == ["PASS", "MISS"]  # 18/10 = 1.8; 18/10.5 = 1.71
+    assert [r[2] for r in t4[1][1]] == ["PASS", "NO DATA"]  # 3.2/2.5 = 1.28; no virtual record at 4K
+
+    cp8 = [rec("ulysses", 1.1, 32 * K, 8), rec("state_passing", 1.0, 32 * K, 8), rec("virtual", 0.9, 32 * K, 8),
+           rec("ulysses", 9.0, 64 * K, 8), rec("state_passing", 1.0, 64 * K, 8)]  # fmt: skip
+    t8 = dict(report.check_targets(report.Index(cp8)))
+    (short,) = [rows for name, rows in t8.items() if "short local" in name]
+    assert [r[2] for r in short] == ["MISS", "PASS"]  # only L=32K has 4K tokens per rank: 1.1, 1.22
+    assert report.verdict(next(rows for name, rows in t8.items() if "128K" in name)) == "NO DATA"
+    with pytest.raises(SystemExit, match="one size at a time"):
+        report.check_targets(report.Index(cp4 + cp8))
