@@ -22,6 +22,8 @@ before or after ``deepspeed.initialize`` (the parameters stay the same objects).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +40,88 @@ from ds_mamba_spcp.state_passing import mamba_split_conv1d_scan_sp
 # The registries of nn.Module that hold what state_dict / parameters / .to() walk.
 _SHARED_REGISTRIES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
 _UNRESOLVED = object()
+
+
+@dataclass(frozen=True)
+class MixerCore:
+    """The mixer core's parameters and options, read off a host mixer at each forward.
+
+    Read at every call, not once: ZeRO-3 and ``load_state_dict(assign=True)`` swap parameters.
+    Field names and meanings are those of ``mamba_split_conv1d_scan_sp``'s arguments.
+    """
+
+    conv1d_weight: torch.Tensor  # (conv_dim, d_conv)
+    conv1d_bias: torch.Tensor | None  # (conv_dim,)
+    dt_bias: torch.Tensor  # (nheads,)
+    A: torch.Tensor  # (nheads,), negative: -exp(A_log)
+    D: torch.Tensor  # (nheads,) or (nheads, headdim)
+    chunk_size: int
+    headdim: int
+    ngroups: int
+    dt_limit: tuple = (0.0, float("inf"))
+    activation: str | None = "silu"
+    rmsnorm_weight: torch.Tensor | None = None  # (nheads*headdim,), or None for y * silu(z)
+    rmsnorm_eps: float = 1e-6
+    norm_before_gate: bool = False
+
+    def op_arguments(self) -> tuple[tuple, dict]:
+        """(positional, keyword) arguments of mamba-ssm's ``mamba_split_conv1d_scan_combined`` and of
+        this package's ops."""
+        args = (self.conv1d_weight, self.conv1d_bias, self.dt_bias, self.A, self.D, self.chunk_size)
+        kwargs = dict(
+            dt_limit=tuple(self.dt_limit), headdim=self.headdim, ngroups=self.ngroups, activation=self.activation,
+            rmsnorm_weight=self.rmsnorm_weight, rmsnorm_eps=self.rmsnorm_eps, norm_before_gate=self.norm_before_gate,
+        )  # fmt: skip
+        return args, kwargs
+
+
+def mixer_forward(
+    hidden: torch.Tensor,
+    in_proj: Callable[[torch.Tensor], torch.Tensor],
+    out_proj: Callable[[torch.Tensor], torch.Tensor],
+    core: MixerCore,
+    config: MambaSequenceParallelConfig,
+    group,
+    seq_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """in_proj -> the sequence-parallel mixer core chosen by ``config`` -> out_proj, on this rank's shard.
+
+    hidden: (batch, local_seqlen, d_model), this rank's shard in ``config.input_layout``; in_proj maps it
+    to zxbcdt (batch, local_seqlen, 2*d_inner + 2*ngroups*dstate + nheads) and out_proj maps the core's
+    (batch, local_seqlen, d_inner) output back (any host-specific scaling goes inside these callables).
+    seq_idx: (batch, local_seqlen) int32 document index of each token of the shard (packed rows), or None.
+    Returns this rank's shard of the output, in the same layout. Every rank of ``group`` calls it alike.
+    The modules that adapt a host mixer (DistributedMamba2, the transformers adapters) call this.
+    """
+    args, kwargs = core.op_arguments()
+    c = config
+    if c.mode == "ulysses":
+        from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
+
+        y = mamba_split_conv1d_scan_ulysses(
+            in_proj(hidden), *args, process_group=group, input_layout=c.input_layout, backend=c.backend,
+            check_shapes=c.check_shapes, seq_idx=seq_idx, **kwargs,
+        )  # fmt: skip
+        return out_proj(y)
+    load_balancing, method = c.load_balancing, None
+    if load_balancing in ("permute_p2p", "permute_a2a"):
+        from ds_mamba_spcp import permute
+
+        # hidden_states (d_model wide) moves fewer bytes than zxbcdt: permute outside the projections
+        method = load_balancing.removeprefix("permute_")
+        hidden = permute.zigzag_to_contiguous(hidden, group, method=method, dim=1)
+        if seq_idx is not None:
+            seq_idx = permute.zigzag_to_contiguous(seq_idx, group, method=method, dim=1)
+        load_balancing = "none"
+    y = mamba_split_conv1d_scan_sp(
+        in_proj(hidden), *args, process_group=group, load_balancing=load_balancing, backend=c.backend,
+        overlap_comm=c.overlap_comm, check_shapes=c.check_shapes, recompute_output=c.recompute_output,
+        seq_idx=seq_idx, **kwargs,
+    )  # fmt: skip
+    out = out_proj(y)
+    if method is not None:
+        out = permute.contiguous_to_zigzag(out, group, method=method, dim=1)
+    return out
 
 
 def _check_mixer_supported(mixer) -> None:
@@ -213,21 +297,19 @@ class DistributedMamba2(nn.Module):
             out = self._sequence_parallel(hidden, group)
         return out if seqlen is None else rearrange(out, "b l d -> (b l) d")
 
-    def _core_args(self):
+    def _core(self) -> MixerCore:
         """The mixer core's parameters and options, read off the wrapped Mamba2 as its forward does."""
         m = self.local_mixer
         # Mamba2 takes A_log.float() so that fp16 weights cannot overflow to A = -inf; promoting (instead
         # of casting) is the same for fp16/bf16/fp32 and keeps an fp64 model in fp64.
         A = -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))
-        D = rearrange(self.D, "(h p) -> h p", p=m.headdim) if m.D_has_hdim else self.D
-        conv1d_weight = rearrange(self.conv1d.weight, "d 1 w -> d w")
-        args = (conv1d_weight, self.conv1d.bias, self.dt_bias, A, D, m.chunk_size)
-        kwargs = dict(
-            dt_limit=m.dt_limit, headdim=m.headdim, ngroups=m.ngroups, activation=m.activation,
-            rmsnorm_weight=self.norm.weight if m.rmsnorm else None, rmsnorm_eps=self.norm.eps if m.rmsnorm else 1e-6,
-            norm_before_gate=m.norm_before_gate,
+        return MixerCore(
+            conv1d_weight=rearrange(self.conv1d.weight, "d 1 w -> d w"), conv1d_bias=self.conv1d.bias,
+            dt_bias=self.dt_bias, A=A, D=rearrange(self.D, "(h p) -> h p", p=m.headdim) if m.D_has_hdim else self.D,
+            chunk_size=m.chunk_size, headdim=m.headdim, ngroups=m.ngroups, dt_limit=m.dt_limit,
+            activation=m.activation, rmsnorm_weight=self.norm.weight if m.rmsnorm else None,
+            rmsnorm_eps=self.norm.eps if m.rmsnorm else 1e-6, norm_before_gate=m.norm_before_gate,
         )  # fmt: skip
-        return args, kwargs
 
     def _check_input(self, hidden):
         d_model = self.local_mixer.d_model
@@ -243,36 +325,12 @@ class DistributedMamba2(nn.Module):
             )
 
     def _single_device(self, hidden):
-        args, kwargs = self._core_args()
+        args, kwargs = self._core().op_arguments()
         y = reference.single_device_op(self.in_proj(hidden), *args, **kwargs)
         return self.out_proj(y)
 
     def _sequence_parallel(self, hidden, group):
-        c = self.config
-        args, kwargs = self._core_args()
-        if c.mode == "ulysses":
-            from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
-
-            y = mamba_split_conv1d_scan_ulysses(
-                self.in_proj(hidden), *args, process_group=group, input_layout=c.input_layout, backend=c.backend,
-                check_shapes=c.check_shapes, **kwargs,
-            )  # fmt: skip
-            return self.out_proj(y)
-        load_balancing, method = c.load_balancing, None
-        if load_balancing in ("permute_p2p", "permute_a2a"):
-            from ds_mamba_spcp import permute
-
-            method = load_balancing.removeprefix("permute_")
-            hidden = permute.zigzag_to_contiguous(hidden, group, method=method, dim=1)  # zigzag -> contiguous
-            load_balancing = "none"
-        y = mamba_split_conv1d_scan_sp(
-            self.in_proj(hidden), *args, process_group=group, load_balancing=load_balancing, backend=c.backend,
-            overlap_comm=c.overlap_comm, check_shapes=c.check_shapes, recompute_output=c.recompute_output, **kwargs,
-        )  # fmt: skip
-        out = self.out_proj(y)
-        if method is not None:
-            out = permute.contiguous_to_zigzag(out, group, method=method, dim=1)  # contiguous -> zigzag
-        return out
+        return mixer_forward(hidden, self.in_proj, self.out_proj, self._core(), self.config, group)
 
     def _check_same_shards(self, hidden, group):
         """Once per new input signature: every rank must hold a shard of the same shape. A different

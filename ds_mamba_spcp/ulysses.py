@@ -279,6 +279,8 @@ def mamba_split_conv1d_scan_ulysses(
     rmsnorm_weight=None,
     rmsnorm_eps=1e-6,
     norm_before_gate=False,
+    seq_idx=None,
+    cu_seqlens=None,
     backend="auto",
     check_shapes=True,
 ):
@@ -302,6 +304,8 @@ def mamba_split_conv1d_scan_ulysses(
     Needs nheads % cp == 0 and ngroups a multiple or a divisor of cp; with rmsnorm and cp > ngroups,
     norm_before_gate must be False. A group of size 1 runs the backend's single-device op.
     """
+    if seq_idx is not None or cu_seqlens is not None:
+        raise NotImplementedError("packed sequences (seq_idx / cu_seqlens) are not supported by the ulysses op yet")
     if input_layout not in LAYOUTS:
         raise ValueError(f"input_layout must be one of {LAYOUTS}, got {input_layout!r}")
     rank, cp = comm.group_rank_size(process_group)
