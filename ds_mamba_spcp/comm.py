@@ -23,7 +23,13 @@ def group_rank_size(group) -> tuple[int, int]:
         if group is not None:
             raise RuntimeError("a process_group was given but deepspeed.comm is not initialized")
         return 0, 1
-    return dist.get_rank(group=group), dist.get_world_size(group=group)
+    rank = dist.get_rank(group=group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the process_group it was given; pass "
+            "the sequence-parallel group this rank belongs to (each rank passes its own group)"
+        )
+    return rank, dist.get_world_size(group=group)
 
 
 def global_rank(group, rank: int) -> int:
@@ -34,14 +40,28 @@ def global_rank(group, rank: int) -> int:
     return dist.get_global_rank(group, rank)
 
 
-class Gathered:
-    """Handle of an all-gather: ``wait()`` returns (world, *shape) of the posted tensor."""
+def _current_stream(device):
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
-    def __init__(self, out, work, shape):
-        self._out, self._work, self._shape = out, work, shape
+
+class Gathered:
+    """Handle of an all-gather: ``wait()`` returns (world, *shape) of the posted tensor.
+
+    The wait must happen on the stream that was current when the gather was posted: NCCL's
+    ``work.wait()`` orders only the *current* stream after the collective, so waiting from another
+    stream would leave the posting stream's later reads of the buffer unordered. A mismatch raises.
+    """
+
+    def __init__(self, out, work, shape, stream=None):
+        self._out, self._work, self._shape, self._stream = out, work, shape, stream
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
+            if self._stream is not None and _current_stream(self._out.device) != self._stream:
+                raise RuntimeError(
+                    "an all-gather posted on one CUDA stream is being waited on from another; wait on the stream "
+                    "that was current when it was posted"
+                )
             self._work.wait()
             self._work = None
         return self._out.view(-1, *self._shape)
@@ -54,7 +74,35 @@ def all_gather(tensor: torch.Tensor, group, world: int, async_op: bool = True) -
         return Gathered(tensor.clone(), None, tensor.shape)
     out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     work = _dist().all_gather_into_tensor(out, tensor.view(-1), group=group, async_op=async_op)
-    return Gathered(out, work if async_op else None, tensor.shape)
+    stream = _current_stream(tensor.device) if async_op else None
+    return Gathered(out, work if async_op else None, tensor.shape, stream)
+
+
+class GatheredMany:
+    """Handle of ``all_gather_many``: ``wait()`` returns one (world, *shape) tensor per posted tensor."""
+
+    def __init__(self, handle: Gathered, parts):
+        self._handle, self._parts = handle, parts
+
+    def wait(self) -> list[torch.Tensor]:
+        rows = self._handle.wait()  # [world, bytes per rank], uint8
+        return [rows[:, a:b].view(dtype).view(-1, *shape) for a, b, dtype, shape in self._parts]
+
+
+def all_gather_many(tensors, group, world: int, async_op: bool = True) -> GatheredMany:
+    """Posts one all-gather of several tensors of any dtypes (their bytes packed in one buffer).
+
+    Each part starts at a multiple of 8 bytes of a rank's block, so the gathered parts are
+    reinterpreted in place (no copy on the way out). Every rank passes the same shapes and dtypes.
+    """
+    chunks, parts, offset = [], [], 0
+    for t in tensors:
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        pad = (-raw.numel()) % 8
+        chunks.append(raw if pad == 0 else torch.cat([raw, raw.new_zeros(pad)]))
+        parts.append((offset, offset + raw.numel(), t.dtype, tuple(t.shape)))
+        offset += raw.numel() + pad
+    return GatheredMany(all_gather(torch.cat(chunks), group, world, async_op), parts)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
@@ -96,34 +144,59 @@ def all_to_all_uneven(
 
 
 # dtype -> small int, for the call descriptors compared across ranks
-DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4, torch.int64: 5}
 
-_checked_calls: set = set()
+DESCRIPTOR_WIDTH = 64  # fixed, so that every rank's descriptor has the same size whatever it holds
 
 
-def check_same_across_ranks(key: tuple, device, group, world: int, what: str) -> None:
-    """Raises the same ValueError on every rank when the ranks' call descriptors differ.
+def exchange_descriptors(values: list[int], device, group, world: int) -> list[list[int]]:
+    """All-gathers a list of ints from every rank (one small collective and a host read).
 
-    ``key`` is a flat tuple of ints (shapes, dtype codes, option indices). It is all-gathered once
-    per new (group, key), so a rank whose shapes differ makes every rank raise instead of leaving
-    the others blocked in a mismatched collective. ``what`` names the caller in the message.
+    The buffer has a fixed size (``DESCRIPTOR_WIDTH`` entries), so the collective itself can never be
+    mismatched, whatever the ranks put in it. Returns every rank's list, in group rank order.
     """
-    if world == 1 or (id(group), what, key) in _checked_calls:
+    if len(values) > DESCRIPTOR_WIDTH - 1:
+        raise AssertionError(f"call descriptor of {len(values)} entries is longer than {DESCRIPTOR_WIDTH - 1}")
+    desc = torch.full((DESCRIPTOR_WIDTH,), -7, dtype=torch.long)
+    desc[0] = len(values)
+    desc[1 : 1 + len(values)] = torch.tensor([int(v) for v in values], dtype=torch.long)
+    rows = all_gather(desc.to(device), group, world, async_op=False).wait().tolist()
+    return [r[1 : 1 + r[0]] if 0 <= r[0] < DESCRIPTOR_WIDTH else r for r in rows]
+
+
+def check_same_across_ranks(fields: list[tuple[str, int]], device, group, world: int, what: str) -> None:
+    """Raises the same error on every rank when the ranks' call descriptors differ (NotImplementedError when
+    only the local seqlen does: variable-length shards; ValueError otherwise).
+
+    ``fields``: (name, int) pairs (shapes, dtype codes, option indices). Exchanged on *every* call
+    (``exchange_descriptors``): whether to check is never a per-rank decision, so a rank whose shapes
+    changed makes every rank raise instead of leaving the others blocked in a mismatched collective.
+    ``what`` names the caller in the message; the message lists the fields that differ, per rank.
+    """
+    if world == 1:
         return
-    flat = [int(v) for v in key]
-    width = 64  # fixed, so that keys of different lengths (tensors of different ndim) still compare
-    if len(flat) > width:
-        raise AssertionError(f"call descriptor of {len(flat)} entries is longer than {width}")
-    desc = torch.full((width,), -7, dtype=torch.long, device=device)
-    desc[: len(flat)] = torch.tensor(flat, dtype=torch.long)
-    rows = all_gather(desc, group, world, async_op=False).wait().tolist()
-    if any(r != rows[0] for r in rows):
-        raise ValueError(
-            f"{what}: the ranks of the sequence-parallel group called it with different shapes or options; every "
-            "rank must pass the same batch, local seqlen, sizes, dtype and options. Per-rank descriptors: "
-            + "; ".join(f"rank {i}: {r[: len(flat)]}" for i, r in enumerate(rows))
+    rows = exchange_descriptors([v for _, v in fields], device, group, world)
+    if all(r == rows[0] for r in rows):
+        return
+    names = [n for n, _ in fields]
+    if any(len(r) != len(names) for r in rows):
+        differ = names
+    else:
+        differ = [n for i, n in enumerate(names) if len({r[i] for r in rows}) > 1]
+    per_rank = "; ".join(
+        f"rank {k}: " + ", ".join(f"{n}={r[names.index(n)]}" for n in differ if names.index(n) < len(r))
+        for k, r in enumerate(rows)
+    )
+    if differ == ["local_seqlen"]:
+        raise NotImplementedError(
+            f"{what}: variable-length shards are not supported: every rank of the sequence-parallel group must hold "
+            f"the same number of tokens ({per_rank}); pad the sequence to a multiple of the number of chunks (the "
+            "group size for contiguous shards, twice it for zigzag) before sharding it."
         )
-    _checked_calls.add((id(group), what, key))
+    raise ValueError(
+        f"{what}: the ranks of the sequence-parallel group called it with different shapes or options; every rank "
+        f"must pass the same batch, local seqlen, sizes, dtype and options. Differing: {per_rank}."
+    )
 
 
 def remove_deepspeed_shm_buffers(port: int, addr: str = "127.0.0.1", shm_dir: str = "/dev/shm") -> int:

@@ -30,12 +30,12 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from ds_mamba_spcp import comm
+from ds_mamba_spcp import op, permute
 from ds_mamba_spcp._upstream import mamba2_class
+from ds_mamba_spcp.call import Options, prepare
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config
 from ds_mamba_spcp.groups import group_size, resolve_sequence_process_group
 from ds_mamba_spcp.ops import get_backend, reference
-from ds_mamba_spcp.state_passing import mamba_split_conv1d_scan_sp
 
 # The registries of nn.Module that hold what state_dict / parameters / .to() walk.
 _SHARED_REGISTRIES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
@@ -64,6 +64,12 @@ class MixerCore:
     rmsnorm_eps: float = 1e-6
     norm_before_gate: bool = False
 
+    @property
+    def d_in_proj(self) -> int:
+        """Width of in_proj's output (z, xBC, dt): d_inner + conv_dim + nheads."""
+        nheads = self.A.shape[0]
+        return nheads * self.headdim + self.conv1d_weight.shape[0] + nheads
+
     def op_arguments(self) -> tuple[tuple, dict]:
         """(positional, keyword) arguments of mamba-ssm's ``mamba_split_conv1d_scan_combined`` and of
         this package's ops."""
@@ -83,45 +89,54 @@ def mixer_forward(
     config: MambaSequenceParallelConfig,
     group,
     seq_idx: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    d_model: int | None = None,
 ) -> torch.Tensor:
     """in_proj -> the sequence-parallel mixer core chosen by ``config`` -> out_proj, on this rank's shard.
 
     hidden: (batch, local_seqlen, d_model), this rank's shard in ``config.input_layout``; in_proj maps it
     to zxbcdt (batch, local_seqlen, 2*d_inner + 2*ngroups*dstate + nheads) and out_proj maps the core's
     (batch, local_seqlen, d_inner) output back (any host-specific scaling goes inside these callables).
-    seq_idx: (batch, local_seqlen) int32 document index of each token of the shard (packed rows), or None.
-    Returns this rank's shard of the output, in the same layout. Every rank of ``group`` calls it alike.
-    The modules that adapt a host mixer (DistributedMamba2, the transformers adapters) call this.
+    seq_idx: (batch, local_seqlen) int32 document labels of the shard's tokens (packed rows), or
+    cu_seqlens: the row's cumulative document lengths (batch 1); or neither. d_model: checked against
+    hidden's last dim when given. Returns this rank's shard of the output, in the same layout.
+
+    The call is validated before anything moves (one descriptor exchange with the other ranks, see
+    ``ds_mamba_spcp.call``), then run by ``op.run``. Under the permute modes hidden_states (d_model
+    wide) moves between the layouts instead of zxbcdt (several times wider): the permutation sits
+    outside the projections. The modules that adapt a host mixer (DistributedMamba2, the transformers
+    adapters) call this.
     """
-    args, kwargs = core.op_arguments()
     c = config
-    if c.mode == "ulysses":
-        from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
-
-        y = mamba_split_conv1d_scan_ulysses(
-            in_proj(hidden), *args, process_group=group, input_layout=c.input_layout, backend=c.backend,
-            check_shapes=c.check_shapes, seq_idx=seq_idx, **kwargs,
-        )  # fmt: skip
-        return out_proj(y)
-    load_balancing, method = c.load_balancing, None
-    if load_balancing in ("permute_p2p", "permute_a2a"):
-        from ds_mamba_spcp import permute
-
-        # hidden_states (d_model wide) moves fewer bytes than zxbcdt: permute outside the projections
-        method = load_balancing.removeprefix("permute_")
-        hidden = permute.zigzag_to_contiguous(hidden, group, method=method, dim=1)
-        if seq_idx is not None:
-            seq_idx = permute.zigzag_to_contiguous(seq_idx, group, method=method, dim=1)
-        load_balancing = "none"
-    y = mamba_split_conv1d_scan_sp(
-        in_proj(hidden), *args, process_group=group, load_balancing=load_balancing, backend=c.backend,
-        overlap_comm=c.overlap_comm, check_shapes=c.check_shapes, recompute_output=c.recompute_output,
-        seq_idx=seq_idx, **kwargs,
+    args, kwargs = core.op_arguments()
+    problem = None
+    if hidden.dim() != 3 or (d_model is not None and hidden.shape[-1] != d_model):
+        problem = ValueError(
+            f"the mixer expects hidden states (batch, local_seqlen, d_model={d_model}), got {tuple(hidden.shape)}"
+        )
+    shape = tuple(hidden.shape[:2]) if hidden.dim() == 3 else (1, 1)
+    probe = torch.empty(*shape, core.d_in_proj, dtype=hidden.dtype, device="meta")  # in_proj's output, to come
+    options = Options(
+        mode=c.mode, load_balancing=c.load_balancing, input_layout=c.input_layout,
+        recompute_output=c.recompute_output, overlap_comm=c.overlap_comm, backend=c.backend,
+        check_shapes=c.check_shapes,
     )  # fmt: skip
-    out = out_proj(y)
-    if method is not None:
-        out = permute.contiguous_to_zigzag(out, group, method=method, dim=1)
-    return out
+    call = prepare(
+        probe, *args, process_group=group, options=options, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+        device=hidden.device, what=f"{SECTION} ({c.mode}, load_balancing {c.load_balancing})", problem=problem,
+        **kwargs,
+    )  # fmt: skip
+    method = _PERMUTE_METHOD.get(c.load_balancing) if c.mode == "state_passing" and call.cp > 1 else None
+    if method is None:
+        return out_proj(op.run(call.replace(zxbcdt=in_proj(hidden))))
+    hidden = permute.zigzag_to_contiguous(hidden, group, method=method, dim=1)
+    labels = None if call.seq_idx is None else permute.zigzag_to_contiguous(call.seq_idx, group, method=method)
+    call = call.replace(zxbcdt=in_proj(hidden), seq_idx=labels)
+    y = op.run(call.with_options(load_balancing="none", input_layout="contiguous"))
+    return permute.contiguous_to_zigzag(out_proj(y), group, method=method, dim=1)
+
+
+_PERMUTE_METHOD = {"permute_p2p": "p2p", "permute_a2a": "a2a"}
 
 
 def _check_mixer_supported(mixer) -> None:
@@ -141,19 +156,13 @@ def _check_mixer_supported(mixer) -> None:
         )
 
 
-def _reject_call(seq_idx, cu_seqlens, inference_params) -> None:
+def _reject_call(inference_params) -> None:
     if inference_params is not None:
         raise NotImplementedError(
             "decoding with an inference cache (inference_params) is not supported by DistributedMamba2: the "
             "cache would hold one rank's conv and SSM state while the sequence is split across ranks. Generate "
             f'with the unwrapped mixer, or with "{SECTION}.enabled" set to false (the wrapper then runs the '
             "mixer's own forward)."
-        )
-    if seq_idx is not None or cu_seqlens is not None:
-        raise NotImplementedError(
-            "packed sequences (seq_idx / cu_seqlens) are not supported by DistributedMamba2: a document "
-            "boundary inside a shard would need its decay zeroed in the state summary passed to the next rank. "
-            "Give each sequence its own batch row (padded to a common length)."
         )
 
 
@@ -278,23 +287,21 @@ class DistributedMamba2(nn.Module):
     # -- forward --------------------------------------------------------------------------------------
 
     def forward(self, u, seqlen=None, seq_idx=None, cu_seqlens=None, inference_params=None):
-        """Same signature as ``Mamba2.forward``; ``u`` is this rank's shard of the sequence."""
+        """Same signature as ``Mamba2.forward``; ``u`` is this rank's shard of the sequence, ``seq_idx`` its
+        shard of the packed row's document labels (or ``cu_seqlens`` the row's document lengths)."""
         if not self.config.enabled:
             return self.local_mixer(
                 u, seqlen=seqlen, seq_idx=seq_idx, cu_seqlens=cu_seqlens, inference_params=inference_params
             )
-        _reject_call(seq_idx, cu_seqlens, inference_params)
+        _reject_call(inference_params)
         group = self._resolve_group()
         if self._group_size == 1 and get_backend(self.config.backend, u.device) is not reference:
-            return self.local_mixer(u, seqlen=seqlen)  # the unwrapped module itself
+            return self.local_mixer(u, seqlen=seqlen, seq_idx=seq_idx, cu_seqlens=cu_seqlens)  # the unwrapped module
         hidden = u if seqlen is None else rearrange(u, "(b l) d -> b l d", l=seqlen)
-        self._check_input(hidden)
-        if self._group_size == 1:
-            out = self._single_device(hidden)
-        else:
-            if self.config.check_shapes:
-                self._check_same_shards(hidden, group)
-            out = self._sequence_parallel(hidden, group)
+        out = mixer_forward(
+            hidden, self.in_proj, self.out_proj, self._core(), self.config, group, seq_idx=seq_idx,
+            cu_seqlens=cu_seqlens, d_model=self.local_mixer.d_model,
+        )  # fmt: skip
         return out if seqlen is None else rearrange(out, "b l d -> (b l) d")
 
     def _core(self) -> MixerCore:
@@ -310,53 +317,6 @@ class DistributedMamba2(nn.Module):
             activation=m.activation, rmsnorm_weight=self.norm.weight if m.rmsnorm else None,
             rmsnorm_eps=self.norm.eps if m.rmsnorm else 1e-6, norm_before_gate=m.norm_before_gate,
         )  # fmt: skip
-
-    def _check_input(self, hidden):
-        d_model = self.local_mixer.d_model
-        if hidden.dim() != 3 or hidden.shape[-1] != d_model:
-            raise ValueError(
-                f"DistributedMamba2 expects (batch, local_seqlen, d_model={d_model}) (or (batch*local_seqlen, "
-                f"d_model) with seqlen=local_seqlen), got {tuple(hidden.shape)}."
-            )
-        if self._group_size > 1 and self.config.input_layout == "zigzag" and hidden.shape[1] % 2:
-            raise ValueError(
-                f"input_layout zigzag gives every rank two equal chunks, so the local seqlen must be even; got "
-                f"{hidden.shape[1]}."
-            )
-
-    def _single_device(self, hidden):
-        args, kwargs = self._core().op_arguments()
-        y = reference.single_device_op(self.in_proj(hidden), *args, **kwargs)
-        return self.out_proj(y)
-
-    def _sequence_parallel(self, hidden, group):
-        return mixer_forward(hidden, self.in_proj, self.out_proj, self._core(), self.config, group)
-
-    def _check_same_shards(self, hidden, group):
-        """Once per new input signature: every rank must hold a shard of the same shape. A different
-        local seqlen is a variable-length shard (NotImplementedError); anything else a ValueError.
-        Raised on every rank alike, instead of a hang in a mismatched collective."""
-        key = (tuple(hidden.shape), hidden.dtype)
-        if key in self._checked_shards:
-            return
-        code = comm.DTYPE_CODES.get(hidden.dtype, len(comm.DTYPE_CODES))
-        desc = torch.tensor([*hidden.shape, code], dtype=torch.long, device=hidden.device)
-        rows = comm.all_gather(desc, group, self._group_size, async_op=False).wait().tolist()
-        seqlens = [r[1] for r in rows]
-        if len(set(seqlens)) > 1:
-            raise NotImplementedError(
-                f"variable-length shards are not supported by DistributedMamba2: the ranks of the sequence-parallel "
-                f"group hold {seqlens} tokens. Every rank must hold the same number; pad the sequence to a multiple "
-                f"of the number of chunks ({self._group_size} for contiguous input, {2 * self._group_size} for "
-                "zigzag) before sharding it."
-            )
-        if any(r != rows[0] for r in rows):
-            raise ValueError(
-                "the ranks of the sequence-parallel group passed DistributedMamba2 inputs of different shapes or "
-                "dtypes; per-rank (batch, local_seqlen, d_model, dtype code): "
-                + "; ".join(f"rank {i}: {tuple(r)}" for i, r in enumerate(rows))
-            )
-        self._checked_shards.add(key)
 
 
 def wrap_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:

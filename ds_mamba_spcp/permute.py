@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_mamba_spcp import comm, layout
+from ds_mamba_spcp import comm, layout, state_passing
 
 METHODS = ("p2p", "a2a")
 _LOAD_BALANCING_METHOD = {"permute_p2p": "p2p", "permute_a2a": "a2a"}
@@ -121,7 +121,8 @@ class _PermuteFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return (_permute(dout, *ctx.args), None, None, None, None, None, None, None)
+        # a permutation is linear: its backward is the inverse permutation, itself differentiable
+        return (_PermuteFn.apply(dout, *ctx.args), None, None, None, None, None, None, None)
 
 
 def _convert(x, group, method, dim, src, dst):
@@ -136,6 +137,8 @@ def _convert(x, group, method, dim, src, dst):
             f"converting between the zigzag and contiguous layouts needs an even local length along dim {dim} "
             f"(two chunks per rank), got shape {tuple(x.shape)}"
         )
+    if not (x.dtype.is_floating_point or x.dtype.is_complex):  # labels (seq_idx): nothing to differentiate
+        return _permute(x, group, rank, cp, src, dst, method, dim)
     return _PermuteFn.apply(x, group, rank, cp, src, dst, method, dim)
 
 
@@ -155,72 +158,17 @@ def contiguous_to_zigzag(x: torch.Tensor, group=None, method: str = "p2p", dim: 
     return _convert(x, group, method, dim, "contiguous", "zigzag")
 
 
-def permuted_scan(
-    zxbcdt,
-    conv1d_weight,
-    conv1d_bias,
-    dt_bias,
-    A,
-    D,
-    chunk_size,
-    *,
-    process_group=None,
-    load_balancing="permute_p2p",
-    initial_states=None,
-    return_final_states=False,
-    dt_limit=(0.0, float("inf")),
-    headdim,
-    ngroups,
-    activation="silu",
-    rmsnorm_weight=None,
-    rmsnorm_eps=1e-6,
-    norm_before_gate=False,
-    backend="auto",
-    overlap_comm=True,
-    check_shapes=True,
-):
-    """``mamba_split_conv1d_scan_sp`` for zigzag shards by permutation: zigzag -> contiguous,
-    the load_balancing="none" op, contiguous -> zigzag. Same arguments and output contract as
-    ``mamba_split_conv1d_scan_sp``; zxbcdt and the output are zigzag shards, final_states is
-    global. load_balancing: "permute_p2p" or "permute_a2a".
-    """
-    from ds_mamba_spcp.ops.spec import CoreSpec
-    from ds_mamba_spcp.state_passing import mamba_split_conv1d_scan_sp
-
-    if load_balancing not in _LOAD_BALANCING_METHOD:
-        raise ValueError(f"load_balancing must be one of {tuple(_LOAD_BALANCING_METHOD)}, got {load_balancing!r}")
-    method = _LOAD_BALANCING_METHOD[load_balancing]
-    rank, cp = comm.group_rank_size(process_group)
-    if cp > 1 and check_shapes:
-        key = (
-            zxbcdt.dim(), *zxbcdt.shape, *conv1d_weight.shape, D.dim(), *D.shape, _dtype_code(zxbcdt.dtype),
-            chunk_size, -1 if headdim is None else headdim, ngroups, initial_states is not None,
-            bool(return_final_states), rmsnorm_weight is not None, conv1d_bias is not None, METHODS.index(method),
-        )  # fmt: skip
-        comm.check_same_across_ranks(key, zxbcdt.device, process_group, cp, f"load_balancing={load_balancing!r}")
-    # validate before anything moves, so a bad call raises on every rank instead of mid-collective
-    CoreSpec.infer(
-        zxbcdt, conv1d_weight, D, chunk_size, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit,
-        activation=activation, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
-    )  # fmt: skip
-    if cp > 1 and zxbcdt.shape[1] % 2 != 0:
-        raise ValueError(
-            f"load_balancing={load_balancing!r} needs zigzag shards of even local seqlen (two equal chunks; the "
-            f"global seqlen must be a multiple of 2*cp = {2 * cp}), got local seqlen {zxbcdt.shape[1]}"
-        )
-    zxbcdt = zigzag_to_contiguous(zxbcdt, process_group, method)
-    res = mamba_split_conv1d_scan_sp(
-        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group,
-        load_balancing="none", initial_states=initial_states, return_final_states=return_final_states,
-        dt_limit=dt_limit, headdim=headdim, ngroups=ngroups, activation=activation, rmsnorm_weight=rmsnorm_weight,
-        rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate, backend=backend, overlap_comm=overlap_comm,
-        check_shapes=check_shapes,
-    )  # fmt: skip
-    if return_final_states:
+def run(call):
+    """``load_balancing="permute_p2p"`` / ``"permute_a2a"`` on a prepared ``MixerCall`` (cp > 1): zxbcdt and
+    seq_idx zigzag -> contiguous, the state-passing strategy with load_balancing "none", the output
+    contiguous -> zigzag. final_states is global, so it needs no move."""
+    method = _LOAD_BALANCING_METHOD[call.options.load_balancing]
+    contiguous = call.replace(
+        zxbcdt=zigzag_to_contiguous(call.zxbcdt, call.group, method),
+        seq_idx=None if call.seq_idx is None else zigzag_to_contiguous(call.seq_idx, call.group, method),
+    ).with_options(load_balancing="none", input_layout="contiguous")
+    res = state_passing.run(contiguous)
+    if call.options.return_final_states:
         out, final_states = res
-        return contiguous_to_zigzag(out, process_group, method), final_states
-    return contiguous_to_zigzag(res, process_group, method)
-
-
-def _dtype_code(dtype) -> int:
-    return comm.DTYPE_CODES.get(dtype, 9)
+        return contiguous_to_zigzag(out, call.group, method), final_states
+    return contiguous_to_zigzag(res, call.group, method)

@@ -1,12 +1,32 @@
-"""State-passing sequence parallelism for the Mamba2 mixer core.
+"""State-passing sequence parallelism for the Mamba2 mixer core: the "state_passing" mode with
+load balancing "none" (contiguous shards, one causal segment per rank) and "virtual" (zigzag
+shards, two causal segments per rank packed on the batch axis).
 
-Each rank keeps its shard of the sequence. Forward: the last d_conv-1 pre-conv rows of every
-segment are all-gathered (the conv halo), each segment computes its fp32 summary (S_ext, log_a)
-from a zero state, the summaries are all-gathered (posted asynchronously) and an exclusive scan
-gives every segment its true incoming state. Backward mirrors it: the gradients L that reach the
-incoming states are all-gathered, a reverse scan gives the gradient reaching each outgoing state,
-the local backward runs once with it, and halo gradients return to their owners. Nothing that
-scales with the sequence length is exchanged or saved beyond the inputs.
+Each rank keeps its shard of the sequence. Forward, per layer:
+
+    post the halo all-gather: the last d_conv-1 pre-conv rows of every segment
+    backend: dt processing -> wait for the halo -> conv -> chunk states -> summary (S_ext, log_a)
+    post the summary all-gather (fp32)          backend: C.B^T chunk products (need no state)
+    wait -> exclusive scan -> S_in               backend: the rest of the scan from S_in, the gate
+
+Backward mirrors it: the backend recomputes, yields L (the gradient reaching S_in), the L's are
+all-gathered and a reverse scan gives each segment the gradient reaching its S_out, the backend
+finishes; the halo gradients go back to the segments that own those rows, posted before the
+backend's last kernels. Nothing that scales with the sequence length is exchanged.
+
+Memory held between forward and backward: zxbcdt, the halo (segments x batch x (d_conv-1) x
+conv_dim), S_in (fp32 states of the local segments), the decays of every segment (segments x batch
+x nheads, copied out of the gathered buffer so that nothing else of it stays alive), the packed-row
+masks, and, unless ``recompute_output``, the pre-gate output y (batch x local_seqlen x d_inner), as
+mamba-ssm's op keeps it. Without saved-tensor hooks y is freed as soon as the gate's backward has
+used it; when hooks are active (activation checkpointing, ``save_on_cpu``, activation offloading) it
+is a saved tensor like the others, so that the hooks see it.
+
+Packed rows (``seq_idx``, DESIGN.md section 7): each segment runs on its labels renumbered from 0
+(``canonical_seq_idx``), so that its incoming state reaches only the tokens before its first document
+start. The labels of the previous segment's last d_conv-1 tokens travel with the halo: halo rows of
+another document are zeroed (and so is their gradient on the way back), and a segment that begins on
+a document start gets log_a = -inf (decay 0), S_in = 0 and no L, exactly like one that holds a start.
 """
 
 from __future__ import annotations
@@ -14,12 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ds_mamba_spcp import comm, layout, scan
-from ds_mamba_spcp.ops import get_backend
+from ds_mamba_spcp.ops.reference import canonical_seq_idx
+from ds_mamba_spcp.ops.segment import drive_bwd, drive_fwd
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
-
-LOAD_BALANCING = ("none", "permute_p2p", "permute_a2a", "virtual")
 
 
 @dataclass(frozen=True)
@@ -40,10 +60,19 @@ class SegmentPlan:
     def local_ids(self) -> list[int]:
         return layout.segment_ids(self.rank, self.cp, self.layout)
 
-    def gather_ordered(self, t: torch.Tensor) -> comm.Gathered:
+    @property
+    def order(self) -> list[int]:
+        return layout.gathered_order(self.cp, self.layout)
+
+    def gather_ordered(self, t: torch.Tensor):
         """Posts an all-gather of (nlocal, ...) rows; wait() gives (nseg, ...) in causal order."""
-        handle = comm.all_gather(t, self.group, self.cp, self.async_op)
-        return _Reordered(handle, layout.gathered_order(self.cp, self.layout))
+        return _Reordered(comm.all_gather(t, self.group, self.cp, self.async_op), self.order)
+
+    def split(self, t):  # [b*nlocal, ...] -> [nlocal, b, ...]
+        return layout.rows_to_segments(t, self.nlocal)
+
+    def local(self, t_all):  # [nseg, b, ...] -> [b*nlocal, ...]: this rank's segments
+        return layout.segments_to_rows(layout.take(t_all, self.local_ids))
 
 
 class _Reordered:
@@ -55,47 +84,135 @@ class _Reordered:
         return layout.take(rows.reshape(-1, *rows.shape[2:]), self.order)
 
 
-class _SummaryExchange:
-    """The ``exchange`` object a backend talks to: post the local summary, wait for S_in.
+# ---------------------------------------------------------------------------------------------
+# the conv halo
+# ---------------------------------------------------------------------------------------------
 
-    Local segments sit on the batch axis: row i*nlocal + k is batch element i's local segment k
-    (layout.pack_segments).
+
+class _HaloExchange:
+    """Posts the halo all-gather at once; ``wait()`` gives every local segment's halo rows.
+
+    xBC: (b*nlocal, m, conv_dim) pre-conv rows; labels: (b*nlocal, m) int32 document labels or None.
+    With labels, each segment also sends its first label and the labels of its last rows, in the same
+    collective (``comm.all_gather_many``), and ``wait()`` fills ``mask`` (b*nlocal, d_conv-1), the
+    halo rows that belong to the document the segment begins with, and ``start0`` (b*nlocal,), whether
+    the segment begins a new document. The rows outside the mask are zeroed.
     """
 
-    def __init__(self, plan: SegmentPlan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None):
+    def __init__(self, xBC, width: int, plan: SegmentPlan, labels=None):
+        self.plan, self.width, self.labels = plan, width, labels
+        self.value = self.mask = self.start0 = None
+        self._handle = None
+        parts = []
+        if width > 1:
+            parts.append(plan.split(xBC[:, -(width - 1) :]))  # [nlocal, b, K-1, conv_dim]
+        if labels is not None:
+            tail = labels[:, -max(width - 1, 1) :]
+            parts.append(plan.split(torch.cat([labels[:, :1], tail], dim=1)))  # [nlocal, b, 1 + tail]: first, tail
+        if len(parts) == 1 and labels is None:
+            self._handle = plan.gather_ordered(parts[0])
+        elif parts:
+            handle = comm.all_gather_many(parts, plan.group, plan.cp, plan.async_op)
+            self._handle = _ReorderedMany(handle, plan.order)
+        self._done = self._handle is None
+
+    def wait(self):
+        if self._done:
+            return self.value
+        self._done = True
+        got = self._handle.wait()
+        got = [got] if torch.is_tensor(got) else got
+        halo_all = got[0] if self.width > 1 else None  # [nseg, b, K-1, conv_dim]
+        if halo_all is not None:
+            prev = torch.cat([torch.zeros_like(halo_all[:1]), halo_all[:-1]])  # segment s receives s-1's rows
+            self.value = self.plan.local(prev)
+        if self.labels is not None:
+            ids_all = got[-1]  # [nseg, b, 1 + tail]
+            # segment 0 has no predecessor: give it its own first label, so that it starts no document
+            # and its (zero) halo counts as its own
+            first0 = ids_all[:1, :, :1].expand_as(ids_all[:1, :, 1:])
+            prev_ids = self.plan.local(torch.cat([first0, ids_all[:-1, :, 1:]]))  # [b*nlocal, tail]
+            first = self.labels[:, :1]
+            self.start0 = prev_ids[:, -1] != first[:, 0]
+            if self.value is not None:
+                self.mask = prev_ids[:, -(self.width - 1) :] == first
+                self.value = self.value * self.mask[..., None].to(self.value.dtype)
+        return self.value
+
+
+class _ReorderedMany:
+    def __init__(self, handle, order):
+        self.handle, self.order = handle, order
+
+    def wait(self):
+        return [layout.take(t.reshape(-1, *t.shape[2:]), self.order) for t in self.handle.wait()]
+
+
+def _post_halo_grad(dhalo, mask, plan: SegmentPlan):
+    """Posts the return of each segment's halo gradient to the segment that owns those rows."""
+    if mask is not None:
+        dhalo = dhalo * mask[..., None].to(dhalo.dtype)  # rows of another document were zeros
+    return _HaloGrad(plan.gather_ordered(plan.split(dhalo)), plan)
+
+
+class _HaloGrad:
+    def __init__(self, handle, plan):
+        self.handle, self.plan = handle, plan
+
+    def wait(self):
+        rows = self.handle.wait()  # [nseg, b, K-1, conv_dim]
+        nxt = torch.cat([rows[1:], torch.zeros_like(rows[:1])])  # segment s receives from s+1
+        return self.plan.local(nxt)
+
+
+# ---------------------------------------------------------------------------------------------
+# the summary exchange
+# ---------------------------------------------------------------------------------------------
+
+
+class _SummaryExchange:
+    """Where the backend's summaries go: post the local ones, wait for S_in (and the mirror in backward).
+
+    Local segments sit on the batch axis: row i*nlocal + k is batch element i's local segment k
+    (layout.pack_segments). start0: (b*nlocal,) bool, the segments that begin a document, or None.
+    """
+
+    def __init__(self, plan: SegmentPlan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None,
+                 start0=None):  # fmt: skip
         self.plan, self.batch = plan, batch
         self.initial_states = initial_states
         self.log_a_all = log_a_all  # [nseg, b, h], kept from forward for the reverse scan
         self.dfinal_states = dfinal_states
-        self.final_states = None
-        self.dinitial_states = None
+        self.start0 = start0
+        self.S_in = self.final_states = self.dinitial_states = None
 
-    def _split(self, t):  # [b*nlocal, ...] -> [nlocal, b, ...]
-        return layout.rows_to_segments(t, self.plan.nlocal)
-
-    def _local(self, t_all):  # [nseg, b, ...] -> [b*nlocal, ...]
-        return layout.segments_to_rows(layout.take(t_all, self.plan.local_ids))
+    def _keep(self, t):
+        """Zeroes what reaches a segment that begins a document (the incoming state stops there)."""
+        return t if self.start0 is None else t * (~self.start0).to(t.dtype)[:, None, None, None]
 
     def post(self, S_ext, log_a):
         """S_ext (b*nlocal, h, p, n), log_a (b*nlocal, h), both fp32 or wider."""
         cdtype = torch.promote_types(S_ext.dtype, torch.float32)
         S_ext, log_a = S_ext.to(cdtype), log_a.to(cdtype)
+        if self.start0 is not None:
+            log_a = torch.where(self.start0[:, None], float("-inf"), log_a)
         numel = S_ext[0].numel()
         packed = torch.cat([S_ext.flatten(1), log_a], dim=1)  # one buffer, one collective
-        handle = self.plan.gather_ordered(self._split(packed))
+        handle = self.plan.gather_ordered(self.plan.split(packed))
         return _Deferred(lambda: self._finish_fwd(handle.wait(), numel, S_ext.shape[1:], cdtype))
 
     def _finish_fwd(self, rows, numel, state_shape, cdtype):
         S_ext_all = rows[..., :numel].reshape(*rows.shape[:2], *state_shape)
-        self.log_a_all = rows[..., numel:]
+        self.log_a_all = rows[..., numel:].clone()  # only the decays outlive the gathered buffer
         init = None if self.initial_states is None else self.initial_states.to(cdtype)
-        S_in_all, self.final_states = scan.exclusive_scan(S_ext_all, self.log_a_all, init)
-        return self._local(S_in_all)
+        S_in, self.final_states = scan.exclusive_scan(S_ext_all, self.log_a_all, init, rows=self.plan.local_ids)
+        self.S_in = self._keep(layout.segments_to_rows(S_in))
+        return self.S_in
 
     def post_grad(self, L):
         """L (b*nlocal, h, p, n): gradient reaching the incoming states from this rank's outputs."""
         cdtype = torch.promote_types(L.dtype, torch.float32)
-        L = self._split(L.to(cdtype))
+        L = self.plan.split(self._keep(L.to(cdtype)))
         if self.dfinal_states is not None:
             # final_states is returned on every rank: the gradients that reach its copies add up
             extra = torch.zeros_like(L)
@@ -109,8 +226,10 @@ class _SummaryExchange:
         if self.dfinal_states is not None:
             rows, extra = rows[:, : self.batch], rows[:, self.batch :]
             dfinal = extra.sum(dim=0)
-        dS_out_all, self.dinitial_states = scan.reverse_scan(rows, self.log_a_all.to(rows.dtype), dfinal)
-        return self._local(dS_out_all)
+        dS_out, self.dinitial_states = scan.reverse_scan(
+            rows, self.log_a_all.to(rows.dtype), dfinal, rows=self.plan.local_ids
+        )
+        return layout.segments_to_rows(dS_out)
 
 
 class _Deferred:
@@ -121,211 +240,114 @@ class _Deferred:
         return self.fn()
 
 
-def _exchange_halo(xBC, plan: SegmentPlan, width: int):
-    """Last width-1 pre-conv rows of the causally previous segment for every local segment."""
-    if width <= 1:
-        return None
-    tails = layout.rows_to_segments(xBC[:, -(width - 1) :], plan.nlocal)  # [nlocal, b, K-1, conv_dim]
-    tails_all = plan.gather_ordered(tails).wait()  # [nseg, b, K-1, conv_dim]
-    prev = torch.cat([torch.zeros_like(tails_all[:1]), tails_all[:-1]])
-    return layout.segments_to_rows(layout.take(prev, plan.local_ids))
+# ---------------------------------------------------------------------------------------------
+# forward and backward of the sharded core
+# ---------------------------------------------------------------------------------------------
 
 
-def _return_halo_grad(dhalo, plan: SegmentPlan):
-    """Sends each segment's halo gradient to the segment that owns those rows."""
-    rows = plan.gather_ordered(layout.rows_to_segments(dhalo, plan.nlocal)).wait()
-    nxt = torch.cat([rows[1:], torch.zeros_like(rows[:1])])  # segment s receives from s+1
-    return layout.segments_to_rows(layout.take(nxt, plan.local_ids))
+@dataclass(frozen=True)
+class _Static:
+    spec: CoreSpec
+    plan: SegmentPlan
+    backend: object
+    return_final_states: bool
+    recompute_output: bool
 
 
-def _state_passing_fwd(zxbcdt, params, initial_states, spec: CoreSpec, plan: SegmentPlan, backend, kept=None):
+def _forward(zxbcdt, params, initial_states, seq_idx, st: _Static):
+    plan, spec = st.plan, st.spec
     batch = zxbcdt.shape[0]
-    zxbcdt = layout.pack_segments(zxbcdt, plan.nlocal)  # [b, nlocal*m, d] -> [b*nlocal, m, d], a view
-    _, xBC, _ = split_zxbcdt(zxbcdt, spec)
-    halo = _exchange_halo(xBC, plan, spec.d_conv)
+    rows = layout.pack_segments(zxbcdt, plan.nlocal)  # [b, nlocal*m, d] -> [b*nlocal, m, d], a view
+    labels = None if seq_idx is None else layout.pack_segments(seq_idx, plan.nlocal)
+    _, xBC, _ = split_zxbcdt(rows, spec)
+    halo = _HaloExchange(xBC, spec.d_conv, plan, labels)
+    local_ids = None if labels is None else canonical_seq_idx(labels)
     exchange = _SummaryExchange(plan, batch, initial_states)
-    out, S_in = backend.segment_fwd(zxbcdt, halo, *params, spec=spec, exchange=exchange, kept=kept)
-    return layout.unpack_segments(out, plan.nlocal), halo, S_in, exchange
+
+    def post(S_ext, log_a):
+        halo.wait()  # the backend has waited for it already: start0 is known
+        exchange.start0 = halo.start0
+        return exchange.post(S_ext, log_a)
+
+    gen = st.backend.segment_fwd(
+        rows, halo, *params, spec=spec, seq_idx=local_ids, keep_y=not st.recompute_output
+    )  # fmt: skip
+    out, y = drive_fwd(gen, post)
+    return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, exchange
 
 
-def _state_passing_bwd(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, spec, plan, backend, kept=None):
+def _backward(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, local_ids, start0, mask, kept, st: _Static):
+    plan, spec = st.plan, st.spec
     batch = zxbcdt.shape[0]
-    zxbcdt = layout.pack_segments(zxbcdt, plan.nlocal)
+    rows = layout.pack_segments(zxbcdt, plan.nlocal)
     dout = layout.pack_segments(dout, plan.nlocal)
-    exchange = _SummaryExchange(plan, batch, log_a_all=log_a_all, dfinal_states=dfinal)
-    dzxbcdt, dhalo, *dparams = backend.segment_bwd(
-        dout, zxbcdt, halo, *params, S_in, spec=spec, exchange=exchange, kept=kept
-    )
-    if dhalo is not None:
-        dtail = _return_halo_grad(dhalo, plan)
+    exchange = _SummaryExchange(plan, batch, log_a_all=log_a_all, dfinal_states=dfinal, start0=start0)
+    gen = st.backend.segment_bwd(dout, rows, halo, *params, S_in, spec=spec, seq_idx=local_ids, kept=kept)
+    (dzxbcdt, *dparams), dtail = drive_bwd(gen, exchange.post_grad, lambda dh: _post_halo_grad(dh, mask, plan))
+    if dtail is not None:
+        dtail = dtail.wait()
         start = spec.d_inner  # xBC's channels inside zxbcdt; dzxbcdt is the backend's own fresh buffer
         dzxbcdt[:, -dtail.shape[1] :, start : start + spec.conv_dim] += dtail.to(dzxbcdt.dtype)
     return layout.unpack_segments(dzxbcdt, plan.nlocal), dparams, exchange.dinitial_states
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (non-reentrant checkpointing, save_on_cpu, offloading) are active."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
+
+
+def _no_autocast(device):
+    """The op computes as its inputs' dtypes say (cross-rank quantities in fp32), autocast or not."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 class _StatePassingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states, spec, plan,
-                backend, return_final_states, recompute_output):  # fmt: skip
+    def forward(ctx, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states, seq_idx,
+                st):  # fmt: skip
         params = (conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight)
-        kept = None if recompute_output else []  # the backend appends what it keeps for backward
-        out, halo, S_in, exchange = _state_passing_fwd(zxbcdt, params, initial_states, spec, plan, backend, kept)
-        ctx.save_for_backward(zxbcdt, halo, S_in, exchange.log_a_all, *params)
-        # Not saved tensors: the backward pops them and frees them as soon as it is done with them
-        # (a saved tensor lives until the backward returns). Internal intermediates that nothing
-        # else can modify; a second backward (retain_graph) finds the list empty and recomputes.
-        ctx.kept = kept
-        ctx.spec, ctx.plan, ctx.backend = spec, plan, backend
-        ctx.has_initial_states = initial_states is not None
+        with _no_autocast(zxbcdt.device):
+            out, y, halo, local_ids, exchange = _forward(zxbcdt, params, initial_states, seq_idx, st)
+        to_save = [zxbcdt, halo.value, exchange.S_in, exchange.log_a_all, local_ids, halo.start0, halo.mask, *params]
+        # The pre-gate output: where saved-tensor hooks are active they must see it (they may offload it or
+        # drop it for recomputation), so it is saved like the rest. Otherwise it is not a saved tensor: the
+        # backward pops it and frees it as soon as the gate's backward has used it (a saved tensor lives until
+        # the backward returns). A second backward (retain_graph) finds the list empty and recomputes it.
+        ctx.y_saved = y is not None and _saved_tensor_hooks_active()
+        ctx.kept = [] if y is None or ctx.y_saved else [y]
+        ctx.save_for_backward(*to_save, *([y] if ctx.y_saved else []))
+        ctx.st = st
         ctx.initial_dtype = None if initial_states is None else initial_states.dtype
-        ctx.return_final_states = return_final_states
-        if return_final_states:
+        if st.return_final_states:
             return out, exchange.final_states
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, *rest):
-        zxbcdt, halo, S_in, log_a_all, *params = ctx.saved_tensors
-        kept, ctx.kept = ctx.kept, None
-        dfinal = rest[0] if ctx.return_final_states else None
-        dzxbcdt, dparams, dinit = _state_passing_bwd(
-            dout.contiguous(), zxbcdt, halo, params, S_in, log_a_all, dfinal, ctx.spec, ctx.plan, ctx.backend, kept
-        )
+        zxbcdt, halo, S_in, log_a_all, local_ids, start0, mask, *params = ctx.saved_tensors
+        kept = [params.pop()] if ctx.y_saved else ctx.kept
+        ctx.kept = []
+        st = ctx.st
+        dfinal = rest[0] if st.return_final_states else None
+        with _no_autocast(dout.device):
+            dzxbcdt, dparams, dinit = _backward(
+                dout.contiguous(), zxbcdt, halo, params, S_in, log_a_all, dfinal, local_ids, start0, mask, kept, st
+            )
         dinitial = None
-        if ctx.has_initial_states:
+        if ctx.initial_dtype is not None:
             # replicated input: the full gradient lands on the rank holding segment 0, zeros elsewhere
-            dinitial = (dinit if ctx.plan.rank == 0 else torch.zeros_like(dinit)).to(ctx.initial_dtype)
-        return (dzxbcdt, *dparams, dinitial, None, None, None, None, None)
+            dinitial = (dinit if st.plan.rank == 0 else torch.zeros_like(dinit)).to(ctx.initial_dtype)
+        return (dzxbcdt, *dparams, dinitial, None, None)
 
 
-def mamba_split_conv1d_scan_sp(
-    zxbcdt,
-    conv1d_weight,
-    conv1d_bias,
-    dt_bias,
-    A,
-    D,
-    chunk_size,
-    *,
-    process_group=None,
-    load_balancing="none",
-    initial_states=None,
-    return_final_states=False,
-    dt_limit=(0.0, float("inf")),
-    headdim,
-    ngroups,
-    activation="silu",
-    rmsnorm_weight=None,
-    rmsnorm_eps=1e-6,
-    norm_before_gate=False,
-    seq_idx=None,
-    cu_seqlens=None,
-    backend="auto",
-    overlap_comm=True,
-    check_shapes=True,
-    recompute_output=False,
-):
-    """Mamba2 mixer core (conv1d + SSD + gating) on this rank's shard of a sequence.
-
-    Arguments mean what they mean in mamba-ssm's ``mamba_split_conv1d_scan_combined``:
-        zxbcdt: (batch, local_seqlen, 2*nheads*headdim + 2*ngroups*dstate + nheads), this rank's
-            shard of in_proj's output (contiguous layout for load_balancing="none", zigzag for
-            "virtual": rank r holds chunks r and 2*cp-1-r of 2*cp equal chunks).
-        conv1d_weight: (nheads*headdim + 2*ngroups*dstate, d_conv); conv1d_bias: (conv_dim,) or None
-        dt_bias: (nheads,); A: (nheads,) (negative); D: (nheads,) or (nheads, headdim)
-        initial_states: (batch, nheads, headdim, dstate), the state before the global sequence.
-        rmsnorm_weight: (nheads*headdim,) for the gated RMSNorm (groups of nheads*headdim/ngroups
-            channels), or None for y * silu(z).
-    Returns this rank's shard of the output, (batch, local_seqlen, nheads*headdim), and with
-    ``return_final_states`` the state after the whole global sequence, (batch, nheads, headdim,
-    dstate) in fp32 (fp64 for fp64 input), identical on every rank.
-
-    Gradients: parameters are replicated, and each rank's parameter gradients are its local
-    contribution; their sum over the group is the full gradient (what DeepSpeed's data/sequence
-    parallel reduction computes). Likewise the gradient of ``initial_states`` lands whole on rank 0
-    of the group (zeros elsewhere), and the gradients reaching the copies of ``final_states`` on
-    the different ranks add up.
-
-    process_group: the sequence-parallel group (None: the default world group; a process without
-    deepspeed.comm is a group of one). A group of size 1 runs the plain single-device op.
-    load_balancing: "none" (contiguous shards) or "virtual" (zigzag shards as two causal segments
-    packed on the batch axis). backend: "auto" (Triton on CUDA, else reference), "reference", "triton".
-    recompute_output: False (default) keeps the pre-gate output y (batch, local_seqlen,
-    nheads*headdim) from forward, as mamba-ssm's own op does, so that the Triton backward skips one
-    chunk-scan kernel, and frees it as soon as the gate's backward has used it; True saves only the
-    inputs, the halo, S_in and the decays and recomputes y too (one activation less held between
-    forward and backward, one kernel more). The reference backend always recomputes.
-    """
-    if seq_idx is not None or cu_seqlens is not None:
-        raise NotImplementedError(
-            "packed sequences (seq_idx / cu_seqlens) are not supported by the sequence-parallel op yet: "
-            "a document boundary inside a shard needs its decay zeroed in the summary"
-        )
-    if load_balancing not in LOAD_BALANCING:
-        raise ValueError(f"load_balancing must be one of {LOAD_BALANCING}, got {load_balancing!r}")
-    if load_balancing in ("permute_p2p", "permute_a2a"):
-        from ds_mamba_spcp import permute
-
-        return permute.permuted_scan(
-            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
-            process_group=process_group, load_balancing=load_balancing, initial_states=initial_states,
-            return_final_states=return_final_states, dt_limit=dt_limit, headdim=headdim, ngroups=ngroups,
-            activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
-            norm_before_gate=norm_before_gate, backend=backend, overlap_comm=overlap_comm,
-            check_shapes=check_shapes,
-        )  # fmt: skip
-    spec = CoreSpec.infer(
-        zxbcdt, conv1d_weight, D, chunk_size, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit,
-        activation=activation, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
-    )  # fmt: skip
-    _check_params(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states, spec)
-    impl = get_backend(backend, zxbcdt.device)
-    rank, cp = comm.group_rank_size(process_group)
-    if cp == 1:
-        return impl.single_device_op(
-            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=initial_states,
-            return_final_states=return_final_states, dt_limit=dt_limit, headdim=headdim, ngroups=ngroups,
-            activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
-            norm_before_gate=norm_before_gate,
-        )  # fmt: skip
-    seq_layout = "zigzag" if load_balancing == "virtual" else "contiguous"
-    plan = SegmentPlan(process_group, rank, cp, seq_layout, async_op=overlap_comm)
-    local_seqlen = zxbcdt.shape[1]
-    if local_seqlen % plan.nlocal != 0:
-        raise ValueError(
-            f"load_balancing='virtual' needs an even local seqlen (two zigzag chunks of equal length; the "
-            f"global seqlen must be a multiple of 2*cp = {2 * cp}), got local seqlen {local_seqlen}"
-        )
-    seg_len = local_seqlen // plan.nlocal
-    if seg_len < max(spec.d_conv - 1, 1):
-        raise ValueError(
-            f"each causal segment must hold at least d_conv-1 = {spec.d_conv - 1} tokens (and at least 1) "
-            f"so that its conv halo comes from the previous segment alone; got {seg_len} tokens per segment "
-            f"(local seqlen {local_seqlen}, {plan.nlocal} segment(s) per rank). Use fewer ranks or longer sequences."
-        )
-    if check_shapes:
-        key = (
-            *zxbcdt.shape, *conv1d_weight.shape, *D.shape, comm.DTYPE_CODES.get(zxbcdt.dtype, 9),
-            chunk_size, headdim, ngroups, initial_states is not None, bool(return_final_states),
-            rmsnorm_weight is not None, conv1d_bias is not None, LOAD_BALANCING.index(load_balancing),
-        )  # fmt: skip
-        comm.check_same_across_ranks(key, zxbcdt.device, process_group, cp, "mamba_split_conv1d_scan_sp")
+def run(call):
+    """The state-passing strategy on a prepared ``MixerCall`` (load_balancing "none" or "virtual", cp > 1)."""
+    o = call.options
+    seq_layout = "zigzag" if o.load_balancing == "virtual" else "contiguous"
+    plan = SegmentPlan(call.group, call.rank, call.cp, seq_layout, async_op=o.overlap_comm)
+    st = _Static(call.spec, plan, call.backend, bool(o.return_final_states), bool(o.recompute_output))
     return _StatePassingFn.apply(
-        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states, spec, plan, impl,
-        bool(return_final_states), bool(recompute_output),
+        call.zxbcdt, *call.params, call.initial_states, call.seq_idx, st
     )  # fmt: skip
-
-
-def _check_params(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, initial_states, spec):
-    expect = {
-        "conv1d_bias": (conv1d_bias, (spec.conv_dim,)),
-        "dt_bias": (dt_bias, (spec.nheads,)),
-        "A": (A, (spec.nheads,)),
-        "rmsnorm_weight": (rmsnorm_weight, (spec.d_inner,)),
-        "initial_states": (initial_states, (zxbcdt.shape[0], spec.nheads, spec.headdim, spec.dstate)),
-    }
-    for name, (t, shape) in expect.items():
-        if t is not None and tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if dt_bias is None:
-        raise NotImplementedError("dt_bias=None is not supported; pass zeros for no bias")

@@ -29,13 +29,15 @@ that case, since y alone never leaves the op).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from ds_mamba_spcp import comm
-from ds_mamba_spcp.layout import LAYOUTS
-from ds_mamba_spcp.ops import get_backend
+from ds_mamba_spcp import comm, layout
+from ds_mamba_spcp.call import Options, _ulysses_head_layout, prepare
+from ds_mamba_spcp.ops.reference import canonical_seq_idx
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 # ---------------------------------------------------------------------------------------------
@@ -161,8 +163,8 @@ class _SeqToHeads(torch.autograd.Function):
         return _seq_to_heads(t, sharding, plan)
 
     @staticmethod
-    def backward(ctx, dout):
-        return _heads_to_seq(dout, ctx.sharding, ctx.plan), None, None
+    def backward(ctx, dout):  # the adjoint re-sharding, itself differentiable (both are linear)
+        return _HeadsToSeq.apply(dout, ctx.sharding, ctx.plan), None, None
 
 
 class _HeadsToSeq(torch.autograd.Function):
@@ -173,7 +175,7 @@ class _HeadsToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return _seq_to_heads(dout, ctx.sharding, ctx.plan), None, None
+        return _SeqToHeads.apply(dout, ctx.sharding, ctx.plan), None, None
 
 
 class _GatherHeads(torch.autograd.Function):
@@ -189,6 +191,7 @@ class _GatherHeads(torch.autograd.Function):
         return rows.movedim(0, 1).flatten(1, 2)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         plan = ctx.plan
         send = dout.unflatten(1, (plan.cp, -1)).movedim(1, 0).contiguous()  # [b, h, ..] -> [cp, b, h/cp, ..]
@@ -207,6 +210,7 @@ class _SliceHeads(torch.autograd.Function):
         return t[:, plan.rank * h : (plan.rank + 1) * h].contiguous()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         plan = ctx.plan
         rows = comm.all_gather(dout, plan.group, plan.cp, async_op=False).wait()  # [cp, b, h/cp, p, n]
@@ -226,23 +230,6 @@ def _group_rmsnorm(y: torch.Tensor, weight: torch.Tensor, eps: float, group_size
 # ---------------------------------------------------------------------------------------------
 # the public op
 # ---------------------------------------------------------------------------------------------
-
-
-def _head_layout(spec: CoreSpec, cp: int):
-    """(heads per rank, groups per rank, ranks per group) or a ValueError sentence."""
-    if spec.nheads % cp != 0:
-        raise ValueError(
-            f"the ulysses mode shards heads over the sequence-parallel group: nheads={spec.nheads} must be "
-            f"divisible by the sequence-parallel size {cp}"
-        )
-    if spec.ngroups % cp == 0:
-        return spec.nheads // cp, spec.ngroups // cp, 1
-    if cp % spec.ngroups == 0:
-        return spec.nheads // cp, 1, cp // spec.ngroups
-    raise ValueError(
-        f"the ulysses mode needs ngroups={spec.ngroups} to be a multiple or a divisor of the sequence-parallel "
-        f"size {cp} (B and C are sharded by group, or each group is replicated on the ranks of its heads)"
-    )
 
 
 def _shardings(spec: CoreSpec, h_loc: int, g_loc: int, nrep: int):
@@ -293,6 +280,9 @@ def mamba_split_conv1d_scan_ulysses(
         conv1d_weight (conv_dim, d_conv), conv1d_bias (conv_dim,) or None, dt_bias (nheads,),
         A (nheads,), D (nheads,) or (nheads, headdim), rmsnorm_weight (nheads*headdim,) or None,
         initial_states (batch, nheads, headdim, dstate) or None.
+        seq_idx (batch, local_seqlen) int32 document labels of a packed row's shard, or cu_seqlens
+        (the row's cumulative document lengths, batch 1): the labels are all-gathered with the
+        tokens, so that each rank scans whole rows with them.
     Returns this rank's shard of the output, (batch, local_seqlen, nheads*headdim), and with
     ``return_final_states`` the state after the whole sequence, (batch, nheads, headdim, dstate) in
     fp32 (fp64 for fp64 input), identical on every rank.
@@ -302,51 +292,44 @@ def mamba_split_conv1d_scan_ulysses(
     group rank 0 (zeros elsewhere); the gradients reaching the copies of final_states add up.
 
     Needs nheads % cp == 0 and ngroups a multiple or a divisor of cp; with rmsnorm and cp > ngroups,
-    norm_before_gate must be False. A group of size 1 runs the backend's single-device op.
+    norm_before_gate must be False. A group of size 1 runs the backend's single-device op. The scan
+    is mamba-ssm's own op (Triton) or its plain-PyTorch twin, which keeps the pre-gate output for
+    backward: there is no recompute_output here, and nothing to overlap the all-to-alls with.
     """
-    if seq_idx is not None or cu_seqlens is not None:
-        raise NotImplementedError("packed sequences (seq_idx / cu_seqlens) are not supported by the ulysses op yet")
-    if input_layout not in LAYOUTS:
-        raise ValueError(f"input_layout must be one of {LAYOUTS}, got {input_layout!r}")
-    rank, cp = comm.group_rank_size(process_group)
-    if cp > 1 and check_shapes:  # first, so that any error below is raised by every rank alike
-        key = (
-            zxbcdt.dim(), *zxbcdt.shape, *conv1d_weight.shape, D.dim(), *D.shape, comm.DTYPE_CODES.get(zxbcdt.dtype, 9),
-            chunk_size, -1 if headdim is None else headdim, ngroups, initial_states is not None,
-            bool(return_final_states), rmsnorm_weight is not None, bool(norm_before_gate), conv1d_bias is not None,
-            LAYOUTS.index(input_layout),
-        )  # fmt: skip
-        comm.check_same_across_ranks(key, zxbcdt.device, process_group, cp, "mamba_split_conv1d_scan_ulysses")
-    spec = CoreSpec.infer(
-        zxbcdt, conv1d_weight, D, chunk_size, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit,
-        activation=activation, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
+    call = prepare(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group,
+        options=Options(mode="ulysses", input_layout=input_layout, return_final_states=bool(return_final_states),
+                        backend=backend, check_shapes=check_shapes),
+        initial_states=initial_states, dt_limit=dt_limit, headdim=headdim, ngroups=ngroups, activation=activation,
+        rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate, seq_idx=seq_idx,
+        cu_seqlens=cu_seqlens, what="mamba_split_conv1d_scan_ulysses",
     )  # fmt: skip
-    _check_params(zxbcdt, conv1d_bias, dt_bias, A, rmsnorm_weight, initial_states, spec)
-    impl = get_backend(backend, zxbcdt.device)
-    options = dict(
-        dt_limit=dt_limit, headdim=spec.headdim, activation=activation, rmsnorm_eps=rmsnorm_eps,
-        norm_before_gate=norm_before_gate, return_final_states=return_final_states,
-    )  # fmt: skip
-    if cp == 1:
-        return impl.single_device_op(
-            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=initial_states,
-            ngroups=ngroups, rmsnorm_weight=rmsnorm_weight, **options,
-        )  # fmt: skip
+    with torch.autocast(device_type=zxbcdt.device.type, enabled=False):
+        return run(call)
 
-    h_loc, g_loc, nrep = _head_layout(spec, cp)
-    norm_after = rmsnorm_weight is not None and nrep > 1
-    if norm_after and norm_before_gate:
+
+def _full_row_labels(seq_idx, plan: _Plan):
+    """Every rank's shard of the labels -> the whole rows in causal order, renumbered from 0 per row."""
+    shards = comm.all_gather(seq_idx, plan.group, plan.cp, async_op=False).wait()  # [cp, b, L/cp]
+    full = layout.unshard_sequence(list(shards.unbind(0)), plan.seq_layout)
+    return canonical_seq_idx(full)
+
+
+def run(call):
+    """The all-to-all strategy on a prepared ``MixerCall``."""
+    if call.cp == 1:
+        return call.single_device()
+    spec, o = call.spec, call.options
+    rank, cp = call.rank, call.cp
+    h_loc, g_loc, nrep = _ulysses_head_layout(spec, cp)
+    norm_after = call.rmsnorm_weight is not None and nrep > 1
+    if norm_after and spec.norm_before_gate:
         raise ValueError(
-            f"the ulysses mode with rmsnorm and ngroups={ngroups} < sequence-parallel size {cp} needs "
+            f"the ulysses mode with rmsnorm and ngroups={spec.ngroups} < sequence-parallel size {cp} needs "
             "norm_before_gate=False: a norm group then spans ranks and is normalised after the all-to-all, "
             "where only the gated y * silu(z) is available"
         )
-    if input_layout == "zigzag" and zxbcdt.shape[1] % 2 != 0:
-        raise ValueError(
-            f"input_layout='zigzag' needs an even local seqlen (two equal chunks; the global seqlen must be a "
-            f"multiple of 2*cp = {2 * cp}), got local seqlen {zxbcdt.shape[1]}"
-        )
-    plan = _Plan(process_group, rank, cp, input_layout)
+    plan = _Plan(call.group, rank, cp, o.input_layout)
     shard_zxbcdt, shard_y = _shardings(spec, h_loc, g_loc, nrep)
 
     # this rank's heads: rows of the replicated parameters, sliced under autograd
@@ -360,34 +343,23 @@ def mamba_split_conv1d_scan_ulysses(
         return None if t is None else torch.cat([t[a:b] for a, b in conv_rows])
 
     local_rmsnorm_weight = None
-    if rmsnorm_weight is not None and not norm_after:
-        local_rmsnorm_weight = rmsnorm_weight[h0 * spec.headdim : h1 * spec.headdim]
-    local_initial_states = None if initial_states is None else _SliceHeads.apply(initial_states, plan)
+    if call.rmsnorm_weight is not None and not norm_after:
+        local_rmsnorm_weight = call.rmsnorm_weight[h0 * spec.headdim : h1 * spec.headdim]
+    local_initial_states = None if call.initial_states is None else _SliceHeads.apply(call.initial_states, plan)
+    labels = None if call.seq_idx is None else _full_row_labels(call.seq_idx, plan)
 
-    zxbcdt_loc = _SeqToHeads.apply(zxbcdt, shard_zxbcdt, plan)  # [b, L/cp, d_in_proj] -> [b, L, d_in_proj/cp]
-    res = impl.single_device_op(
-        zxbcdt_loc, rows(conv1d_weight), rows(conv1d_bias), dt_bias[h0:h1], A[h0:h1], D[h0:h1], chunk_size,
-        initial_states=local_initial_states, ngroups=g_loc, rmsnorm_weight=local_rmsnorm_weight, **options,
+    zxbcdt_loc = _SeqToHeads.apply(call.zxbcdt, shard_zxbcdt, plan)  # [b, L/cp, d_in_proj] -> [b, L, d_in_proj/cp]
+    local = call.replace(
+        zxbcdt=zxbcdt_loc, conv1d_weight=rows(call.conv1d_weight), conv1d_bias=rows(call.conv1d_bias),
+        dt_bias=call.dt_bias[h0:h1], A=call.A[h0:h1], D=call.D[h0:h1], rmsnorm_weight=local_rmsnorm_weight,
+        initial_states=local_initial_states, seq_idx=labels,
+        spec=dataclasses.replace(spec, nheads=h_loc, ngroups=g_loc),
     )  # fmt: skip
-    y_loc, final_loc = res if return_final_states else (res, None)
+    res = local.single_device()
+    y_loc, final_loc = res if o.return_final_states else (res, None)
     out = _HeadsToSeq.apply(y_loc, shard_y, plan)  # [b, L, d_inner/cp] -> [b, L/cp, d_inner]
     if norm_after:
-        out = _group_rmsnorm(out, rmsnorm_weight, rmsnorm_eps, di // spec.ngroups)
-    if not return_final_states:
+        out = _group_rmsnorm(out, call.rmsnorm_weight, spec.rmsnorm_eps, di // spec.ngroups)
+    if not o.return_final_states:
         return out
     return out, _GatherHeads.apply(final_loc, plan)
-
-
-def _check_params(zxbcdt, conv1d_bias, dt_bias, A, rmsnorm_weight, initial_states, spec):
-    expect = {
-        "conv1d_bias": (conv1d_bias, (spec.conv_dim,)),
-        "dt_bias": (dt_bias, (spec.nheads,)),
-        "A": (A, (spec.nheads,)),
-        "rmsnorm_weight": (rmsnorm_weight, (spec.d_inner,)),
-        "initial_states": (initial_states, (zxbcdt.shape[0], spec.nheads, spec.headdim, spec.dstate)),
-    }
-    for name, (t, shape) in expect.items():
-        if t is not None and tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if dt_bias is None:
-        raise NotImplementedError("dt_bias=None is not supported; pass zeros for no bias")

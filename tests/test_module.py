@@ -519,10 +519,10 @@ def test_rejections():
     u = torch.randn(1, 8, D_MODEL, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="inference cache"):
         w(u, inference_params=object())
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        w(u, seq_idx=torch.zeros(1, 8, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        w(u, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="seq_idx must have shape"):
+        w(u, seq_idx=torch.zeros(1, 7, dtype=torch.int32))
+    with pytest.raises(ValueError, match="not both"):
+        w(u, seq_idx=torch.zeros(1, 8, dtype=torch.int32), cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(ValueError, match="d_model=8"):
         w(u[..., :4])
     with pytest.raises(NotImplementedError, match="decoding"):
@@ -539,19 +539,19 @@ def test_sequence_parallel_size_without_distributed_backend():
 
 @pytest.mark.parametrize("fields", [dict(), dict(recompute_output=True, overlap_comm=False, check_shapes=False)])
 def test_config_options_reach_the_op(monkeypatch, fields):
-    """The section's op options are what the wrapper passes to mamba_split_conv1d_scan_sp."""
+    """The section's op options are the options of the call the wrapper runs."""
     from ds_mamba_spcp import DistributedMamba2, module
 
     seen = {}
 
-    def op(zxbcdt, *args, **kwargs):
-        seen.update(kwargs)
-        return zxbcdt.new_zeros(*zxbcdt.shape[:2], m.d_ssm)
+    def run(call):
+        seen.update(vars(call.options))
+        return call.zxbcdt.new_zeros(*call.zxbcdt.shape[:2], m.d_ssm)
 
-    monkeypatch.setattr(module, "mamba_split_conv1d_scan_sp", op)
+    monkeypatch.setattr(module.op, "run", run)
     m = make_mixer("gate_g1")
     w = DistributedMamba2(m, None, section(backend="reference", **fields))
-    w._sequence_parallel(torch.randn(BATCH, 6, D_MODEL, dtype=torch.float64), None)
+    w(torch.randn(BATCH, 6, D_MODEL, dtype=torch.float64))
     expected = {**dict(recompute_output=False, overlap_comm=True, check_shapes=True), **fields}
     assert {k: seen[k] for k in expected} == expected
     assert seen["backend"] == "reference" and seen["load_balancing"] == "none"

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ds_mamba_spcp import layout, mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp, scan
 from ds_mamba_spcp.ops import reference as ref
+from ds_mamba_spcp.ops.segment import LocalExchange, drive_bwd, drive_fwd
 from ds_mamba_spcp.ops.spec import CoreSpec
 from tests.dist_utils import rel_err
 
@@ -138,12 +139,13 @@ def test_segment_contract_matches_single_device_op():
     )
     torch.autograd.backward([out, final], [dout, dfinal])
 
-    ex = ref.LocalExchange(extra["initial_states"])
-    seg_out, S_in = ref.segment_fwd(t["zxbcdt"], None, *params, spec=spec, exchange=ex)
+    ex = LocalExchange(extra["initial_states"], dfinal)
+    seg_out, _ = drive_fwd(ref.segment_fwd(t["zxbcdt"], None, *params, spec=spec), ex.post)
     assert rel_err(seg_out, out) < TOL and rel_err(ex.final_states, final) < TOL
-    ex.dfinal_states = dfinal
-    grads = ref.segment_bwd(dout, t["zxbcdt"], None, *params, S_in, spec=spec, exchange=ex)
-    ours = [grads[0]] + list(grads[2:]) + [ex.dinitial_states]
+    S_in = extra["initial_states"]
+    grads, dhalo = drive_bwd(ref.segment_bwd(dout, t["zxbcdt"], None, *params, S_in, spec=spec), ex.post_grad)
+    assert dhalo is None
+    ours = list(grads) + [ex.dinitial_states]
     for mine, leaf in zip(ours, leaves):
         assert rel_err(mine, leaf.grad) < TOL
 
@@ -203,10 +205,14 @@ def test_group_of_one_is_the_single_device_op_bitwise():
 def test_unsupported_arguments_raise():
     t, extra, kw = core_inputs()
     args = (*t.values(), 8)
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        mamba_split_conv1d_scan_sp(*args, **kw, seq_idx=torch.zeros(2, 23, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="packed sequences"):
+    with pytest.raises(ValueError, match="seq_idx must hold integer"):
+        mamba_split_conv1d_scan_sp(*args, **kw, seq_idx=torch.zeros(2, 23))
+    with pytest.raises(ValueError, match="seq_idx must have shape"):
+        mamba_split_conv1d_scan_sp(*args, **kw, seq_idx=torch.zeros(2, 22, dtype=torch.int32))
+    with pytest.raises(ValueError, match="batch 1"):
         mamba_split_conv1d_scan_sp(*args, **kw, cu_seqlens=torch.tensor([0, 10, 23]))
+    with pytest.raises(ValueError, match="decreases inside"):
+        mamba_split_conv1d_scan_sp(*args, **kw, seq_idx=torch.tensor([[0] * 12 + [1] * 11, [1] * 12 + [0] * 11]))
     with pytest.raises(ValueError, match="load_balancing must be one of"):
         mamba_split_conv1d_scan_sp(*args, **kw, load_balancing="zigzag")
     with pytest.raises(NotImplementedError, match="d_nonssm"):

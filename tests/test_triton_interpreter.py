@@ -54,6 +54,9 @@ SEGMENT_CASES = {
     "gate_Dhead": dict(),
     "rms_after_gate_Dchannel_dtlimit": dict(rms=True, D2=True, dt_limit=(0.03, 0.1)),
     "rms_before_gate_Dhead_dtlimit": dict(rms=True, before=True, dt_limit=(0.02, 0.2)),
+    # packed rows: canonical labels with starts inside a chunk, on a chunk border and in the conv's reach
+    "packed_gate_Dhead": dict(packed=True),
+    "packed_rms_after_gate": dict(packed=True, rms=True),
 }
 SEG_BATCH, SEG_LEN = 2, 37
 # the public op on 2 ranks: batch 1, 38 tokens per rank (under "virtual" two segments of 19)
@@ -65,6 +68,9 @@ OP_CASES = {
     "virtual_rms_keep_output": dict(lb="virtual", rms=True, before=True, keep=True),
     # two backwards through one graph (retain_graph): the first consumes the kept y, the second recomputes it
     "none_gate_keep_output_backward_twice": dict(lb="none", keep=True, twice=True),
+    # packed rows: documents across the shard border, starting on it, and short ones
+    "none_packed_gate_keep_output": dict(lb="none", keep=True, packed=True),
+    "virtual_packed_rms": dict(lb="virtual", rms=True, packed=True),
 }
 OP_BATCH, OP_PER_RANK = 1, 38
 
@@ -99,6 +105,21 @@ def make_inputs(opts, batch, seqlen, seed=0):
     return t, grads
 
 
+def segment_labels(batch, seqlen):
+    """Canonical labels (first fragment 0) of two rows: row 0 with starts at 5 (inside the first chunk),
+    16 (a chunk border), 18 (two tokens later: inside the conv's reach) and 30; row 1 with one at 1."""
+    rows = [[5, 16, 18, 30], [1]]
+    return torch.stack([torch.bucketize(torch.arange(seqlen), torch.tensor(r), right=True) for r in rows[:batch]]).int()
+
+
+def op_labels(seqlen):
+    """Global labels of one row of ``seqlen`` tokens split over two ranks (38 each; virtual: chunks of 19):
+    documents start at 3, 19 (a zigzag chunk border), 37 and 38 (the shard border), 40 and 41 (shorter
+    than the conv), 60; labels grow by 2 and start at 5 (no row needs to start at 0)."""
+    starts = torch.tensor([3, 19, 37, 38, 40, 41, 60])
+    return (5 + 2 * torch.bucketize(torch.arange(seqlen), starts, right=True))[None].int()
+
+
 def spec_of(opts):
     from ds_mamba_spcp.ops.spec import CoreSpec
 
@@ -114,18 +135,19 @@ def spec_of(opts):
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_segment(backend, t, grads, spec, *, initial_states, backward=True):
+def _run_segment(backend, t, grads, spec, *, initial_states, backward=True, seq_idx=None):
     """One segment through ``backend``'s contract with a LocalExchange; every result as a dict."""
-    from ds_mamba_spcp.ops import reference
+    from ds_mamba_spcp.ops.segment import LocalExchange, drive_bwd, drive_fwd
 
-    ex = reference.LocalExchange(initial_states)
-    ex.dfinal_states = grads["final"]
+    ex = LocalExchange(initial_states, grads["final"])
     params = [t[k] for k in PARAMS]
-    out, S_in = backend.segment_fwd(t["zxbcdt"], t["halo"], *params, spec=spec, exchange=ex)
+    S_in = torch.zeros_like(t["initial_states"]) if initial_states is None else initial_states
+    gen = backend.segment_fwd(t["zxbcdt"], t["halo"], *params, spec=spec, seq_idx=seq_idx)
+    out, _ = drive_fwd(gen, ex.post)
     res = dict(out=out, S_in=S_in, final_states=ex.final_states)
     if backward:
-        dzx, dhalo, *dparams = backend.segment_bwd(grads["out"], t["zxbcdt"], t["halo"], *params, S_in, spec=spec,
-                                                   exchange=ex)  # fmt: skip
+        gen = backend.segment_bwd(grads["out"], t["zxbcdt"], t["halo"], *params, S_in, spec=spec, seq_idx=seq_idx)
+        (dzx, *dparams), dhalo = drive_bwd(gen, ex.post_grad)
         res.update(dzxbcdt=dzx, dhalo=dhalo, dinitial_states=ex.dinitial_states)
         res.update({"d" + k: d for k, d in zip(PARAMS, dparams) if t[k] is not None})
     return res
@@ -149,9 +171,10 @@ def segments_main():
         spec = spec_of(opts)
         t64 = {k: None if v is None else v.double() for k, v in t.items()}
         g64 = {k: v.double() for k, v in grads.items()}
-        want = _run_segment(reference, t64, g64, spec, initial_states=t64["initial_states"])
+        labels = segment_labels(SEG_BATCH, SEG_LEN) if opts.get("packed") else None
+        want = _run_segment(reference, t64, g64, spec, initial_states=t64["initial_states"], seq_idx=labels)
         start = time.perf_counter()
-        got = _run_segment(triton_backend, t, grads, spec, initial_states=t["initial_states"])
+        got = _run_segment(triton_backend, t, grads, spec, initial_states=t["initial_states"], seq_idx=labels)
         results[name] = dict(errs=_errors(got, want), seconds=time.perf_counter() - start)
         if name == "gate_Dhead":
             # negative control: S_in zero instead of the initial state (a lost state summary)
@@ -162,27 +185,37 @@ def segments_main():
 
 
 def _fold_chunks_vs_upstream(triton_backend):
-    """The backend's own reduction kernel against the mamba-ssm outputs it replaces (largest abs diff)."""
+    """The backend's own reduction kernel against the mamba-ssm outputs it replaces (largest abs diff),
+    without and with packed-row labels (documents starting inside chunks 1 and 3 and on chunk 4's border)."""
     from ds_mamba_spcp import _upstream
 
     sp = _upstream.mamba_module("ops.triton.ssd_state_passing")
     g = torch.Generator().manual_seed(3)
-    b, c, h, p, n = 2, 5, 3, 4, 24  # p*n = 96: not a power of two, so the kernel's mask is exercised
+    b, c, h, p, n, chunk = 2, 5, 3, 4, 24, 16  # p*n = 96: not a power of two, so the kernel's mask is exercised
+    seqlen = c * chunk - 5  # a partial last chunk
     x = torch.randn(b, c, h, p, n, generator=g)
-    dA_cs = -torch.rand(b, h, c, 16, generator=g).cumsum(-1)  # a cumulative log-decay per chunk
+    dA_cs = -torch.rand(b, h, c, chunk, generator=g).cumsum(-1)  # a cumulative log-decay per chunk
     dA_last = dA_cs[..., -1]  # (b, h, c), strided like the backend's dA_cumsum[:, :, :, -1]
     flat = x.reshape(b, c, h, p * n)
-    _, final = sp._state_passing_fwd(flat, dA_last)
     prev = torch.randn(b, c, h, p * n, generator=g)
-    _, _, dinit = sp._state_passing_bwd(prev, dA_last, flat, has_initial_states=True, dstates_dtype=torch.float32)
-    fwd = triton_backend._fold_chunks(x, dA_last, reverse=False).reshape(b, h, p * n)
-    bwd = triton_backend._fold_chunks(x, dA_last, reverse=True).reshape(b, h, p * n)
-    return dict(errs={"S_ext": (fwd - final).abs().max().item(), "L": (bwd - dinit).abs().max().item()}, seconds=0.0)
+    labels = torch.bucketize(torch.arange(seqlen), torch.tensor([20, 50, 64]), right=True)
+    labels = torch.stack([labels, torch.zeros_like(labels)]).int()  # row 1: one document
+    errs = {}
+    for tag, seq in (("", None), ("_packed", labels)):
+        extra = {} if seq is None else dict(seq_idx=seq, chunk_size=chunk)
+        _, final = sp._state_passing_fwd(flat, dA_last, **extra)
+        _, _, dinit = sp._state_passing_bwd(prev, dA_last, flat, has_initial_states=True,
+                                            dstates_dtype=torch.float32, **extra)  # fmt: skip
+        fwd = triton_backend._fold_chunks(x, dA_last, reverse=False, **extra).reshape(b, h, p * n)
+        bwd = triton_backend._fold_chunks(x, dA_last, reverse=True, **extra).reshape(b, h, p * n)
+        errs["S_ext" + tag] = (fwd - final).abs().max().item()
+        errs["L" + tag] = (bwd - dinit).abs().max().item()
+    return dict(errs=errs, seconds=0.0)
 
 
 def test_fold_chunks_equals_upstream(segment_results):
     """Same recurrence, same order, fp32: bitwise equal under the interpreter (numpy, no fused multiply-add)."""
-    assert segment_results["fold_chunks"]["errs"] == {"S_ext": 0.0, "L": 0.0}
+    assert segment_results["fold_chunks"]["errs"] == {"S_ext": 0.0, "L": 0.0, "S_ext_packed": 0.0, "L_packed": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -237,16 +270,18 @@ def _op_case(rank, world, opts):
         return fn(*args, SHAPE["chunk"], rmsnorm_weight=inputs.get("rmsnorm_weight"),
                   initial_states=inputs["initial_states"], **kw, **extra)  # fmt: skip
 
+    labels = op_labels(seqlen) if opts.get("packed") else None
     ref_in = {k: t[k].double().requires_grad_() for k in names}
-    ref_out, ref_final = call(mamba_split_conv1d_scan_ref, ref_in)
+    ref_out, ref_final = call(mamba_split_conv1d_scan_ref, ref_in, seq_idx=labels)
     ((ref_out * grads["out"].double()).sum() + (ref_final * grads["final"].double()).sum()).backward()
 
     shard = lambda x: layout.shard_sequence(x, rank, world, "zigzag" if lb == "virtual" else "contiguous")  # noqa: E731
     sp_in = {k: (shard(t[k]) if k == "zxbcdt" else t[k]).clone().requires_grad_() for k in names}
     start = time.perf_counter()
     out, final = call(
-        mamba_split_conv1d_scan_sp, sp_in, load_balancing=lb, backend="triton", recompute_output=not opts.get("keep")
-    )
+        mamba_split_conv1d_scan_sp, sp_in, load_balancing=lb, backend="triton", recompute_output=not opts.get("keep"),
+        seq_idx=None if labels is None else shard(labels),
+    )  # fmt: skip
     # the copies of final_states on the ranks share its gradient: their contributions add up
     loss = (out * shard(grads["out"])).sum() + (final * grads["final"]).sum() / world
     loss.backward(retain_graph=bool(opts.get("twice")))

@@ -10,7 +10,8 @@ config per kernel, so nothing is benchmarked). It then
   with the latter's ``multi_processor_count``);
 - replaces causal-conv1d's CUDA functions (``_upstream.causal_conv1d_functions``, called by
   ``ops/triton.py`` at import time) by plain-PyTorch stand-ins with the same signature, return
-  values and layout checks.
+  values, layout checks and seq_idx semantics (causal-conv1d 1.7: initial_states rows count as the
+  row's first document).
 
 The SSD kernels, the gated RMSNorm kernels and all the glue of ``ops/triton.py`` then run for real;
 only the depthwise conv is not causal-conv1d's own code.
@@ -37,20 +38,35 @@ def _check_layout(name, t, batch, dim, length):
         raise ValueError(f"{name}: causal-conv1d needs the channel-last layout (stride(1) == 1), got {t.stride()}")
 
 
-def _conv(x, weight, bias, initial_states, silu):
-    """fp32 depthwise causal conv of (batch, dim, seqlen) continuing from initial_states (batch, dim, width-1)."""
+def _conv(x, weight, bias, initial_states, silu, seq_idx=None):
+    """fp32 depthwise causal conv of (batch, dim, seqlen) continuing from initial_states (batch, dim, width-1).
+
+    seq_idx (batch, seqlen): an output reads only inputs with its label; the initial_states rows carry the
+    row's first label, a negative label gives output 0 (causal-conv1d 1.7's channel-last kernel).
+    """
     width = weight.shape[-1]
     if initial_states is None:
         initial_states = x.new_zeros(x.shape[0], x.shape[1], width - 1)
     xpad = torch.cat([initial_states, x], dim=-1)
-    out = F.conv1d(xpad, weight.unsqueeze(1), bias, groups=x.shape[1])
+    if seq_idx is None:
+        out = F.conv1d(xpad, weight.unsqueeze(1), bias, groups=x.shape[1])
+    else:
+        ids = seq_idx.long()
+        ids_pad = torch.cat([ids[:, :1].expand(-1, width - 1), ids], dim=1)
+        same = (ids_pad.unfold(1, width, 1) == ids[:, :, None]).to(x.dtype)  # [b, L, K]
+        out = (xpad.unfold(2, width, 1) * same[:, None] * weight[None, :, None, :]).sum(-1)  # [b, d, L]
+        if bias is not None:
+            out = out + bias[None, :, None]
+        out = out * (ids >= 0)[:, None, :].to(x.dtype)
     return F.silu(out) if silu else out
 
 
 def _check_args(x, weight, seq_idx, initial_states, *unused):
-    if seq_idx is not None or any(t is not None for t in unused):
-        raise NotImplementedError("stand-in: seq_idx / final states are not used by ops/triton.py")
+    if any(t is not None for t in unused):
+        raise NotImplementedError("stand-in: final states are not used by ops/triton.py")
     batch, dim, seqlen = x.shape
+    if seq_idx is not None and (seq_idx.dtype != torch.int32 or tuple(seq_idx.shape) != (batch, seqlen)):
+        raise ValueError(f"seq_idx: int32 (batch, seqlen) expected, got {seq_idx.dtype} {tuple(seq_idx.shape)}")
     _check_layout("x", x, batch, dim, seqlen)
     if initial_states is not None:
         _check_layout("initial_states", initial_states, batch, dim, weight.shape[-1] - 1)
@@ -63,7 +79,7 @@ def conv1d_fwd_function(x, weight, bias, seq_idx, initial_states, final_states_o
     init = None if initial_states is None else initial_states.to(f32)
     bias32 = None if bias is None else bias.to(f32)
     out = torch.empty_like(x)  # channel-last like x, as the CUDA function allocates it
-    out.copy_(_conv(x.to(f32), weight.to(f32), bias32, init, silu_activation))
+    out.copy_(_conv(x.to(f32), weight.to(f32), bias32, init, silu_activation, seq_idx))
     return out
 
 
@@ -85,7 +101,9 @@ def conv1d_bwd_function(x, weight, bias, dout, seq_idx, initial_states, dfinal_s
     leaves = [x.to(f32), weight.to(f32), bias32, init if return_dinitial_states else None]
     leaves = [None if t is None else t.detach().requires_grad_() for t in leaves]
     with torch.enable_grad():
-        out = _conv(leaves[0], leaves[1], leaves[2], leaves[3] if return_dinitial_states else init, silu_activation)
+        out = _conv(
+            leaves[0], leaves[1], leaves[2], leaves[3] if return_dinitial_states else init, silu_activation, seq_idx
+        )
         grads = iter(torch.autograd.grad(out, [t for t in leaves if t is not None], dout.to(f32)))
     gx, gw, gb, ginit = (None if t is None else next(grads) for t in leaves)
     if dx is None:

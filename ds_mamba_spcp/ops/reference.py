@@ -29,24 +29,51 @@ from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 # ---------------------------------------------------------------------------------------------
 
 
-def causal_conv1d_ref(x, weight, bias=None, initial_states=None, activation="silu"):
+def causal_conv1d_ref(x, weight, bias=None, initial_states=None, activation="silu", seq_idx=None):
     """Causal depthwise conv1d over time, optionally continuing from a previous segment.
 
     x: (batch, seqlen, dim); weight: (dim, width); bias: (dim,) or None;
     initial_states: (batch, width-1, dim), the last width-1 *pre-conv* rows of the causally
-    previous segment (zeros when None). Returns (batch, seqlen, dim).
+    previous segment (zeros when None). seq_idx: (batch, seqlen) int document index of each token,
+    or None: an output reads only inputs of its own document, as causal-conv1d 1.7 does (the
+    initial_states rows count as the row's first document; a negative id is padding, output 0).
+    Computed in the wider of x's and weight's dtypes, returned in x's dtype. Returns (batch, seqlen, dim).
     """
     batch, seqlen, dim = x.shape
     width = weight.shape[-1]
+    cdtype = torch.promote_types(x.dtype, weight.dtype)
     if initial_states is None:
         initial_states = x.new_zeros(batch, width - 1, dim)
-    xpad = torch.cat([initial_states.to(x.dtype), x], dim=1)  # [b, K-1+L, d]
-    out = F.conv1d(xpad.transpose(1, 2), weight.unsqueeze(1), bias, groups=dim).transpose(1, 2)
+    xpad = torch.cat([initial_states.to(cdtype), x.to(cdtype)], dim=1)  # [b, K-1+L, d]
+    weight = weight.to(cdtype)
+    bias = None if bias is None else bias.to(cdtype)
+    if seq_idx is None:
+        out = F.conv1d(xpad.transpose(1, 2), weight.unsqueeze(1), bias, groups=dim).transpose(1, 2)
+    else:
+        ids = seq_idx.long()
+        ids_pad = torch.cat([ids[:, :1].expand(batch, width - 1), ids], dim=1)  # halo rows: the first document
+        windows = xpad.unfold(1, width, 1)  # [b, L, d, K]: windows[:, t, :, k] = xpad[:, t + k]
+        same = ids_pad.unfold(1, width, 1) == ids[:, :, None]  # [b, L, K]
+        out = (windows * same[:, :, None, :].to(cdtype) * weight).sum(-1)
+        if bias is not None:
+            out = out + bias
+        out = torch.where((ids >= 0)[..., None], out, torch.zeros((), dtype=cdtype))
     if activation in ("silu", "swish"):
         out = F.silu(out)
     elif activation is not None:
         raise NotImplementedError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
-    return out
+    return out.to(x.dtype)
+
+
+def canonical_seq_idx(seq_idx):
+    """Document labels renumbered per row from 0 (the row's first document), +1 at each change.
+
+    seq_idx: (batch, seqlen) non-decreasing labels (any that grow at each document start). The
+    kernels compare labels for equality and apply initial states to label 0 only, so every call
+    into them takes this form. Returns int32 on the same device.
+    """
+    change = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
+    return torch.cat([torch.zeros_like(change[:, :1]), change.cumsum(dim=1, dtype=torch.int32)], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,12 +102,16 @@ def _heads_from_groups(t, nheads):
     return repeat(t, "b l g n -> b l (g r) n", r=nheads // t.shape[2])
 
 
-def ssd_chunked_ref(x, dt, A, B, C, chunk_size, initial_states=None):
+def ssd_chunked_ref(x, dt, A, B, C, chunk_size, initial_states=None, seq_idx=None):
     """Chunked SSD scan (no D, no z). dt is already processed (softplus, bias, clamp).
 
     Any seqlen: the tail is padded with dt = 0, which neither decays nor feeds the state.
+    seq_idx: (batch, seqlen) canonical document labels (``canonical_seq_idx``) or None: the state
+    restarts at every document start, as in mamba-ssm's kernels, and initial_states reaches the
+    tokens labelled 0 only.
     Returns y (batch, seqlen, nheads, headdim) in x's dtype and final_states
-    (batch, nheads, headdim, dstate) in the compute dtype (fp32 or fp64).
+    (batch, nheads, headdim, dstate) in the compute dtype (fp32 or fp64): the state after the last
+    token (the last document's).
     """
     batch, seqlen, nheads, headdim = x.shape
     cdtype = torch.promote_types(x.dtype, torch.float32)
@@ -88,52 +119,72 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, initial_states=None):
     xs, dts = x.to(cdtype), dt.to(cdtype)
     Bh = _heads_from_groups(B, nheads).to(cdtype)
     Ch = _heads_from_groups(C, nheads).to(cdtype)
+    ids = None if seq_idx is None else seq_idx.long()
     if pad:
         xs, Bh, Ch = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xs, Bh, Ch))
         dts = F.pad(dts, (0, 0, 0, pad))
+        if ids is not None:  # the padding continues the last document: no spurious boundary
+            ids = torch.cat([ids, ids[:, -1:].expand(batch, pad)], dim=1)
     # [b, c*T, ...] -> [b, c, T, ...]
     xs, Bh, Ch = (rearrange(t, "b (c t) h n -> b c t h n", t=chunk_size) for t in (xs, Bh, Ch))
     dts = rearrange(dts, "b (c t) h -> b c t h", t=chunk_size)
     dA_cs = torch.cumsum(dts * A.to(cdtype), dim=2)  # [b, c, T, h]
+    nchunks = xs.shape[1]
+    if ids is not None:
+        ids = rearrange(ids, "b (c t) -> b c t", t=chunk_size)
+        ids_end = ids[:, :, -1]  # [b, c]: the document a chunk's state belongs to
+        ids_prev = torch.cat([torch.zeros_like(ids_end[:, :1]), ids_end[:, :-1]], dim=1)  # entering each chunk
 
-    # intra-chunk: y_t = sum_{s<=t} (C_t . B_s) exp(cs_t - cs_s) dt_s x_s
+    # intra-chunk: y_t = sum_{s<=t, same document} (C_t . B_s) exp(cs_t - cs_s) dt_s x_s
     diff = dA_cs.unsqueeze(3) - dA_cs.unsqueeze(2)  # [b, c, t, s, h]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    decay = torch.exp(torch.where(causal[None, None, :, :, None], diff, float("-inf")))
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()[None, None, :, :, None]
+    if ids is not None:
+        causal = causal & (ids[:, :, :, None] == ids[:, :, None, :])[..., None]
+    decay = torch.exp(torch.where(causal, diff, float("-inf")))
     CB = torch.einsum("bcthn,bcshn->bctsh", Ch, Bh)
     y = torch.einsum("bctsh,bcsh,bcshp->bcthp", CB * decay, dts, xs)
 
-    # per-chunk states from zero: sum_s exp(cs_T - cs_s) dt_s x_s B_s^T
+    # per-chunk states from zero: sum_s exp(cs_T - cs_s) dt_s x_s B_s^T over the chunk's last document
     decay_to_end = torch.exp(dA_cs[:, :, -1:, :] - dA_cs)  # [b, c, T, h]
+    if ids is not None:
+        decay_to_end = decay_to_end * (ids == ids_end[:, :, None])[..., None].to(cdtype)
     chunk_states = torch.einsum("bcsh,bcshp,bcshn->bchpn", decay_to_end * dts, xs, Bh)
 
-    # inter-chunk recurrence; the state entering each chunk reaches its rows through C
+    # inter-chunk recurrence; the state entering a chunk reaches its rows (of that document) through C
     state = (
         initial_states.to(cdtype)
         if initial_states is not None
         else x.new_zeros(batch, nheads, headdim, Bh.shape[-1], dtype=cdtype)
     )
     chunk_decay = torch.exp(dA_cs[:, :, -1, :])  # [b, c, h]
+    if ids is not None:
+        chunk_decay = chunk_decay * (ids_end == ids_prev)[..., None].to(cdtype)
     entering = []
-    for c in range(xs.shape[1]):
+    for c in range(nchunks):
         entering.append(state)
         state = chunk_decay[:, c, :, None, None] * state + chunk_states[:, c]
     entering = torch.stack(entering, dim=1)  # [b, c, h, p, n]
-    y = y + torch.einsum("bcthn,bchpn,bcth->bcthp", Ch, entering, torch.exp(dA_cs))
+    reach = torch.exp(dA_cs)
+    if ids is not None:
+        reach = reach * (ids == ids_prev[:, :, None])[..., None].to(cdtype)
+    y = y + torch.einsum("bcthn,bchpn,bcth->bcthp", Ch, entering, reach)
     y = rearrange(y, "b c t h p -> b (c t) h p")[:, :seqlen]
     return y.to(x.dtype), state
 
 
-def apply_incoming_state(y0, C, dt, A, S_in):
+def apply_incoming_state(y0, C, dt, A, S_in, seq_idx=None):
     """Adds what an incoming state contributes to a segment computed from a zero state.
 
     y0: (batch, seqlen, nheads, headdim); C: (batch, seqlen, ngroups, dstate);
-    dt: processed (batch, seqlen, nheads); S_in: (batch, nheads, headdim, dstate).
+    dt: processed (batch, seqlen, nheads); S_in: (batch, nheads, headdim, dstate); seq_idx:
+    canonical labels or None (the state reaches the tokens labelled 0 only).
     y_t += exp(sum_{s<=t} dt_s A) C_t S_in   (y0 was computed with S_in = 0: affine in S_in).
     """
     cdtype = torch.promote_types(y0.dtype, torch.float32)
     nheads = y0.shape[2]
     decay = torch.exp(torch.cumsum(dt.to(cdtype) * A.to(cdtype), dim=1))  # [b, l, h]
+    if seq_idx is not None:
+        decay = decay * (seq_idx == 0)[..., None].to(cdtype)
     Ch = _heads_from_groups(C, nheads).to(cdtype)
     corr = torch.einsum("blhn,bhpn,blh->blhp", Ch, S_in.to(cdtype), decay)
     return (y0.to(cdtype) + corr).to(y0.dtype)
@@ -163,21 +214,23 @@ def gated_rmsnorm_ref(y, z, weight, eps=1e-6, group_size=None, norm_before_gate=
 # ---------------------------------------------------------------------------------------------
 
 
-def _segment_pre(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec):
+def _segment_pre(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec, seq_idx=None):
     z, xBC, dt_raw = split_zxbcdt(zxbcdt, spec)
-    xBC = causal_conv1d_ref(xBC, conv1d_weight, conv1d_bias, halo, spec.activation)
+    xBC = causal_conv1d_ref(xBC, conv1d_weight, conv1d_bias, halo, spec.activation, seq_idx)
     x, B, C = torch.split(xBC, [spec.d_inner, spec.ngroups * spec.dstate, spec.ngroups * spec.dstate], -1)
     x = rearrange(x, "b l (h p) -> b l h p", p=spec.headdim)
     B = rearrange(B, "b l (g n) -> b l g n", g=spec.ngroups)
     C = rearrange(C, "b l (g n) -> b l g n", g=spec.ngroups)
     dt = process_dt(dt_raw, dt_bias, spec.dt_limit)
-    y0, S_ext = ssd_chunked_ref(x, dt, A, B, C, spec.chunk_size)
+    y0, S_ext = ssd_chunked_ref(x, dt, A, B, C, spec.chunk_size, seq_idx=seq_idx)
     log_a = (dt * A.to(dt.dtype)).sum(dim=1)  # [b, h]
+    if seq_idx is not None:  # a document starts inside: the incoming state never reaches the end
+        log_a = torch.where((seq_idx[:, -1] != 0)[:, None], float("-inf"), log_a)
     return z, x, B, C, dt, y0, S_ext, log_a
 
 
-def _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec: CoreSpec):
-    y = apply_incoming_state(y0, C, dt, A, S_in)
+def _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec: CoreSpec, seq_idx=None):
+    y = apply_incoming_state(y0, C, dt, A, S_in, seq_idx)
     Dh = D if D.dim() == 2 else D.unsqueeze(-1)  # [h] -> [h, 1]
     y = (y.to(torch.promote_types(y.dtype, torch.float32)) + x * Dh.to(x.dtype)).to(x.dtype)
     y = rearrange(y, "b l h p -> b l (h p)")
@@ -188,48 +241,62 @@ def _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec: CoreSpec):
     )
 
 
-def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, exchange, kept=None):
-    """Forward of one causal segment (batch may hold several segments, see layout.py).
+def _ready(halo):
+    """The halo argument of segment_fwd: a handle (``wait()``), a tensor, or None."""
+    return halo.wait() if hasattr(halo, "wait") else halo
 
-    halo: (batch, d_conv-1, conv_dim) pre-conv xBC rows of the causally previous segment.
-    exchange.post(S_ext, log_a) -> handle; handle.wait() -> S_in (fp32 or fp64).
-    kept: None, or a list the backend may append tensors to, handed back to segment_bwd (trading
-    memory for recomputation; this backend recomputes everything and appends nothing).
-    Returns (out (batch, seqlen, d_inner), S_in).
+
+def segment_fwd(
+    zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False
+):
+    """Forward of one causal segment (batch may hold several segments, see layout.py), a generator.
+
+    halo: (batch, d_conv-1, conv_dim) pre-conv xBC rows of the causally previous segment, or a handle
+    whose ``wait()`` gives them (None: zeros). seq_idx: (batch, seqlen) canonical document labels of
+    the segment (``canonical_seq_idx``: its first fragment is 0) or None.
+    Protocol (``ops/segment.py`` drives it): yields ``(S_ext, log_a)`` (fp32 or wider), the segment's
+    summary from a zero state: S_ext its final state, log_a the log of the factor by which its
+    incoming state reaches its end (-inf when a document starts inside); is then sent a handle whose
+    ``wait()`` gives S_in, the state entering the segment (it reaches the tokens labelled 0); returns
+    ``(out (batch, seqlen, d_inner), y)``, y being the pre-gate output kept for segment_bwd when
+    keep_y (this backend recomputes everything and keeps None).
     """
     with torch.no_grad():
-        z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec)
-        S_in = exchange.post(S_ext, log_a).wait()
-        out = _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec)
-    return out, S_in
+        pre = _segment_pre(zxbcdt, _ready(halo), conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx)
+    z, x, B, C, dt, y0, S_ext, log_a = pre
+    handle = yield S_ext, log_a
+    with torch.no_grad():
+        out = _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, handle.wait(), spec, seq_idx)
+    return out, None
 
 
 def segment_bwd(
-    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange, kept=None
-):
-    """Backward of ``segment_fwd`` by recomputation under autograd.
+    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, seq_idx=None,
+    kept=None,
+):  # fmt: skip
+    """Backward of ``segment_fwd`` by recomputation under autograd, a generator.
 
-    kept: the list segment_fwd filled, or None. A backend pops what it uses (so that a kept
-    tensor is freed as soon as the backward is done with it) and recomputes what is missing.
-
-    exchange.post_grad(L) -> handle; handle.wait() -> dS_out, where L is the gradient reaching
-    S_in when S_out receives none, and dS_out the gradient that later segments send to S_out.
-    Returns the gradients of (zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D,
-    rmsnorm_weight) in that order (None for a None input).
+    kept: the list holding what segment_fwd kept, or None. A backend pops what it uses (so that a
+    kept tensor is freed as soon as the backward is done with it) and recomputes what is missing.
+    Protocol: yields L, the gradient reaching S_in when S_out receives none; is sent a handle whose
+    ``wait()`` gives dS_out, the gradient that later segments send to S_out; yields the halo's
+    gradient (batch, d_conv-1, conv_dim) (None without a halo), so that the caller can post its
+    return while the backend finishes; returns the gradients of (zxbcdt, conv1d_weight, conv1d_bias,
+    dt_bias, A, D, rmsnorm_weight) in that order (None for a None input).
     """
     inputs = [zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight]
     leaves = [t.detach().requires_grad_() if t is not None else None for t in inputs]
     S_in = S_in.detach().requires_grad_()
     with torch.enable_grad():
-        z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(*leaves[:6], spec)
-        out = _segment_post(z, x, C, dt, y0, leaves[5], leaves[6], leaves[7], S_in, spec)
+        z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(*leaves[:6], spec, seq_idx)
+        out = _segment_post(z, x, C, dt, y0, leaves[5], leaves[6], leaves[7], S_in, spec, seq_idx)
         S_out = torch.exp(log_a)[:, :, None, None] * S_in + S_ext
-        live = [t for t in leaves if t is not None]
-        # pass 1: the output's gradient, and L = its part that reaches S_in
-        g1 = torch.autograd.grad(out, live + [S_in], dout, retain_graph=True, allow_unused=True)
-        dS_out = exchange.post_grad(g1[-1]).wait()
-        # pass 2: what later segments send back through S_out (S_in is a constant here)
-        g2 = torch.autograd.grad(S_out, live, dS_out.to(S_out.dtype), allow_unused=True)
+    live = [t for t in leaves if t is not None]
+    # pass 1: the output's gradient, and L = its part that reaches S_in
+    g1 = torch.autograd.grad(out, live + [S_in], dout, retain_graph=True, allow_unused=True)
+    handle = yield g1[-1]
+    # pass 2: what later segments send back through S_out (S_in is a constant here)
+    g2 = torch.autograd.grad(S_out, live, handle.wait().to(S_out.dtype), allow_unused=True)
     grads, it = [], iter(zip(g1[:-1], g2))
     for t in leaves:
         if t is None:
@@ -238,40 +305,8 @@ def segment_bwd(
         a, b = next(it)
         g = a if b is None else (b if a is None else a + b)
         grads.append(torch.zeros_like(t) if g is None else g)
-    return tuple(grads)
-
-
-class LocalExchange:
-    """The exchange of a single device: S_in is the initial state (or zero), no communication."""
-
-    def __init__(self, initial_states=None):
-        self.initial_states = initial_states
-        self.final_states = None
-        self.dinitial_states = None
-        self.dfinal_states = None
-        self._log_a = None
-
-    def post(self, S_ext, log_a):
-        self._log_a = log_a
-        if self.initial_states is None:
-            S_in = torch.zeros_like(S_ext)
-        else:
-            S_in = self.initial_states.to(S_ext.dtype)
-        self.final_states = torch.exp(log_a)[:, :, None, None] * S_in + S_ext
-        return _Ready(S_in)
-
-    def post_grad(self, L):
-        dS_out = torch.zeros_like(L) if self.dfinal_states is None else self.dfinal_states.to(L.dtype)
-        self.dinitial_states = L + torch.exp(self._log_a)[:, :, None, None].to(L.dtype) * dS_out
-        return _Ready(dS_out)
-
-
-class _Ready:
-    def __init__(self, value):
-        self.value = value
-
-    def wait(self):
-        return self.value
+    yield grads[1]
+    return (grads[0], *grads[2:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,12 +332,16 @@ def mamba_split_conv1d_scan_ref(
     rmsnorm_weight=None,
     rmsnorm_eps=1e-6,
     norm_before_gate=False,
+    seq_idx=None,
 ):
     """Single-device mixer core in plain PyTorch, differentiable by autograd end to end.
 
-    Same arguments as ``mamba_split_conv1d_scan_sp`` (minus the group and layout). Returns out
-    (batch, seqlen, nheads*headdim), and final_states (batch, nheads, headdim, dstate) in fp32
-    (fp64 for fp64 input) when return_final_states.
+    Same arguments as ``mamba_split_conv1d_scan_sp`` (minus the group and layout). seq_idx:
+    (batch, seqlen) non-decreasing document labels of a packed row, or None: the conv and the state
+    restart at every document start, initial_states enters the row's first document only (whatever
+    its label) and final_states is the state after the last token. Returns out (batch, seqlen,
+    nheads*headdim), and final_states (batch, nheads, headdim, dstate) in fp32 (fp64 for fp64 input)
+    when return_final_states.
     """
     spec = CoreSpec.infer(
         zxbcdt,
@@ -316,21 +355,24 @@ def mamba_split_conv1d_scan_ref(
         rmsnorm_eps=rmsnorm_eps,
         norm_before_gate=norm_before_gate,
     )
-    z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, spec)
+    ids = None if seq_idx is None else canonical_seq_idx(seq_idx)
+    z, x, B, C, dt, y0, S_ext, log_a = _segment_pre(zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, spec, ids)
     if initial_states is None:
         S_in = torch.zeros_like(S_ext)
     else:
         S_in = initial_states.to(S_ext.dtype)
-    out = _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec)
+    out = _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec, ids)
     if not return_final_states:
         return out
     return out, torch.exp(log_a)[:, :, None, None] * S_in + S_ext
 
 
-def ssd_recurrent_ref(x, dt, A, B, C, initial_states=None):
+def ssd_recurrent_ref(x, dt, A, B, C, initial_states=None, seq_idx=None):
     """Token-by-token recurrence h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = C_t h_t.
 
-    The slow, obviously-correct definition that ``ssd_chunked_ref`` is tested against.
+    seq_idx: (batch, seqlen) document labels or None: h restarts from zero wherever the label
+    changes, so initial_states reaches the row's first document only. The slow, obviously-correct
+    definition that ``ssd_chunked_ref`` and the sharded op are tested against.
     """
     batch, seqlen, nheads, headdim = x.shape
     cdtype = torch.promote_types(x.dtype, torch.float32)
@@ -344,6 +386,8 @@ def ssd_recurrent_ref(x, dt, A, B, C, initial_states=None):
     ys = []
     for t in range(seqlen):
         dtt = dt[:, t].to(cdtype)  # [b, h]
+        if seq_idx is not None and t > 0:  # a document starts here: forget the previous one
+            h = h * (seq_idx[:, t] == seq_idx[:, t - 1]).to(cdtype)[:, None, None, None]
         h = torch.exp(dtt * A.to(cdtype))[:, :, None, None] * h + torch.einsum(
             "bh,bhp,bhn->bhpn", dtt, x[:, t].to(cdtype), Bh[:, t]
         )

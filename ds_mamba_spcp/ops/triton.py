@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 from einops import rearrange
+from torch.autograd.function import once_differentiable
 
 from ds_mamba_spcp import _upstream
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
@@ -131,9 +132,16 @@ def _halo_layout(halo):
     return None if halo is None else halo.contiguous().transpose(1, 2)
 
 
-def _conv_fwd(xBC, halo, conv1d_weight, conv1d_bias, spec: CoreSpec):
-    out = _conv_fwd_fn(_conv_layout(xBC), conv1d_weight, conv1d_bias, None, _halo_layout(halo), None, _silu(spec))
+def _conv_fwd(xBC, halo, conv1d_weight, conv1d_bias, spec: CoreSpec, seq_idx=None):
+    out = _conv_fwd_fn(
+        _conv_layout(xBC), conv1d_weight, conv1d_bias, seq_idx, _halo_layout(halo), None, _silu(spec)
+    )  # fmt: skip
     return rearrange(out, "b d s -> b s d")
+
+
+def _ready(halo):
+    """The halo argument: a handle (``wait()``), a tensor, or None."""
+    return halo.wait() if hasattr(halo, "wait") else halo
 
 
 def _split_xBC(xBC, spec: CoreSpec):
@@ -144,59 +152,71 @@ def _split_xBC(xBC, spec: CoreSpec):
     return x, B, C
 
 
-def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec):
-    """Conv + dt processing + per-chunk states from zero: everything before any state arrives."""
+def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec, seq_idx=None):
+    """dt processing, then (the halo having arrived meanwhile) conv and per-chunk states from zero:
+    everything before any state arrives."""
     z, xBC, dt_raw = split_zxbcdt(zxbcdt, spec)
-    x, B, C = _split_xBC(_conv_fwd(xBC, halo, conv1d_weight, conv1d_bias, spec), spec)
+    dA_cumsum, dt = _chunk_state._chunk_cumsum_fwd(
+        dt_raw, A, spec.chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit
+    )
+    x, B, C = _split_xBC(_conv_fwd(xBC, _ready(halo), conv1d_weight, conv1d_bias, spec, seq_idx), spec)
     # the stride fixes of upstream's _mamba_chunk_scan_combined_fwd
     B = B if B.stride(-1) == 1 else B.contiguous()
     C = C if C.stride(-1) == 1 else C.contiguous()
     x = x if x.stride(-1) == 1 or x.stride(1) == 1 else x.contiguous()
     z = rearrange(z, "b l (h p) -> b l h p", p=spec.headdim)
     z = z if z.stride(-1) == 1 or z.stride(1) == 1 else z.contiguous()
-    dA_cumsum, dt = _chunk_state._chunk_cumsum_fwd(
-        dt_raw, A, spec.chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit
-    )
-    chunk_states = _chunk_state._chunk_state_fwd(B, x, dt, dA_cumsum, states_in_fp32=True)  # [b, c, h, p, n] fp32
-    return z, xBC, dt_raw, x, B, C, dt, dA_cumsum, chunk_states
+    chunk_states = _chunk_state._chunk_state_fwd(B, x, dt, dA_cumsum, seq_idx=seq_idx, states_in_fp32=True)
+    return z, xBC, dt_raw, x, B, C, dt, dA_cumsum, chunk_states  # chunk_states: [b, c, h, p, n] fp32
 
 
-def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None):
+def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None, seq_idx=None, chunk_size=None):
     """States entering every chunk (out_dtype) and the state after the last one (fp32)."""
     flat = rearrange(chunk_states, "b c h p n -> b c h (p n)")
     init = None if initial_states is None else rearrange(initial_states, "b h p n -> b h (p n)")
     prev, final = _state_passing._state_passing_fwd(
-        flat, dA_cumsum[:, :, :, -1], initial_states=init, out_dtype=out_dtype
-    )
+        flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
+        out_dtype=out_dtype,
+    )  # fmt: skip
     dstate = chunk_states.shape[-1]
     return rearrange(prev, "b c h (p n) -> b c h p n", n=dstate), rearrange(final, "b h (p n) -> b h p n", n=dstate)
 
 
 @triton.jit
 def _fold_chunks_kernel(
-    x_ptr, dA_ptr, out_ptr, nchunks, dim,
+    x_ptr, dA_ptr, out_ptr, seq_idx_ptr, nchunks, dim, seqlen, chunk_size,
     stride_x_b, stride_x_c, stride_x_h, stride_x_d,
     stride_dA_b, stride_dA_h, stride_dA_c,
     stride_out_b, stride_out_h, stride_out_d,
-    REVERSE: tl.constexpr, BLOCK: tl.constexpr,
+    stride_seq_b, stride_seq_l,
+    REVERSE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_b, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = pid_m * BLOCK + tl.arange(0, BLOCK)
     mask = offs < dim
     x_ptr += pid_b * stride_x_b + pid_h * stride_x_h + offs * stride_x_d
     dA_ptr += pid_b * stride_dA_b + pid_h * stride_dA_h
+    seq_idx_ptr += pid_b * stride_seq_b
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in range(nchunks):
         c = nchunks - 1 - i if REVERSE else i
         scale = tl.exp(tl.load(dA_ptr + c * stride_dA_c).to(tl.float32))
+        if HAS_SEQ_IDX:
+            # the carry crosses chunk c only if its last token is in the document the carry belongs to
+            # (the one the previous chunk ended in; label 0 before the first chunk), as in mamba-ssm
+            last = tl.load(seq_idx_ptr + (tl.minimum((c + 1) * chunk_size, seqlen) - 1) * stride_seq_l)
+            prev = tl.load(seq_idx_ptr + (c * chunk_size - 1) * stride_seq_l, mask=c > 0, other=0)
+            scale = tl.where(last == prev, scale, 0.0)
         acc = scale * acc + tl.load(x_ptr + c * stride_x_c, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + pid_b * stride_out_b + pid_h * stride_out_h + offs * stride_out_d, acc, mask=mask)
 
 
-def _fold_chunks(x, dA_last, *, reverse: bool):
-    """acc <- exp(dA_last[c]) * acc + x[c] over the chunks, from zero; fp32 (b, h, p, n).
+def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None):
+    """acc <- s_c * acc + x[c] over the chunks, from zero; fp32 (b, h, p, n).
 
-    x: (b, c, h, p, n) per-chunk values; dA_last: (b, h, c) each chunk's total log-decay.
+    x: (b, c, h, p, n) per-chunk values; dA_last: (b, h, c) each chunk's total log-decay; s_c =
+    exp(dA_last[c]), zeroed for a chunk whose last token starts or lies in another document than the
+    previous chunk's last token (seq_idx: (b, seqlen) canonical labels, with chunk_size, or None).
     Forward (chunk states): the state after the segment's last chunk when it starts from zero,
     S_ext. reverse (gradients reaching the states entering each chunk): the gradient reaching the
     state entering the segment when its end receives none, L. The same recurrences, in the same
@@ -209,10 +229,14 @@ def _fold_chunks(x, dA_last, *, reverse: bool):
     out = torch.empty(b, h, p * n, device=x.device, dtype=torch.float32)
     block = min(512, triton.next_power_of_2(p * n))
     grid = (triton.cdiv(p * n, block), b, h)
+    has_seq = seq_idx is not None
+    seq_strides = seq_idx.stride() if has_seq else (0, 0)
     with torch.cuda.device(x.device.index):
         _fold_chunks_kernel[grid](
-            flat, dA_last, out, nchunks, p * n, *flat.stride(), *dA_last.stride(), *out.stride(),
-            REVERSE=reverse, BLOCK=block, num_warps=4,
+            flat, dA_last, out, seq_idx if has_seq else flat, nchunks, p * n,
+            seq_idx.shape[1] if has_seq else 0, chunk_size if has_seq else 0,
+            *flat.stride(), *dA_last.stride(), *out.stride(), *seq_strides,
+            REVERSE=reverse, HAS_SEQ_IDX=has_seq, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out.view(b, h, p, n)
 
@@ -227,69 +251,76 @@ def _rms_args(y, z, spec: CoreSpec):
 # ---------------------------------------------------------------------------------------------
 
 
-def segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, exchange, kept=None):
-    """Forward of one causal segment (segments packed on the batch axis), see ops/reference.py.
+def segment_fwd(
+    zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False
+):
+    """Forward of one causal segment (segments packed on the batch axis), a generator with the
+    protocol of ``ops/reference.py``'s (see ``ops/segment.py``).
 
     zxbcdt: (batch, seqlen, d_in_proj); halo: (batch, d_conv-1, conv_dim) pre-conv rows of the
-    previous segment, in zxbcdt's dtype. exchange.post(S_ext, log_a) -> handle, handle.wait() -> S_in
-    (fp32). kept: None, or a list to which the pre-gate output y is appended for segment_bwd (what
-    upstream's op saves; the backward then skips one _chunk_scan_fwd). Returns (out (batch, seqlen,
-    nheads*headdim) in zxbcdt's dtype, S_in).
+    previous segment in zxbcdt's dtype, or a handle to them (waited for after the dt processing);
+    seq_idx: (batch, seqlen) int32 canonical labels or None. Yields (S_ext, log_a) (fp32), is sent
+    the handle to S_in (fp32), returns (out (batch, seqlen, nheads*headdim) in zxbcdt's dtype, y): y is
+    the pre-gate output when keep_y (what upstream's op saves; the backward then skips one
+    _chunk_scan_fwd), else None.
     """
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
     D = D.contiguous()
     z, _, _, x, B, C, dt, dA_cumsum, chunk_states = _scan_inputs(
-        zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec
+        zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx
     )
-    S_ext = _fold_chunks(chunk_states, dA_cumsum[:, :, :, -1], reverse=False)
-    log_a = dA_cumsum[:, :, :, -1].sum(dim=-1)  # [b, h]: the segment's total decay, exp(log_a)
-    handle = exchange.post(S_ext, log_a)
-    CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, output_dtype=torch.float32)  # overlaps the all-gather
+    dA_last = dA_cumsum[:, :, :, -1]
+    S_ext = _fold_chunks(chunk_states, dA_last, reverse=False, seq_idx=seq_idx, chunk_size=spec.chunk_size)
+    log_a = dA_last.sum(dim=-1)  # [b, h]: the segment's total decay, exp(log_a)
+    if seq_idx is not None:  # a document starts inside: the incoming state never reaches the end
+        log_a = torch.where((seq_idx[:, -1] != 0)[:, None], float("-inf"), log_a)
+    handle = yield S_ext, log_a
+    CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)  # overlaps
     S_in = handle.wait()
-    prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, out_dtype=C.dtype)
+    prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, C.dtype, seq_idx, spec.chunk_size)
+    del chunk_states
     if rmsnorm_weight is None:
-        out, y = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z)  # y: before the gate
-        if kept is not None:
-            kept.append(y)
-        return rearrange(out, "b l h p -> b l (h p)"), S_in
-    y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=None)
-    if kept is not None:
-        kept.append(y)
+        out, y = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z, seq_idx=seq_idx)
+        return rearrange(out, "b l h p -> b l (h p)"), (y if keep_y else None)  # y: before the gate
+    y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=None, seq_idx=seq_idx)
     y_rms, z_rms = _rms_args(y, z, spec)
     out, _, _ = _layernorm._layer_norm_fwd(
         y_rms, rmsnorm_weight.contiguous(), None, spec.rmsnorm_eps, z_rms, group_size=spec.d_inner // spec.ngroups,
         norm_before_gate=spec.norm_before_gate, is_rms_norm=True,
     )  # fmt: skip
-    return rearrange(out, "(b l) d -> b l d", b=batch), S_in
+    return rearrange(out, "(b l) d -> b l d", b=batch), (y if keep_y else None)
 
 
 def segment_bwd(
-    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, exchange, kept=None
-):
-    """Backward of ``segment_fwd`` by recomputation, see ops/reference.py for the contract.
+    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, seq_idx=None,
+    kept=None,
+):  # fmt: skip
+    """Backward of ``segment_fwd`` by recomputation, a generator with the protocol of ``ops/reference.py``'s.
 
-    exchange.post_grad(L) -> handle, handle.wait() -> dS_out (fp32). Returns the gradients of
-    (zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight) (None for None inputs).
-    kept: the list segment_fwd appended the pre-gate output y to; it is popped, so that y is freed
-    once the gate's backward has used it. None or empty: y is recomputed.
+    Yields L (fp32), is sent the handle to dS_out (fp32), yields the halo's gradient (batch, d_conv-1,
+    conv_dim) (None without a halo) before the dt backward (so that its return to the previous
+    segment overlaps it), returns the gradients of (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A,
+    D, rmsnorm_weight) (None for None inputs). kept: the list segment_fwd's y was put in; it is
+    popped, so that y is freed once the gate's backward has used it. None or empty: y is recomputed.
     """
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
+    chunk = spec.chunk_size
     D = D.contiguous()
     dout = rearrange(dout if dout.stride(-1) == 1 else dout.contiguous(), "b l (h p) -> b l h p", p=spec.headdim)
     z, xBC, dt_raw, x, B, C, dt, dA_cumsum, chunk_states = _scan_inputs(
-        zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec
+        zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx
     )
-    prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in)  # fp32, as upstream's backward keeps them
+    prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, None, seq_idx, chunk)  # fp32, as upstream's backward
     del chunk_states
-    CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, output_dtype=torch.float32)
+    CB = _bmm._bmm_chunk_fwd(C, B, chunk, seq_idx=seq_idx, output_dtype=torch.float32)
     if kept:
         y = kept.pop()  # the pre-gate output, kept by the forward
         prev_lowp = None  # the states as the forward's chunk scan read them: from _state_passing_bwd below
     else:
         prev_lowp = prev_states.to(C.dtype)
-        y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None)  # pre-gate output
+        y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None, seq_idx=seq_idx)
 
     # gradient buffers: views into dzxbcdt (z, dt) and into one xBC-shaped buffer (x, B, C)
     dzxbcdt = torch.empty_like(zxbcdt)
@@ -300,8 +331,7 @@ def segment_bwd(
     # output gate / gated RMSNorm: dout -> gradient of y
     if rmsnorm_weight is None:
         dz = rearrange(dz, "b l (h p) -> b l h p", p=spec.headdim)
-        dz, dy, dD_gate = _chunk_scan._chunk_scan_bwd_dz(x, z, y, dout, chunk_size=spec.chunk_size, has_ddAcs=False,
-                                                         D=D, dz=dz)  # fmt: skip
+        dz, dy, dD_gate = _chunk_scan._chunk_scan_bwd_dz(x, z, y, dout, chunk_size=chunk, has_ddAcs=False, D=D, dz=dz)
         drmsnorm_weight = None
     else:
         y_rms, z_rms = _rms_args(y, z, spec)
@@ -320,52 +350,58 @@ def segment_bwd(
     del y
 
     # L: the gradient reaching S_in when S_out receives none
-    dprev = _chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, dtype=torch.float32)
+    dprev = _chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, seq_idx=seq_idx, dtype=torch.float32)
     prev_flat, dprev_flat = (rearrange(t, "b c h p n -> b c h (p n)") for t in (prev_states, dprev))
     dA_last = dA_cumsum[:, :, :, -1]
-    handle = exchange.post_grad(_fold_chunks(dprev, dA_last, reverse=True))
+    handle = yield _fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk)
 
     # needs no dS_out: overlaps the all-gather
-    dCB = _chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, ngroups=spec.ngroups).to(CB.dtype)
-    ddA = _chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)
+    dCB = _chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, seq_idx=seq_idx, ngroups=spec.ngroups).to(CB.dtype)
+    ddA = _chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)  # CB is masked across documents
 
     dS_out = rearrange(handle.wait(), "b h p n -> b h (p n)")
     # with the gradient the later segments send, and (as upstream) the states rounded to the
     # compute dtype in the same pass, where the recomputation did not need them
     dstates, ddA_chunk_cumsum, _, *converted = _state_passing._state_passing_bwd(
-        prev_flat, dA_last, dprev_flat, dfinal_states=dS_out, has_initial_states=True, dstates_dtype=x.dtype,
-        states_dtype=x.dtype if prev_lowp is None else None,
+        prev_flat, dA_last, dprev_flat, dfinal_states=dS_out, seq_idx=seq_idx, has_initial_states=True,
+        dstates_dtype=x.dtype, states_dtype=x.dtype if prev_lowp is None else None, chunk_size=chunk,
     )  # fmt: skip
     if prev_lowp is None:
         prev_lowp = rearrange(converted[0], "b c h (p n) -> b c h p n", n=spec.dstate)
     del prev_states, prev_flat, dprev, dprev_flat, converted
-    dC_states, ddA_cumsum_prev = _chunk_scan._chunk_scan_bwd_dC(prev_lowp, dA_cumsum, dy, C=C, ngroups=spec.ngroups)
+    dC_states, ddA_cumsum_prev = _chunk_scan._chunk_scan_bwd_dC(
+        prev_lowp, dA_cumsum, dy, seq_idx=seq_idx, C=C, ngroups=spec.ngroups
+    )
     _bmm._bmm_chunk_bwd(B, rearrange(dCB, "... l s -> ... s l"), residual=dC_states, out=dC)
     del dC_states, prev_lowp
     dstates = rearrange(dstates, "b c h (p n) -> b c h p n", n=spec.dstate)
-    dx, ddt, dD_x = _combined._chunk_scan_chunk_state_bwd_dx(x, dt, dA_cumsum, B, CB, dy, dstates, D=D, dx=dx)
-    dB_states, ddA_next = _chunk_state._chunk_state_bwd_db(x, dt, dA_cumsum, dstates, B=B, ngroups=spec.ngroups)
+    dx, ddt, dD_x = _combined._chunk_scan_chunk_state_bwd_dx(
+        x, dt, dA_cumsum, B, CB, dy, dstates, D=D, seq_idx=seq_idx, dx=dx
+    )
+    dB_states, ddA_next = _chunk_state._chunk_state_bwd_db(
+        x, dt, dA_cumsum, dstates, seq_idx=seq_idx, B=B, ngroups=spec.ngroups
+    )
     _bmm._bmm_chunk_bwd(C, dCB, residual=dB_states, out=dB)
-    ddA_cumsum_prev[..., -1] += ddA_chunk_cumsum
-    ddA += ddA_next + ddA_cumsum_prev.flip([-1]).cumsum(dim=-1).flip([-1])
-    _, dA, ddt_bias = _chunk_state._chunk_cumsum_bwd(
-        ddA, ddt, dt_raw.clone(), A, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit, ddt=ddt_given
-    )  # upstream clones dt here too (a Triton "invalid device context" workaround)
     dD = dD_gate if dD_gate is not None else dD_x
 
     # conv backward, writing the xBC part of dzxbcdt; the halo's gradient is causal-conv1d's dinitial_states
     init = _halo_layout(halo)
     dxBC_done, dweight, dbias, dinit = _conv_bwd_fn(
-        _conv_layout(xBC), conv1d_weight, conv1d_bias, _conv_layout(dxBC), None, init, None, _conv_layout(dxBC_given),
-        init is not None, _silu(spec),
+        _conv_layout(xBC), conv1d_weight, conv1d_bias, _conv_layout(dxBC), seq_idx, init, None,
+        _conv_layout(dxBC_given), init is not None, _silu(spec),
     )  # fmt: skip
     dxBC_done = rearrange(dxBC_done, "b d s -> b s d")
     if dxBC_done.data_ptr() != dxBC_given.data_ptr() or dxBC_done.stride() != dxBC_given.stride():
         dxBC_given.copy_(dxBC_done)
-    dhalo = None if dinit is None else dinit.transpose(1, 2)  # -> (batch, d_conv-1, conv_dim)
+    yield None if dinit is None else dinit.transpose(1, 2)  # -> (batch, d_conv-1, conv_dim), on its way back
+
+    ddA_cumsum_prev[..., -1] += ddA_chunk_cumsum
+    ddA += ddA_next + ddA_cumsum_prev.flip([-1]).cumsum(dim=-1).flip([-1])
+    _, dA, ddt_bias = _chunk_state._chunk_cumsum_bwd(
+        ddA, ddt, dt_raw.clone(), A, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit, ddt=ddt_given
+    )  # upstream clones dt here too (a Triton "invalid device context" workaround)
     return (
         dzxbcdt,
-        dhalo,
         dweight,
         dbias,
         None if ddt_bias is None else ddt_bias.to(dt_bias.dtype),
@@ -378,6 +414,32 @@ def segment_bwd(
 # ---------------------------------------------------------------------------------------------
 # the single-device op
 # ---------------------------------------------------------------------------------------------
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on the inputs of mamba-ssm's op, whose backward (Triton kernels) builds no graph: with
+    create_graph=True the gradients that pass here carry a node that raises when differentiated, instead
+    of this op's second-order terms vanishing silently."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        return grads
+
+
+def _first_order_only(*tensors):
+    """The tensors that require grad, passed through ``_FirstOrderOnly``; the others as they are."""
+    idx = [i for i, t in enumerate(tensors) if t is not None and t.requires_grad]
+    if not idx or not torch.is_grad_enabled():
+        return tensors
+    out = list(tensors)
+    for i, t in zip(idx, _FirstOrderOnly.apply(*(tensors[i] for i in idx))):
+        out[i] = t
+    return tuple(out)
 
 
 def single_device_op(
@@ -398,17 +460,22 @@ def single_device_op(
     rmsnorm_weight=None,
     rmsnorm_eps=1e-6,
     norm_before_gate=False,
+    seq_idx=None,
 ):
     """mamba-ssm's ``mamba_split_conv1d_scan_combined`` itself (after the int32 length guard), with
-    the arguments of ``reference.mamba_split_conv1d_scan_ref``."""
+    the arguments of ``reference.mamba_split_conv1d_scan_ref``. seq_idx: canonical labels
+    (``reference.canonical_seq_idx``; the kernels apply initial_states to label 0 only) or None."""
     spec = CoreSpec.infer(
         zxbcdt, conv1d_weight, D, chunk_size, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit,
         activation=activation, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
     )  # fmt: skip
     check_lengths(zxbcdt.shape[0], zxbcdt.shape[1], spec, sharded=False)
+    zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight = _first_order_only(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight
+    )
     return _combined.mamba_split_conv1d_scan_combined(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=initial_states,
-        dt_limit=dt_limit, return_final_states=return_final_states, activation=activation,
-        rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps, headdim=headdim, ngroups=ngroups,
-        norm_before_gate=norm_before_gate,
+        seq_idx=None if seq_idx is None else seq_idx.to(torch.int32).contiguous(), dt_limit=dt_limit,
+        return_final_states=return_final_states, activation=activation, rmsnorm_weight=rmsnorm_weight,
+        rmsnorm_eps=rmsnorm_eps, headdim=headdim, ngroups=ngroups, norm_before_gate=norm_before_gate,
     )  # fmt: skip

@@ -1,0 +1,412 @@
+"""One call of the Mamba2 mixer core: its tensors, sizes and options in one object, checked alike on every rank.
+
+Every public entry point (``mamba_split_conv1d_scan_sp``, ``mamba_split_conv1d_scan_ulysses``,
+``mixer_forward``) turns mamba-ssm's long argument list into a ``MixerCall`` with ``prepare`` and
+hands it to a strategy (state passing, permute, ulysses), which reads what it needs from it.
+
+``prepare`` validates the call on each rank without raising, then (``check_shapes``, the default)
+exchanges a fixed-size descriptor of it with the other ranks on *every* call: the shapes, dtypes and
+options, whether this rank found a problem, and for packed rows the document labels at the shard
+borders. Every rank then decides alike: all raise the same kind of error, or none does. This costs
+one small all-gather and a host read per call (two with ``seq_idx``); with ``check_shapes=False``
+it is skipped, and so is the value check of ``seq_idx``. Inside a CUDA-graph capture nothing is
+exchanged (a host read cannot be captured): the shapes of a captured call are those of the eager
+warm-up call before the capture, which was checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds_mamba_spcp import comm, layout
+from ds_mamba_spcp.ops import BACKENDS, get_backend
+from ds_mamba_spcp.ops.reference import canonical_seq_idx
+from ds_mamba_spcp.ops.spec import CoreSpec
+
+MODES = ("state_passing", "ulysses")
+LOAD_BALANCING = ("none", "permute_p2p", "permute_a2a", "virtual")
+PERMUTE = ("permute_p2p", "permute_a2a")
+_ERROR_CODES = {ValueError: 1, NotImplementedError: 2, TypeError: 3}
+_ERRORS = {v: k for k, v in _ERROR_CODES.items()}
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a call is run (the ds_config section's op keys)."""
+
+    mode: str = "state_passing"  # MODES
+    load_balancing: str = "none"  # LOAD_BALANCING; "none" under ulysses
+    input_layout: str = "contiguous"  # layout of zxbcdt and seq_idx: layout.LAYOUTS
+    return_final_states: bool = False
+    recompute_output: bool = False
+    overlap_comm: bool = True
+    backend: str = "auto"  # ops.BACKENDS
+    check_shapes: bool = True
+
+
+@dataclass(frozen=True)
+class MixerCall:
+    """The tensors of one mixer-core call on this rank, with its sizes, options and group.
+
+    zxbcdt: (batch, local_seqlen, d_in_proj), this rank's shard in ``options.input_layout``;
+    seq_idx: (batch, local_seqlen) int32 document labels of the shard as the caller numbered them
+    (non-decreasing along the global row), or None. The rest as in mamba-ssm's op.
+    """
+
+    zxbcdt: torch.Tensor
+    conv1d_weight: torch.Tensor
+    conv1d_bias: torch.Tensor | None
+    dt_bias: torch.Tensor
+    A: torch.Tensor
+    D: torch.Tensor
+    rmsnorm_weight: torch.Tensor | None
+    initial_states: torch.Tensor | None
+    seq_idx: torch.Tensor | None
+    spec: CoreSpec
+    options: Options
+    group: Any
+    rank: int
+    cp: int
+
+    @property
+    def params(self) -> tuple:
+        """(conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight): the backends' order."""
+        return (self.conv1d_weight, self.conv1d_bias, self.dt_bias, self.A, self.D, self.rmsnorm_weight)
+
+    def replace(self, **changes) -> MixerCall:
+        return dataclasses.replace(self, **changes)
+
+    def with_options(self, **changes) -> MixerCall:
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, **changes))
+
+    @property
+    def backend(self):
+        return get_backend(self.options.backend, self.zxbcdt.device)
+
+    def single_device(self, zxbcdt=None, seq_idx=None, **changes):
+        """The backend's single-device op on ``zxbcdt`` (default: this call's) with this call's options.
+
+        seq_idx is renumbered from 0 per row first (``canonical_seq_idx``), which the kernels need for
+        initial_states to reach the row's first document whatever its label.
+        """
+        zxbcdt = self.zxbcdt if zxbcdt is None else zxbcdt
+        seq_idx = self.seq_idx if seq_idx is None else seq_idx
+        kwargs = dict(
+            initial_states=self.initial_states, return_final_states=self.options.return_final_states,
+            dt_limit=self.spec.dt_limit, headdim=self.spec.headdim, ngroups=self.spec.ngroups,
+            activation=self.spec.activation, rmsnorm_weight=self.rmsnorm_weight, rmsnorm_eps=self.spec.rmsnorm_eps,
+            norm_before_gate=self.spec.norm_before_gate,
+            seq_idx=None if seq_idx is None else canonical_seq_idx(seq_idx),
+        )  # fmt: skip
+        kwargs.update(changes)
+        params = (self.conv1d_weight, self.conv1d_bias, self.dt_bias, self.A, self.D)
+        return self.backend.single_device_op(zxbcdt, *params, self.spec.chunk_size, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# local validation: every problem is recorded, none raised before the ranks have compared notes
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_options(options: Options, spec: CoreSpec, cp: int, local_seqlen: int) -> None:
+    if options.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {options.mode!r}")
+    if options.load_balancing not in LOAD_BALANCING:
+        raise ValueError(f"load_balancing must be one of {LOAD_BALANCING}, got {options.load_balancing!r}")
+    if options.input_layout not in layout.LAYOUTS:
+        raise ValueError(f"input_layout must be one of {layout.LAYOUTS}, got {options.input_layout!r}")
+    if options.backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {options.backend!r}")
+    if options.mode == "ulysses":
+        if options.load_balancing != "none":
+            raise ValueError(f"the ulysses mode takes no load_balancing, got {options.load_balancing!r}")
+        if options.recompute_output:
+            raise ValueError(
+                "recompute_output=True is not available in the ulysses mode: it runs mamba-ssm's own op, which "
+                "keeps the pre-gate output for backward; use the state_passing mode, or recompute_output=False"
+            )
+        if not options.overlap_comm:
+            raise ValueError(
+                "overlap_comm=False has no meaning in the ulysses mode (its two all-to-alls are on the critical "
+                "path, nothing overlaps them); leave overlap_comm at True or use the state_passing mode"
+            )
+    if options.mode == "state_passing":
+        expected = "contiguous" if options.load_balancing == "none" else "zigzag"
+        if options.input_layout != expected:
+            raise ValueError(
+                f"load_balancing={options.load_balancing!r} takes {expected} shards, but input_layout is "
+                f"{options.input_layout!r}"
+            )
+    if cp == 1:
+        return
+    if options.mode == "ulysses":
+        _ulysses_head_layout(spec, cp)
+        if options.input_layout == "zigzag" and local_seqlen % 2:
+            raise ValueError(
+                f"input_layout='zigzag' needs an even local seqlen (two equal chunks; the global seqlen must be a "
+                f"multiple of 2*cp = {2 * cp}), got local seqlen {local_seqlen}"
+            )
+        return
+    if options.load_balancing in ("virtual", *PERMUTE) and local_seqlen % 2:
+        raise ValueError(
+            f"load_balancing={options.load_balancing!r} needs an even local seqlen (two zigzag chunks of equal "
+            f"length; the global seqlen must be a multiple of 2*cp = {2 * cp}), got local seqlen {local_seqlen}"
+        )
+    nlocal = 2 if options.load_balancing == "virtual" else 1
+    seg_len = local_seqlen // nlocal
+    if seg_len < max(spec.d_conv - 1, 1):
+        raise ValueError(
+            f"each causal segment must hold at least d_conv-1 = {spec.d_conv - 1} tokens (and at least 1) "
+            f"so that its conv halo comes from the previous segment alone; got {seg_len} tokens per segment "
+            f"(local seqlen {local_seqlen}, {nlocal} segment(s) per rank). Use fewer ranks or longer sequences."
+        )
+
+
+def _ulysses_head_layout(spec: CoreSpec, cp: int):
+    """(heads per rank, groups per rank, ranks per group) of the ulysses mode, or a ValueError."""
+    if spec.nheads % cp != 0:
+        raise ValueError(
+            f"the ulysses mode shards heads over the sequence-parallel group: nheads={spec.nheads} must be "
+            f"divisible by the sequence-parallel size {cp}"
+        )
+    if spec.ngroups % cp == 0:
+        return spec.nheads // cp, spec.ngroups // cp, 1
+    if cp % spec.ngroups == 0:
+        return spec.nheads // cp, 1, cp // spec.ngroups
+    raise ValueError(
+        f"the ulysses mode needs ngroups={spec.ngroups} to be a multiple or a divisor of the sequence-parallel "
+        f"size {cp} (B and C are sharded by group, or each group is replicated on the ranks of its heads)"
+    )
+
+
+def _check_params(zxbcdt, conv1d_bias, dt_bias, A, rmsnorm_weight, initial_states, spec: CoreSpec) -> None:
+    if dt_bias is None:
+        raise NotImplementedError("dt_bias=None is not supported; pass zeros for no bias")
+    expect = {
+        "conv1d_bias": (conv1d_bias, (spec.conv_dim,)),
+        "dt_bias": (dt_bias, (spec.nheads,)),
+        "A": (A, (spec.nheads,)),
+        "rmsnorm_weight": (rmsnorm_weight, (spec.d_inner,)),
+        "initial_states": (initial_states, (zxbcdt.shape[0], spec.nheads, spec.headdim, spec.dstate)),
+    }
+    for name, (t, shape) in expect.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def _check_seq_idx(seq_idx, zxbcdt, device) -> torch.Tensor:
+    """seq_idx's type, dtype and shape; int64 labels are narrowed to int32 (mamba-ssm's dtype)."""
+    if not torch.is_tensor(seq_idx):
+        raise TypeError(f"seq_idx must be a tensor (batch, local_seqlen) of int32, got {type(seq_idx).__name__}")
+    if seq_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"seq_idx must hold integer document labels (int32, as mamba-ssm takes them), got {seq_idx.dtype}"
+        )
+    if tuple(seq_idx.shape) != tuple(zxbcdt.shape[:2]):
+        raise ValueError(
+            f"seq_idx must have shape (batch, local_seqlen) = {tuple(zxbcdt.shape[:2])} like zxbcdt, got "
+            f"{tuple(seq_idx.shape)}"
+        )
+    if seq_idx.device != device:
+        raise ValueError(f"seq_idx is on {seq_idx.device} but the activations are on {device}")
+    return seq_idx.to(torch.int32).contiguous()
+
+
+def _cu_seqlens_to_seq_idx(cu_seqlens, zxbcdt, rank: int, cp: int, seq_layout: str, device) -> torch.Tensor:
+    """This rank's shard of the document labels that ``cu_seqlens`` (of the whole row) describes."""
+    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor of cumulative document lengths (0, ..., seqlen)")
+    batch, local_seqlen = zxbcdt.shape[:2]
+    if batch != 1:
+        raise ValueError(
+            f"cu_seqlens describes one packed row (batch 1), got batch {batch}; pass seq_idx (batch, local_seqlen) "
+            "for several rows"
+        )
+    cu = [int(v) for v in cu_seqlens.tolist()]
+    total = local_seqlen * cp
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to the global seqlen {total} (local seqlen {local_seqlen} x {cp} ranks) "
+            f"without decreasing, got {cu if len(cu) <= 12 else cu[:6] + ['...'] + cu[-6:]}"
+        )
+    bounds = torch.tensor(cu[1:-1], dtype=torch.long, device=device)
+    labels = torch.searchsorted(bounds, torch.arange(total, device=device), right=True)
+    return layout.shard_sequence(labels[None].to(torch.int32), rank, cp, seq_layout).contiguous()
+
+
+def _float_code(value) -> int:
+    """A float (tuple) as an int that is equal on every rank for equal values (float hashes are not salted)."""
+    return hash(value) & 0x3FFF_FFFF_FFFF
+
+
+def _descriptor(
+    zxbcdt, conv1d_weight, conv1d_bias, D, chunk_size, headdim, ngroups, rmsnorm_weight, initial_states, seq_idx,
+    cu_seqlens, options, dt_limit, activation, rmsnorm_eps, norm_before_gate, problem,
+):  # fmt: skip
+    def dims(t, n):
+        shape = list(t.shape)[:n] if t.dim() <= n else [-2] * n
+        return shape + [-1] * (n - len(shape))
+
+    cu_len = cu_last = cu_sum = -1
+    if torch.is_tensor(cu_seqlens) and cu_seqlens.dim() == 1 and not cu_seqlens.dtype.is_floating_point:
+        values = [int(v) for v in cu_seqlens.tolist()]
+        cu_len, cu_last, cu_sum = len(values), values[-1] if values else -1, sum(values) & 0x3FFF_FFFF_FFFF
+    fields = [
+        ("problem", 0 if problem is None else _ERROR_CODES.get(type(problem), 1)),
+        ("zxbcdt.dim", zxbcdt.dim()),
+        *zip(("batch", "local_seqlen", "d_in_proj"), dims(zxbcdt, 3)),
+        *zip(("conv_dim", "d_conv"), dims(conv1d_weight, 2)),
+        ("D.dim", D.dim()),
+        *zip(("D.shape0", "D.shape1"), dims(D, 2)),
+        ("dtype", comm.DTYPE_CODES.get(zxbcdt.dtype, 99)),
+        ("chunk_size", int(chunk_size)),
+        ("headdim", -1 if headdim is None else int(headdim)),
+        ("ngroups", int(ngroups)),
+        ("initial_states", initial_states is not None),
+        ("return_final_states", options.return_final_states),
+        ("rmsnorm_weight", rmsnorm_weight is not None),
+        ("conv1d_bias", conv1d_bias is not None),
+        ("norm_before_gate", bool(norm_before_gate)),
+        ("activation", {None: 0, "silu": 1, "swish": 2}.get(activation, 9)),
+        ("dt_limit", _float_code(tuple(float(v) for v in dt_limit))),
+        ("rmsnorm_eps", _float_code(float(rmsnorm_eps))),
+        ("mode", MODES.index(options.mode) if options.mode in MODES else 9),
+        ("load_balancing", LOAD_BALANCING.index(options.load_balancing) if options.load_balancing in LOAD_BALANCING
+         else 9),
+        ("input_layout", layout.LAYOUTS.index(options.input_layout) if options.input_layout in layout.LAYOUTS else 9),
+        ("recompute_output", options.recompute_output),
+        ("overlap_comm", options.overlap_comm),
+        ("backend", BACKENDS.index(options.backend) if options.backend in BACKENDS else 9),
+        ("seq_idx", seq_idx is not None),
+        ("cu_seqlens", cu_seqlens is not None),
+        ("cu_seqlens.len", cu_len),
+        ("cu_seqlens.last", cu_last),
+        ("cu_seqlens.sum", cu_sum),
+    ]  # fmt: skip
+    return [(name, int(value)) for name, value in fields]
+
+
+def _agree(fields, problem, device, group, cp, what) -> None:
+    """Exchanges the descriptors; raises on every rank when a rank found a problem or they differ."""
+    rows = comm.exchange_descriptors([v for _, v in fields], device, group, cp)
+    bad = [k for k, r in enumerate(rows) if r and r[0] != 0]
+    if bad:
+        if problem is not None:
+            raise problem
+        kind = _ERRORS.get(rows[bad[0]][0], ValueError)
+        raise kind(
+            f"{what}: rank(s) {bad} of the sequence-parallel group rejected this call with a {kind.__name__} (see "
+            "their message); every rank raises it so that none is left waiting in a collective"
+        )
+    comm.check_same_across_ranks(fields, device, group, cp, what)
+
+
+def _check_documents(seq_idx, group, rank, cp, seq_layout, what) -> None:
+    """Labels non-decreasing inside every segment and across the borders of the global row (every rank alike)."""
+    nlocal = len(layout.segment_ids(rank, cp, seq_layout))
+    seg = layout.pack_segments(seq_idx, nlocal) if cp > 1 else seq_idx  # [b*nlocal, m]
+    decreasing = (seg[:, 1:] < seg[:, :-1]).any(dim=1)
+    summary = torch.stack([seg[:, 0], seg[:, -1], decreasing.to(seg.dtype), seg.min(dim=1).values], dim=1).long()
+    if cp > 1:
+        rows = comm.all_gather(layout.rows_to_segments(summary, nlocal), group, cp, async_op=False).wait()
+        summary_all = layout.take(rows.reshape(-1, *rows.shape[2:]), layout.gathered_order(cp, seq_layout))
+    else:
+        summary_all = summary[None]  # [nseg, b, 4]
+    values = summary_all.tolist()
+    for s, per_row in enumerate(values):
+        for b, (first, _last, decreasing, low) in enumerate(per_row):
+            where = f"row {b}, causal segment {s} of {len(values)}"
+            if low < 0:
+                raise ValueError(
+                    f"{what}: seq_idx holds a negative label in {where}: padding tokens (label -1) are not supported "
+                    "in packed rows; give padding its own document label (or drop it)"
+                )
+            if decreasing:
+                raise ValueError(
+                    f"{what}: seq_idx decreases inside {where}: document labels must be non-decreasing along the row "
+                    "(as mamba-ssm and DataCollatorWithFlattening number them)"
+                )
+            if s > 0 and first < values[s - 1][b][1]:
+                raise ValueError(
+                    f"{what}: seq_idx decreases across a shard border in {where}: it starts at {first} after the "
+                    f"previous segment ended at {values[s - 1][b][1]}; no global row allows that. Shard seq_idx "
+                    "exactly like the tokens (ds_mamba_spcp.data.shard_batch does)"
+                )
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def prepare(
+    zxbcdt,
+    conv1d_weight,
+    conv1d_bias,
+    dt_bias,
+    A,
+    D,
+    chunk_size,
+    *,
+    process_group,
+    options: Options,
+    initial_states=None,
+    dt_limit=(0.0, float("inf")),
+    headdim=None,
+    ngroups=1,
+    activation="silu",
+    rmsnorm_weight=None,
+    rmsnorm_eps=1e-6,
+    norm_before_gate=False,
+    seq_idx=None,
+    cu_seqlens=None,
+    what="mamba_split_conv1d_scan_sp",
+    device=None,
+    problem=None,
+) -> MixerCall:
+    """Validates one call on every rank alike and returns it as a ``MixerCall``; see the module docstring.
+
+    device: where the activations live, when zxbcdt is only a shape (a "meta" tensor standing for the
+    in_proj output a caller has not computed yet, e.g. before moving hidden states between ranks).
+    problem: an exception the caller already found on this rank, to be raised on every rank alike.
+    """
+    device = zxbcdt.device if device is None else torch.device(device)
+    rank, cp = comm.group_rank_size(process_group)
+    spec = None
+    try:
+        if problem is not None:
+            raise problem
+        spec = CoreSpec.infer(
+            zxbcdt, conv1d_weight, D, chunk_size, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit,
+            activation=activation, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
+        )  # fmt: skip
+        _check_params(zxbcdt, conv1d_bias, dt_bias, A, rmsnorm_weight, initial_states, spec)
+        _check_options(options, spec, cp, zxbcdt.shape[1])
+        if seq_idx is not None and cu_seqlens is not None:
+            raise ValueError("pass seq_idx or cu_seqlens, not both (they describe the same documents)")
+        if seq_idx is not None:
+            seq_idx = _check_seq_idx(seq_idx, zxbcdt, device)
+        elif cu_seqlens is not None:
+            seq_idx = _cu_seqlens_to_seq_idx(cu_seqlens, zxbcdt, rank, cp, options.input_layout, device)
+    except (ValueError, NotImplementedError, TypeError) as e:
+        problem = e
+    check = options.check_shapes and not _capturing(device)
+    if cp > 1 and check:
+        fields = _descriptor(
+            zxbcdt, conv1d_weight, conv1d_bias, D, chunk_size, headdim, ngroups, rmsnorm_weight, initial_states,
+            seq_idx, cu_seqlens, options, dt_limit, activation, rmsnorm_eps, norm_before_gate, problem,
+        )  # fmt: skip
+        _agree(fields, problem, device, process_group, cp, what)
+    if problem is not None:
+        raise problem
+    if seq_idx is not None and check:
+        # the state-passing segments for the border check (zigzag chunks are segments there too)
+        _check_documents(seq_idx, process_group, rank, cp, options.input_layout, what)
+    return MixerCall(
+        zxbcdt=zxbcdt, conv1d_weight=conv1d_weight, conv1d_bias=conv1d_bias, dt_bias=dt_bias, A=A, D=D,
+        rmsnorm_weight=rmsnorm_weight, initial_states=initial_states, seq_idx=seq_idx, spec=spec, options=options,
+        group=process_group, rank=rank, cp=cp,
+    )  # fmt: skip
