@@ -290,52 +290,105 @@ def _descriptor(
     return [(name, int(value)) for name, value in fields]
 
 
-def _agree(fields, problem, device, group, cp, what) -> None:
-    """Exchanges the descriptors; raises on every rank when a rank found a problem or they differ."""
-    rows = comm.exchange_descriptors([v for _, v in fields], device, group, cp)
-    bad = [k for k, r in enumerate(rows) if r and r[0] != 0]
-    if bad:
-        if problem is not None:
-            raise problem
-        kind = _ERRORS.get(rows[bad[0]][0], ValueError)
-        raise kind(
-            f"{what}: rank(s) {bad} of the sequence-parallel group rejected this call with a {kind.__name__} (see "
-            "their message); every rank raises it so that none is left waiting in a collective"
-        )
-    comm.check_same_across_ranks(fields, device, group, cp, what)
+# Up to this many (segment, batch row) pairs of labels ride in the descriptor itself; more need a host read.
+SEQ_SLOTS = 16
+_SEQ_FIELDS = 4  # per (segment, row): first label, last label, decreasing inside, smallest label
+# The descriptor this process sent last, per (entry point, rank, group size): whether *this rank's* call
+# changed (bounded: one entry per entry point and group, whatever the shapes).
+_last_sent: dict[tuple, tuple] = {}
 
 
-def _check_documents(seq_idx, group, rank, cp, seq_layout, what) -> None:
-    """Labels non-decreasing inside every segment and across the borders of the global row (every rank alike)."""
-    nlocal = len(layout.segment_ids(rank, cp, seq_layout))
-    seg = layout.pack_segments(seq_idx, nlocal) if cp > 1 else seq_idx  # [b*nlocal, m]
+def _label_summary(seq_idx, nlocal: int):
+    """(nlocal * batch, 4) int64 on the labels' device: first, last, decreasing inside, smallest label of
+    every (local segment, row), segment-major (row k*batch + i is local segment k of row i)."""
+    seg = layout.rows_to_segments(layout.pack_segments(seq_idx, nlocal), nlocal).flatten(0, 1)  # [nlocal*b, m]
     decreasing = (seg[:, 1:] < seg[:, :-1]).any(dim=1)
-    summary = torch.stack([seg[:, 0], seg[:, -1], decreasing.to(seg.dtype), seg.min(dim=1).values], dim=1).long()
-    if cp > 1:
-        rows = comm.all_gather(layout.rows_to_segments(summary, nlocal), group, cp, async_op=False).wait()
-        summary_all = layout.take(rows.reshape(-1, *rows.shape[2:]), layout.gathered_order(cp, seq_layout))
-    else:
-        summary_all = summary[None]  # [nseg, b, 4]
+    return torch.stack([seg[:, 0], seg[:, -1], decreasing.to(seg.dtype), seg.min(dim=1).values], dim=1).long()
+
+
+def _label_problem(summary_all, what):
+    """The first violation in (nseg, batch, 4) gathered label summaries in causal order, as a ValueError."""
     values = summary_all.tolist()
     for s, per_row in enumerate(values):
         for b, (first, _last, decreasing, low) in enumerate(per_row):
             where = f"row {b}, causal segment {s} of {len(values)}"
             if low < 0:
-                raise ValueError(
+                return ValueError(
                     f"{what}: seq_idx holds a negative label in {where}: padding tokens (label -1) are not supported "
                     "in packed rows; give padding its own document label (or drop it)"
                 )
             if decreasing:
-                raise ValueError(
+                return ValueError(
                     f"{what}: seq_idx decreases inside {where}: document labels must be non-decreasing along the row "
                     "(as mamba-ssm and DataCollatorWithFlattening number them)"
                 )
             if s > 0 and first < values[s - 1][b][1]:
-                raise ValueError(
+                return ValueError(
                     f"{what}: seq_idx decreases across a shard border in {where}: it starts at {first} after the "
                     f"previous segment ended at {values[s - 1][b][1]}; no global row allows that. Shard seq_idx "
                     "exactly like the tokens (ds_mamba_spcp.data.shard_batch does)"
                 )
+    return None
+
+
+def _agree(fields, problem, seq_idx, device, group, rank, cp, seq_layout, what) -> None:
+    """Every rank decides alike: raise, or go on. See the module docstring.
+
+    One collective on every call: a fixed-size buffer of this rank's descriptor, its problem code and
+    (for packed rows) its labels' summary. A rank reads the result on the host, and raises the clear
+    error, when its own call changed since its last one, when it found a problem, on CPU, or for
+    packed rows (whose label values may change at every call); otherwise it compares on the device
+    and ``torch._assert_async`` stops it (a device-side assert, no host sync) should the ranks
+    disagree. Some rank always reads: a call that differs from the others' differs from its own
+    previous one (the first call is read by every rank), so a mismatch never passes silently and
+    never reaches a mismatched collective.
+    """
+    values = tuple(v for _, v in fields)
+    if cp == 1:
+        seq_layout = "contiguous"  # a group of one holds the whole row as one segment
+    nlocal = len(layout.segment_ids(rank, cp, seq_layout))
+    summary = None if seq_idx is None else _label_summary(seq_idx, nlocal)
+    fits = summary is None or summary.shape[0] <= SEQ_SLOTS
+    key = (what, rank, cp)
+    read = _always_read(device) or problem is not None or summary is not None or _last_sent.get(key) != values
+    _last_sent[key] = values
+    head = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        head = head.pin_memory().to(device, non_blocking=True)  # no host sync (the copy is stream-ordered)
+    labels = torch.full((SEQ_SLOTS, _SEQ_FIELDS), -1, dtype=torch.long, device=device)
+    if summary is not None and fits:
+        labels[: summary.shape[0]] = summary
+    rows = comm.all_gather(torch.cat([head, labels.flatten()]), group, cp, async_op=False).wait()  # [cp, width]
+    nf = len(values)
+    if not read:
+        torch._assert_async((rows[:, :nf] == rows[:1, :nf]).all())  # the problem codes too (all 0: see `read`)
+        return
+    host = rows.tolist()
+    bad = [k for k, r in enumerate(host) if r[0] != 0]
+    if bad:
+        if problem is not None:
+            raise problem
+        kind = _ERRORS.get(host[bad[0]][0], ValueError)
+        raise kind(
+            f"{what}: rank(s) {bad} of the sequence-parallel group rejected this call with a {kind.__name__} (see "
+            "their message); every rank raises it so that none is left waiting in a collective"
+        )
+    comm.check_same_across_ranks(fields, device, group, cp, what, rows=[r[:nf] for r in host])
+    if seq_idx is None:
+        return
+    if fits:
+        got = rows[:, nf:].view(cp, SEQ_SLOTS, _SEQ_FIELDS)[:, : summary.shape[0]]
+    else:  # shapes are known to agree now: a gather sized by them is safe
+        got = comm.all_gather(summary, group, cp, async_op=False).wait()
+    ordered = layout.take(got.reshape(cp * nlocal, -1, _SEQ_FIELDS), layout.gathered_order(cp, seq_layout))
+    label_problem = _label_problem(ordered, what)
+    if label_problem is not None:
+        raise label_problem
+
+
+def _always_read(device) -> bool:
+    """A host read costs nothing where there is no device queue to drain: CPU tensors."""
+    return device.type != "cuda"
 
 
 def _capturing(device) -> bool:
@@ -393,18 +446,15 @@ def prepare(
             seq_idx = _cu_seqlens_to_seq_idx(cu_seqlens, zxbcdt, rank, cp, options.input_layout, device)
     except (ValueError, NotImplementedError, TypeError) as e:
         problem = e
-    check = options.check_shapes and not _capturing(device)
-    if cp > 1 and check:
+    if options.check_shapes and (cp > 1 or seq_idx is not None) and not _capturing(device):
         fields = _descriptor(
             zxbcdt, conv1d_weight, conv1d_bias, D, chunk_size, headdim, ngroups, rmsnorm_weight, initial_states,
             seq_idx, cu_seqlens, options, dt_limit, activation, rmsnorm_eps, norm_before_gate, problem,
         )  # fmt: skip
-        _agree(fields, problem, device, process_group, cp, what)
+        # (zigzag chunks are the segments whose label borders are checked, whatever the strategy)
+        _agree(fields, problem, seq_idx, device, process_group, rank, cp, options.input_layout, what)
     if problem is not None:
         raise problem
-    if seq_idx is not None and check:
-        # the state-passing segments for the border check (zigzag chunks are segments there too)
-        _check_documents(seq_idx, process_group, rank, cp, options.input_layout, what)
     return MixerCall(
         zxbcdt=zxbcdt, conv1d_weight=conv1d_weight, conv1d_bias=conv1d_bias, dt_bias=dt_bias, A=A, D=D,
         rmsnorm_weight=rmsnorm_weight, initial_states=initial_states, seq_idx=seq_idx, spec=spec, options=options,

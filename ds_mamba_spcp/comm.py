@@ -164,7 +164,7 @@ def exchange_descriptors(values: list[int], device, group, world: int) -> list[l
     return [r[1 : 1 + r[0]] if 0 <= r[0] < DESCRIPTOR_WIDTH else r for r in rows]
 
 
-def check_same_across_ranks(fields: list[tuple[str, int]], device, group, world: int, what: str) -> None:
+def check_same_across_ranks(fields: list[tuple[str, int]], device, group, world: int, what: str, rows=None) -> None:
     """Raises the same error on every rank when the ranks' call descriptors differ (NotImplementedError when
     only the local seqlen does: variable-length shards; ValueError otherwise).
 
@@ -172,10 +172,12 @@ def check_same_across_ranks(fields: list[tuple[str, int]], device, group, world:
     (``exchange_descriptors``): whether to check is never a per-rank decision, so a rank whose shapes
     changed makes every rank raise instead of leaving the others blocked in a mismatched collective.
     ``what`` names the caller in the message; the message lists the fields that differ, per rank.
+    ``rows``: every rank's values when the caller has exchanged them already (nothing is exchanged then).
     """
     if world == 1:
         return
-    rows = exchange_descriptors([v for _, v in fields], device, group, world)
+    if rows is None:
+        rows = exchange_descriptors([v for _, v in fields], device, group, world)
     if all(r == rows[0] for r in rows):
         return
     names = [n for n, _ in fields]

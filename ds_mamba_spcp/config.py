@@ -82,18 +82,22 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
 
     overlap_comm: bool = True
     """Issue the state-summary all-gather asynchronously and overlap it with the computation that needs
-    no incoming state (the chunk products C·Bᵀ)."""
+    no incoming state (the chunk products C·Bᵀ). ``"state_passing"`` mode only (``"ulysses"`` has nothing
+    to overlap and refuses ``false``)."""
 
     backend: Literal["auto", "reference", "triton"] = "auto"
     """Compute backend. ``"auto"``: Triton (mamba-ssm kernels) for CUDA tensors, the plain-PyTorch
     reference otherwise. ``"reference"``: always the plain-PyTorch twin. ``"triton"``: always Triton."""
 
     check_shapes: bool = True
-    """Compare input shapes across the ranks of the group once per new shape, so that a mismatch raises
-    on every rank instead of hanging in a collective."""
+    """Compare every call across the ranks of the group (shapes, dtypes, options, the document labels of
+    packed rows), so that a mismatch raises on every rank instead of hanging in a collective. Costs one
+    small all-gather per call; on GPUs a host read only when this rank's call changed or for packed
+    rows, otherwise a device-side comparison (see ``ds_mamba_spcp.call``). ``false`` skips it."""
 
     recompute_output: bool = False
-    """``"state_passing"`` mode: ``False`` keeps the scan's pre-gate output from forward for the
+    """``"state_passing"`` mode only (``"ulysses"`` runs mamba-ssm's op, which keeps it, and refuses
+    ``true``): ``False`` keeps the scan's pre-gate output from forward for the
     backward, as mamba-ssm's own op does (one ``(batch, local_seqlen, nheads*headdim)`` activation per
     layer; the backward frees it early and the peak stays at the single-GPU op's). ``True`` recomputes
     it in backward instead: that activation is not held between forward and backward, at the cost of
@@ -123,6 +127,16 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
                     f'mode "ulysses" does not take load_balancing "{lb}": its all-to-all already gives '
                     'every rank the full sequence; set load_balancing to "none" (any input_layout works) '
                     'or use mode "state_passing".'
+                )
+            if self.recompute_output:
+                raise ValueError(
+                    'mode "ulysses" cannot honour "recompute_output": true: it runs mamba-ssm\'s own op, which '
+                    'keeps the pre-gate output for backward; set it to false, or use mode "state_passing".'
+                )
+            if not self.overlap_comm:
+                raise ValueError(
+                    'mode "ulysses" has nothing for "overlap_comm" to overlap (its two all-to-alls are on the '
+                    'critical path); leave it at true, or use mode "state_passing".'
                 )
         elif lb == "none" and layout != "contiguous":
             raise ValueError(

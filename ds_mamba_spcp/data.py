@@ -43,6 +43,22 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
 
 
+def seq_idx_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document labels of packed rows from positions that restart at 0 at each document.
+
+    position_ids: (batch, seqlen), Hugging Face's padding-free convention (``DataCollatorWithFlattening``):
+    0, 1, ..., n0-1, 0, 1, ..., n1-1, ... Returns int32 (batch, seqlen) labels 0, 0, ..., 1, 1, ...: +1 at
+    every restart after the first token (a row that begins mid-document is labelled 0 there too).
+    """
+    restarts = (position_ids[..., 1:] == 0).to(torch.int32)
+    return torch.cat([torch.zeros_like(restarts[..., :1]), restarts.cumsum(dim=-1, dtype=torch.int32)], dim=-1)
+
+
+def _packed(position_ids: torch.Tensor) -> bool:
+    """Whether positions restart inside a row (several documents packed in it)."""
+    return bool((position_ids[..., 1:] == 0).any())
+
+
 def _rank_size(group, rank, world_size) -> tuple[int, int]:
     if (rank is None) != (world_size is None):
         raise ValueError("give both rank and world_size, or neither (they are then read from the group)")
@@ -75,6 +91,10 @@ def shard_batch(
 
     - ``labels`` is replaced by ``shift_labels`` (next-token targets, shifted before sharding);
     - ``position_ids`` (global positions ``0..seqlen-1``) is added when it is missing;
+    - packed rows: when ``position_ids`` restart at 0 inside a row (Hugging Face's padding-free
+      convention) and the batch has no ``seq_idx``, ``seq_idx`` (the document label of every token,
+      ``seq_idx_from_position_ids``) is added, so that the Mamba2 layers restart at every document;
+      a ``seq_idx`` given with the batch is sharded like the tokens;
     - every tensor is sharded along ``dim`` (all must have the sequence length there), anything
       that is not a tensor is passed through unchanged.
 
@@ -104,6 +124,8 @@ def shard_batch(
         out["shift_labels"] = shift_labels(out.pop("labels"), ignore_index)
     if "position_ids" not in out and dim == 1:
         out["position_ids"] = torch.arange(seqlen, device=ref.device).expand(ref.shape[0], seqlen)
+    elif "seq_idx" not in out and dim == 1 and torch.is_tensor(out["position_ids"]) and _packed(out["position_ids"]):
+        out["seq_idx"] = seq_idx_from_position_ids(out["position_ids"])
     for key, value in out.items():
         if not torch.is_tensor(value):
             continue

@@ -34,9 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ds_mamba_spcp import comm, layout, scan
+from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
 from ds_mamba_spcp.ops.segment import drive_bwd, drive_fwd
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
@@ -206,7 +206,8 @@ class _SummaryExchange:
         self.log_a_all = rows[..., numel:].clone()  # only the decays outlive the gathered buffer
         init = None if self.initial_states is None else self.initial_states.to(cdtype)
         S_in, self.final_states = scan.exclusive_scan(S_ext_all, self.log_a_all, init, rows=self.plan.local_ids)
-        self.S_in = self._keep(layout.segments_to_rows(S_in))
+        # its own buffer: a view would keep the scan's whole output (final_states too) alive until backward
+        self.S_in = self._keep(layout.segments_to_rows(S_in).clone())
         return self.S_in
 
     def post_grad(self, L):
@@ -324,7 +325,7 @@ class _StatePassingFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dout, *rest):
         zxbcdt, halo, S_in, log_a_all, local_ids, start0, mask, *params = ctx.saved_tensors
         kept = [params.pop()] if ctx.y_saved else ctx.kept

@@ -33,9 +33,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ds_mamba_spcp import comm, layout
+from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.call import Options, _ulysses_head_layout, prepare
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
 from ds_mamba_spcp.ops.spec import CoreSpec
@@ -191,7 +191,7 @@ class _GatherHeads(torch.autograd.Function):
         return rows.movedim(0, 1).flatten(1, 2)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dout):
         plan = ctx.plan
         send = dout.unflatten(1, (plan.cp, -1)).movedim(1, 0).contiguous()  # [b, h, ..] -> [cp, b, h/cp, ..]
@@ -210,7 +210,7 @@ class _SliceHeads(torch.autograd.Function):
         return t[:, plan.rank * h : (plan.rank + 1) * h].contiguous()
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dout):
         plan = ctx.plan
         rows = comm.all_gather(dout, plan.group, plan.cp, async_op=False).wait()  # [cp, b, h/cp, p, n]

@@ -2,7 +2,9 @@
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes, initialises
 deepspeed.comm in each and returns the list of what ``fn(rank, world_size, *args)`` returned.
-``backend="nccl"`` gives each rank its own GPU (cuda:rank) and NCCL instead of gloo.
+``backend="nccl"`` gives each rank its own GPU (cuda:rank) and NCCL instead of gloo;
+``backend="gloo-cuda"`` puts every rank on GPU 0 with gloo (DESIGN.md section 6: correctness runs
+at cp > 1 on one GPU; gloo moves CUDA tensors for collectives but not for point-to-point).
 If any rank raises, the others are killed (they may be waiting in a collective) and the error is
 re-raised here with that rank's traceback; a run that outlives ``timeout`` fails the same way.
 Rank functions report; the test process asserts. Verdicts computed inside ranks go through
@@ -32,9 +34,10 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, port, fn, args, queue, backend):
+    shared = backend == "gloo-cuda"
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0" if shared else str(rank),
+        LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
     torch.set_num_threads(1)
     try:
@@ -42,7 +45,9 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_distributed(dist_backend=backend, verbose=False)
+        if shared:
+            torch.cuda.set_device(0)  # DeepSpeed would bind rank i to cuda:i from LOCAL_RANK
+        dist.init_distributed(dist_backend="gloo" if shared else backend, verbose=False)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
         dist.barrier()
@@ -54,9 +59,10 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 def run_ranks(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo"):
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; returns their results.
 
-    backend: "gloo" (CPU) or "nccl" (rank r on cuda:r; needs world_size GPUs)."""
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    backend: "gloo" (CPU), "nccl" (rank r on cuda:r; needs world_size GPUs) or "gloo-cuda" (every rank
+    on cuda:0 through gloo: correctness only, timings mean nothing)."""
+    if backend not in ("gloo", "nccl", "gloo-cuda"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or 'gloo-cuda', got {backend!r}")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

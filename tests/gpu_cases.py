@@ -129,6 +129,7 @@ def chained_reference(inputs: dict, grads: dict, spec, *, piece: int):
     memory stays that of one piece. Returns (out, final_states, {name: gradient}) in fp32.
     """
     from ds_mamba_spcp.ops import reference
+    from ds_mamba_spcp.ops.segment import drive_bwd, drive_fwd
 
     f32 = torch.float32
     zx = inputs["zxbcdt"].to(f32)
@@ -151,10 +152,10 @@ def chained_reference(inputs: dict, grads: dict, spec, *, piece: int):
     outs, S_ins, log_as = [], [], []
     for s, e in bounds:
         ex = _Fixed(state)
-        out, S_in = reference.segment_fwd(zx[:, s:e], halo_of(s), *params, spec=spec, exchange=ex)
+        out, _ = drive_fwd(reference.segment_fwd(zx[:, s:e], halo_of(s), *params, spec=spec), ex.post)
         S_ext, log_a = ex.sent
         outs.append(out)
-        S_ins.append(S_in)
+        S_ins.append(state)
         log_as.append(log_a)
         state = torch.exp(log_a)[:, :, None, None] * state + S_ext
     final = state
@@ -166,8 +167,8 @@ def chained_reference(inputs: dict, grads: dict, spec, *, piece: int):
     for k in reversed(range(len(bounds))):
         s, e = bounds[k]
         ex = _Fixed(g)
-        dz, dhalo, *dp = reference.segment_bwd(dout[:, s:e], zx[:, s:e], halo_of(s), *params, S_ins[k], spec=spec,
-                                               exchange=ex)  # fmt: skip
+        gen = reference.segment_bwd(dout[:, s:e], zx[:, s:e], halo_of(s), *params, S_ins[k], spec=spec)
+        (dz, *dp), dhalo = drive_bwd(gen, ex.post_grad)
         dzx[:, s:e] += dz
         if s > 0:
             dzx[:, s - (K - 1) : s, xbc] += dhalo

@@ -225,6 +225,15 @@ def test_contradictions(mode, load_balancing, input_layout, pattern):
 
 
 @pytest.mark.parametrize(
+    "field, value, pattern",
+    [("recompute_output", True, 'cannot honour "recompute_output"'), ("overlap_comm", False, "nothing for")],
+)
+def test_ulysses_refuses_options_it_cannot_honour(field, value, pattern):
+    with pytest.raises(pydantic.ValidationError, match=pattern):
+        load_mamba_sp_config(ds_config({"mode": "ulysses", field: value}))
+
+
+@pytest.mark.parametrize(
     "mode, load_balancing, input_layout",
     [
         ("state_passing", "none", "contiguous"),

@@ -219,3 +219,29 @@ def test_grad_scale_matches_deepspeeds_reduction_over_the_sequence_group():
         expected = 3.0 if stage < 3 else 1.5
         assert reduced == pytest.approx(expected, rel=1e-6), f"stage {stage}: DeepSpeed applied {reduced}"
         assert reduced * scale == pytest.approx(3.0, rel=1e-6), f"stage {stage}: grad scale {scale} does not fix it"
+
+
+def test_seq_idx_from_position_ids_and_packed_shards():
+    """Hugging Face's padding-free positions (restarting at 0 per document) give the document labels,
+    and shard_batch shards them with the tokens, in both layouts."""
+    from ds_mamba_spcp.data import seq_idx_from_position_ids, shard_batch
+
+    lengths = [[3, 1, 6, 2], [12]]
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    labels = seq_idx_from_position_ids(pos)
+    assert labels.dtype == torch.int32
+    assert labels.tolist() == [[0] * 3 + [1] + [2] * 6 + [3] * 2, [0] * 12]
+    # a row that begins in the middle of a document is labelled from 0 all the same
+    assert seq_idx_from_position_ids(torch.tensor([[5, 6, 0, 1]])).tolist() == [[0, 0, 1, 1]]
+    ids = torch.arange(24).reshape(2, 12)
+    for layout_ in ("contiguous", "zigzag"):
+        shards = [shard_batch({"input_ids": ids, "position_ids": pos}, rank=r, world_size=2, layout=layout_)
+                  for r in range(2)]  # fmt: skip
+        for r, shard in enumerate(shards):
+            assert torch.equal(shard["seq_idx"], shard_sequence(labels, r, 2, layout_))
+            assert torch.equal(shard["input_ids"], shard_sequence(ids, r, 2, layout_))
+    # unpacked rows get no labels; labels given with the batch are sharded as they are
+    plain = shard_batch({"input_ids": ids}, rank=0, world_size=2)
+    assert "seq_idx" not in plain
+    given = shard_batch({"input_ids": ids, "seq_idx": labels + 7}, rank=1, world_size=2)
+    assert torch.equal(given["seq_idx"], labels[:, 6:] + 7)

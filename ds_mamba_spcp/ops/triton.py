@@ -47,9 +47,9 @@ import torch
 import triton
 import triton.language as tl
 from einops import rearrange
-from torch.autograd.function import once_differentiable
 
 from ds_mamba_spcp import _upstream
+from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 _upstream.check_pinned_versions()
@@ -417,16 +417,15 @@ def segment_bwd(
 
 
 class _FirstOrderOnly(torch.autograd.Function):
-    """Identity on the inputs of mamba-ssm's op, whose backward (Triton kernels) builds no graph: with
-    create_graph=True the gradients that pass here carry a node that raises when differentiated, instead
-    of this op's second-order terms vanishing silently."""
+    """Identity on the inputs of mamba-ssm's op, whose backward (Triton kernels) builds no graph: a
+    backward with create_graph=True raises here instead of losing this op's second-order terms."""
 
     @staticmethod
     def forward(ctx, *tensors):
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, *grads):
         return grads
 
