@@ -69,15 +69,17 @@ K = 1024
 
 @dataclass(frozen=True)
 class Cell:
-    """One shape: global seqlen, batch and the head layout."""
+    """One shape: global seqlen, batch and the head layout; docs > 0: packed rows of that many documents."""
 
     seqlen: int
     batch: int
     nheads: int
     ngroups: int
+    docs: int = 0
 
     def label(self) -> str:
-        return f"L={_fmt_len(self.seqlen)} b={self.batch} h={self.nheads} g={self.ngroups}"
+        packed = f" docs={self.docs}" if self.docs else ""
+        return f"L={_fmt_len(self.seqlen)} b={self.batch} h={self.nheads} g={self.ngroups}{packed}"
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class Context:
     dims: Dims
     seed: int = 1234
     recompute_output: bool = False  # the sp op's recompute_output (--recompute-output: True)
+    check_shapes: bool = True  # the ops' cross-rank call check (--no-check-shapes: False)
 
     @property
     def cuda(self) -> bool:
@@ -200,6 +203,24 @@ def ulysses_payload_widths(cell: Cell, ctx: Context) -> tuple[int, int]:
     return width_in, d_inner
 
 
+def packed_labels(cell: Cell, ctx: Context, seq_layout: str):
+    """This rank's shard of the document labels of ``cell.docs`` documents per row, or None (unpacked).
+
+    Document lengths are random (one seed for every rank, a different draw per row), at least one
+    chunk's worth apart on average, so documents start inside shards and chunks alike."""
+    if not cell.docs:
+        return None
+    from ds_mamba_spcp.layout import shard_sequence
+
+    g = torch.Generator().manual_seed(ctx.seed)
+    rows = []
+    for _ in range(cell.batch):
+        starts = torch.randperm(cell.seqlen - 1, generator=g)[: cell.docs - 1].add(1).sort().values
+        rows.append(torch.bucketize(torch.arange(cell.seqlen), starts, right=True))
+    labels = torch.stack(rows).to(torch.int32)
+    return shard_sequence(labels, ctx.rank, ctx.cp, seq_layout).contiguous().to(ctx.device)
+
+
 def build_step(mode: str, cell: Cell, ctx: Context):
     """The fwd+bwd callable of ``mode`` with its static inputs (raises Skip when unsupported)."""
     from ds_mamba_spcp import mamba_split_conv1d_scan_sp
@@ -211,16 +232,25 @@ def build_step(mode: str, cell: Cell, ctx: Context):
     if mode == "ideal":
         inp = CoreInputs(cell.batch, local, cell.nheads, cell.ngroups, ctx)
         op = get_backend(ctx.backend, ctx.device).single_device_op
-        return inp.fwd_bwd(lambda: op(*inp.args(), **inp.kwargs()))
+        labels = packed_labels(cell, ctx, "contiguous")
+        packed = {}
+        if labels is not None:
+            from ds_mamba_spcp.ops.reference import canonical_seq_idx
+
+            packed = dict(seq_idx=canonical_seq_idx(labels))
+        return inp.fwd_bwd(lambda: op(*inp.args(), **inp.kwargs(), **packed))
     if mode in SP_LOAD_BALANCING:
         lb = SP_LOAD_BALANCING[mode]
         inp = CoreInputs(cell.batch, local, cell.nheads, cell.ngroups, ctx)
+        labels = packed_labels(cell, ctx, "contiguous" if lb == "none" else "zigzag")
         return inp.fwd_bwd(
             lambda: mamba_split_conv1d_scan_sp(
                 *inp.args(),
                 load_balancing=lb,
                 backend=ctx.backend,
                 recompute_output=ctx.recompute_output,
+                check_shapes=ctx.check_shapes,
+                seq_idx=labels,
                 **inp.kwargs(),
             )
         )
@@ -231,10 +261,16 @@ def build_step(mode: str, cell: Cell, ctx: Context):
         except ImportError as e:
             raise Skip(f"ds_mamba_spcp.ulysses is not importable: {e}") from e
         inp = CoreInputs(cell.batch, local, cell.nheads, cell.ngroups, ctx)
+        labels = packed_labels(cell, ctx, "contiguous")
         return inp.fwd_bwd(
             lambda: mamba_split_conv1d_scan_ulysses(
-                *inp.args(), input_layout="contiguous", backend=ctx.backend, **inp.kwargs()
-            )
+                *inp.args(),
+                input_layout="contiguous",
+                backend=ctx.backend,
+                check_shapes=ctx.check_shapes,
+                seq_idx=labels,
+                **inp.kwargs(),
+            )  # fmt: skip
         )
     if mode == "ulysses_compute":
         g_loc = ulysses_local_groups(cell.nheads, cell.ngroups, ctx.cp)
@@ -395,7 +431,8 @@ def _classify(e: BaseException) -> tuple[str, str]:
 def run_mode(mode: str, cell: Cell, args, ctx: Context) -> list[dict]:
     """The eager record (and the graph record with --graphs) of one mode in one cell."""
     base = dict(mode=mode, cp=ctx.cp, seqlen=cell.seqlen, batch=cell.batch, nheads=cell.nheads,
-                ngroups=cell.ngroups, **asdict(ctx.dims), iters=args.iters, warmup=args.warmup)  # fmt: skip
+                ngroups=cell.ngroups, docs_per_row=cell.docs, **asdict(ctx.dims), iters=args.iters,
+                warmup=args.warmup)  # fmt: skip
     flags = [False, True] if args.graphs else [False]
     records = {g: dict(base, cuda_graph=g) for g in flags}
     step, status, reason = None, "ok", None
@@ -590,6 +627,22 @@ def parse_args(argv=None):
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default=None)
     p.add_argument("--rmsnorm", action="store_true", help="include the gated RMSNorm (norm after the gate)")
+    p.add_argument(
+        "--docs-per-row",
+        default="0",
+        help="packed cells: comma separated documents per row (0: unpacked, no seq_idx), every cell each",
+    )
+    p.add_argument(
+        "--check-shapes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the ops' cross-rank call check (default on, as for users)",
+    )
+    p.add_argument(
+        "--shared-gpu",
+        action="store_true",
+        help="every rank on cuda:0 through gloo: kernel lists and correctness only, timings mean nothing",
+    )
     p.add_argument("--recompute-output", action="store_true",
                    help="sp modes recompute the pre-gate output in backward (recompute_output=True)")  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES), help=f"comma separated subset of {','.join(MODES)}")
@@ -622,12 +675,18 @@ def parse_args(argv=None):
         args.cells = [Cell(L, args.batch or 1, nheads, ngroups) for L in seqlens]
     else:
         args.cells = SUITES[args.suite or ("cpu" if args.cpu else "default")]
+    docs = [int(d) for d in str(args.docs_per_row).split(",") if d.strip()]
+    if any(d < 0 for d in docs):
+        p.error("--docs-per-row takes counts >= 0")
+    args.cells = [Cell(c.seqlen, c.batch, c.nheads, c.ngroups, d) for c in args.cells for d in docs]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {','.join(MODES)}")
     if args.graphs is None:
-        args.graphs = not args.cpu
+        args.graphs = not args.cpu and not args.shared_gpu
+    if args.shared_gpu and (args.cpu or args.graphs):
+        p.error("--shared-gpu runs gloo on one GPU: no --cpu, no --graphs (gloo collectives cannot be captured)")
     if args.iters < 1 or args.warmup < 1:
         p.error("--iters and --warmup must be at least 1")
     return args
@@ -646,9 +705,11 @@ def init(args) -> Context:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: pass --cpu for the gloo smoke run")
+        if args.shared_gpu:
+            os.environ["LOCAL_RANK"] = "0"  # DeepSpeed would bind rank i to cuda:i
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dist.init_distributed(dist_backend="gloo" if args.cpu else "nccl", verbose=False,
+    dist.init_distributed(dist_backend="gloo" if args.cpu or args.shared_gpu else "nccl", verbose=False,
                           timeout=timedelta(seconds=args.timeout))  # fmt: skip
     ctx = Context(
         rank=dist.get_rank(),
@@ -657,6 +718,7 @@ def init(args) -> Context:
         backend=args.backend,
         dims=args.dims,
         recompute_output=args.recompute_output,
+        check_shapes=args.check_shapes,
     )
     torch.manual_seed(ctx.seed + ctx.rank)
     return ctx
@@ -679,6 +741,9 @@ def main(argv=None):
             cells=[asdict(c) for c in args.cells],
             suite=args.suite,
             recompute_output=ctx.recompute_output,
+            check_shapes=ctx.check_shapes,
+            docs_per_row=sorted({c.docs for c in args.cells}),
+            shared_gpu=args.shared_gpu,
         ),
         records=[],
         complete=False,

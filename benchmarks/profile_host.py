@@ -38,11 +38,19 @@ def parse_args(argv=None):
     p.add_argument("--out", default="/tmp/profile_host")
     p.add_argument("--top", type=int, default=45)
     p.add_argument("--kernels", action="store_true", help="also a torch.profiler table of GPU time per kernel")
+    p.add_argument(
+        "--shared-gpu",
+        action="store_true",
+        help="every rank on cuda:0 through gloo (kernel lists only: timings mean nothing)",
+    )
+    p.add_argument("--docs-per-row", type=int, default=0, help="packed rows of this many documents (0: unpacked)")
     args = p.parse_args(argv)
     # bench_mixer's own defaults (dims, backend, timeout) for the rest
     bm_argv = ["--cpu"] if args.cpu else []
     bm_argv += ["--seqlens", args.seqlen or ("64" if args.cpu else "8K"), "--batch", str(args.batch)]
     bm_argv += ["--recompute-output"] if args.recompute_output else []
+    bm_argv += ["--shared-gpu"] if args.shared_gpu else []
+    bm_argv += ["--docs-per-row", str(args.docs_per_row)]
     return args, bm.parse_args(bm_argv)
 
 
@@ -58,7 +66,8 @@ def _kernel_table(step, mode, cell, ctx, args):
         torch.cuda.synchronize()
     if ctx.rank == 0:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70)
-        with open(os.path.join(args.out, f"kernels_{mode}.txt"), "w") as f:
+        tag = f"_docs{args.docs_per_row}" if args.docs_per_row else ""
+        with open(os.path.join(args.out, f"kernels_{mode}{tag}.txt"), "w") as f:
             f.write(f"{mode} {cell.label()} cp={ctx.cp}: totals over {steps} steps\n{table}\n")
 
 

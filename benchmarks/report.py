@@ -40,11 +40,17 @@ def load(paths: list[str]) -> tuple[list[dict], list[dict]]:
 
 
 def _key(r: dict) -> tuple:
-    return (r["cp"], r["nheads"], r["ngroups"], r["batch"], r["seqlen"], r["mode"], bool(r["cuda_graph"]))
+    return (r["cp"], r["nheads"], r["ngroups"], r["batch"], r.get("docs_per_row", 0), r["seqlen"], r["mode"],
+            bool(r["cuda_graph"]))  # fmt: skip
 
 
 def _shape(r: dict) -> tuple:
-    return (r["nheads"], r["ngroups"], r["batch"])
+    """(nheads, ngroups, batch, documents per row: 0 for unpacked rows)."""
+    return (r["nheads"], r["ngroups"], r["batch"], r.get("docs_per_row", 0))
+
+
+def _shape_text(shape) -> str:
+    return f"nheads={shape[0]}, ngroups={shape[1]}, batch={shape[2]}" + (f", {shape[3]} docs/row" if shape[3] else "")
 
 
 def _ok(r) -> bool:
@@ -171,7 +177,7 @@ def check_targets(idx: Index) -> list[tuple[str, list[tuple[str, str, str]]]]:
         return _targets_cp4_cp8(idx, cp)
     if cp != 2:
         return []
-    shapes = idx.shapes()
+    shapes = [s for s in idx.shapes() if not s[3]]  # the targets are about unpacked rows
 
     def cells(pred):
         return [(s, L) for s in shapes for L in idx.seqlens(s) if pred(s, L)]
@@ -265,7 +271,7 @@ def _targets_cp4_cp8(idx: Index, cp: int):
         rows = []
         for s in idx.shapes():
             for L in idx.seqlens(s):
-                if not pred(s, L):
+                if s[3] or not pred(s, L):
                     continue
                 for mode in ("state_passing", "virtual"):
                     desc = f"L={fmt_len(L)} b={s[2]} h={s[0]} g={s[1]}, {mode}"
@@ -343,7 +349,7 @@ def markdown(headers: list[dict], idx: Index, targets) -> str:
         "",
     ]
     for shape in idx.shapes():
-        title = f"nheads={shape[0]}, ngroups={shape[1]}, batch={shape[2]}"
+        title = _shape_text(shape)
         out += [f"## {title}", ""]
         for g in idx.graph_flags():
             out += [f"fwd+bwd ms, {'CUDA graph replay' if g else 'eager'}:", ""] + summary_table(idx, shape, g) + [""]
@@ -409,9 +415,10 @@ def plot(idx: Index, prefix: str) -> list[str]:
                 ax.xaxis.set_minor_locator(ticker.NullLocator())
                 ax.grid(True, which="major", alpha=0.3)
                 ax.legend(fontsize=8)
-        fig.suptitle(f"Mamba2 mixer core fwd+bwd, nheads={shape[0]} ngroups={shape[1]} batch={shape[2]}")
+        fig.suptitle(f"Mamba2 mixer core fwd+bwd, {_shape_text(shape)}")
         fig.tight_layout()
-        path = f"{prefix}.png" if i == 0 else f"{prefix}_h{shape[0]}_g{shape[1]}_b{shape[2]}.png"
+        docs = f"_d{shape[3]}" if shape[3] else ""
+        path = f"{prefix}.png" if i == 0 else f"{prefix}_h{shape[0]}_g{shape[1]}_b{shape[2]}{docs}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

@@ -344,8 +344,8 @@ def _agree(fields, problem, seq_idx, device, group, rank, cp, seq_layout, what) 
     never reaches a mismatched collective.
     """
     values = tuple(v for _, v in fields)
-    if cp == 1:
-        seq_layout = "contiguous"  # a group of one holds the whole row as one segment
+    if cp == 1 or seq_layout not in layout.LAYOUTS:  # a group of one holds the row as one segment; a bad
+        seq_layout = "contiguous"  # layout is a problem recorded already, raised below on every rank
     nlocal = len(layout.segment_ids(rank, cp, seq_layout))
     summary = None if seq_idx is None else _label_summary(seq_idx, nlocal)
     fits = summary is None or summary.shape[0] <= SEQ_SLOTS

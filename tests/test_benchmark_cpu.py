@@ -48,7 +48,7 @@ def cpu_run(tmp_path_factory):
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), BENCH, "--cpu", "--iters", "3", "--warmup", "2", "--no-progress",
-           "--out", str(out)]  # fmt: skip
+           "--docs-per-row", "0,3", "--out", str(out)]  # fmt: skip
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     finally:
@@ -80,12 +80,12 @@ def test_cpu_run_schema(cpu_run):
     seen = {}
     for r in records:
         assert r.keys() >= RECORD_KEYS, RECORD_KEYS - r.keys()
-        key = (r["seqlen"], r["batch"], r["nheads"], r["ngroups"], r["mode"], r["cuda_graph"])
+        key = (r["seqlen"], r["batch"], r["nheads"], r["ngroups"], r["docs_per_row"], r["mode"], r["cuda_graph"])
         assert key not in seen, f"duplicate record {key}"
         seen[key] = r
     for c in cells:
         for mode in modes:
-            r = seen.get((c["seqlen"], c["batch"], c["nheads"], c["ngroups"], mode, False))
+            r = seen.get((c["seqlen"], c["batch"], c["nheads"], c["ngroups"], c["docs"], mode, False))
             assert r is not None, f"no record for mode {mode} in cell {c}"
             assert r["cp"] == 2 and r["cuda_graph"] is False
             # on CPU nothing may fail: a mode either runs or is skipped with a reason (a missing module)
@@ -99,9 +99,9 @@ def test_cpu_run_schema(cpu_run):
             assert r["fwd_bwd_ms"] == max(r["rank_median_ms"])  # the rank maximum of the medians
             assert r["peak_mem_gib"] is None  # no allocator statistics on CPU
         for mode in ("ideal", "state_passing", "virtual", "ulysses_compute", "ulysses_a2a"):
-            r = seen[(c["seqlen"], c["batch"], c["nheads"], c["ngroups"], mode, False)]
+            r = seen[(c["seqlen"], c["batch"], c["nheads"], c["ngroups"], c["docs"], mode, False)]
             assert r["status"] == "ok", f"{mode} must run on CPU: {r.get('reason')}"
-        sp = seen[(c["seqlen"], c["batch"], c["nheads"], c["ngroups"], "state_passing", False)]
+        sp = seen[(c["seqlen"], c["batch"], c["nheads"], c["ngroups"], c["docs"], "state_passing", False)]
         assert sp["pct_of_ideal"] > 0
 
 
@@ -239,3 +239,15 @@ def test_target_check_cp4_cp8():
     assert report.verdict(next(rows for name, rows in t8.items() if "128K" in name)) == "NO DATA"
     with pytest.raises(SystemExit, match="one size at a time"):
         report.check_targets(report.Index(cp4 + cp8))
+
+
+def test_packed_cells_run_every_mode(cpu_run):
+    """--docs-per-row 0,3: every cell twice, unpacked and with 3 documents per row, recorded as such."""
+    _, data = cpu_run
+    assert data["config"]["docs_per_row"] == [0, 3]
+    by_docs = {}
+    for r in data["records"]:
+        by_docs.setdefault(r["docs_per_row"], []).append(r)
+    assert set(by_docs) == {0, 3} and len(by_docs[0]) == len(by_docs[3])
+    packed_ok = {r["mode"] for r in by_docs[3] if r["status"] == "ok"}
+    assert {"ideal", "state_passing", "virtual", "permute_p2p", "permute_a2a", "ulysses"} <= packed_ok

@@ -20,6 +20,7 @@ d_conv=4, chunk_size=64), batch 2, global L = 4096, every rank's tokens in the m
    without autocast, bitwise (out and every gradient): the op computes as its inputs' dtypes say.
 3. Double backward raises (gradients with create_graph=True through the sharded op and through
    mamba-ssm's op at a group of one), instead of silently dropping second-order terms.
+4. Waiting for an all-gather from another CUDA stream than the one that posted it raises.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def _run(rank, world):
         results[name] = dict(rows=rows, ok=agree(ok))
 
     results["autocast"] = _autocast_case(rank, world, t, grads, dev)
+    results["stream_check"] = _stream_case(world, dev)
     results["double_backward"] = _double_backward_case(rank, world, t, dev)
     return results
 
@@ -157,6 +159,23 @@ def _autocast_case(rank, world, t, grads, dev):
     return agree(all(torch.equal(a, b) for a, b in zip(plain, under)))
 
 
+def _stream_case(world, dev):
+    """A gather posted on one stream and waited on from another raises (its buffer's readers would be unordered)."""
+    from ds_mamba_spcp import comm
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        handle = comm.all_gather(torch.ones(4, device=dev), None, world, async_op=True)
+    try:
+        handle.wait()  # on the default stream
+        wrong = False
+    except RuntimeError as e:
+        wrong = "another" in str(e)
+    with torch.cuda.stream(side):
+        right = bool(handle.wait().sum().item() == 4 * world)
+    return agree(wrong and right)
+
+
 def _double_backward_case(rank, world, t, dev):
     from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp
     from ds_mamba_spcp.ops.triton import single_device_op
@@ -166,11 +185,10 @@ def _double_backward_case(rank, world, t, dev):
         zx = zx.detach().clone().requires_grad_()
         out = fn(zx, w, t["conv1d_bias"], t["dt_bias"], t["A"], t["D"], SHAPE["chunk"], headdim=SHAPE["headdim"],
                  ngroups=SHAPE["ngroups"])  # fmt: skip
-        (gw,) = torch.autograd.grad(out.float().square().sum(), [w], create_graph=True)
         try:
-            gw.float().square().sum().backward()
+            torch.autograd.grad(out.float().square().sum(), [w], create_graph=True)
         except RuntimeError as e:
-            return "once_differentiable" in str(e) or "differentiate" in str(e)
+            return "second-order" in str(e)
         return False
 
     shard = layout.shard_sequence(t["zxbcdt"], rank, world, "contiguous")
@@ -199,6 +217,11 @@ def test_packed_rows_match_upstream(results, mode):
 def test_autocast_changes_nothing(results):
     world, res = results
     assert all(r["autocast"] for r in res), f"cp={world}: the op under autocast differs from the plain call"
+
+
+def test_wait_on_another_stream_raises(results):
+    world, res = results
+    assert all(r["stream_check"] for r in res)
 
 
 def test_double_backward_raises(results):
