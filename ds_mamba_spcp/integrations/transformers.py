@@ -270,6 +270,7 @@ class _MixerAdapter:
         self.mixer = mixer
         self.original_forward = mixer.forward  # the class's forward, or a hook's wrapper of it
         self.sharding = _Sharding(group, config, self._validate)
+        self.model_state: _PreparedModel | None = None  # set by prepare_sequence_parallel
 
     def _validate(self, size: int) -> None:
         self.sharding.config.validate_for_mixer(nheads=self.mixer.num_heads, ngroups=self.mixer.n_groups, sp_size=size)
@@ -283,9 +284,19 @@ class _MixerAdapter:
             raise _cache_error(name)
         if attention_mask is not None:
             raise _padding_error(f"an attention_mask with zeros reached {name}")
+        seq_idx = rest.get("seq_idx")
+        if seq_idx is None and self.model_state is not None:
+            # transformers' Mamba2ForCausalLM does not pass its **kwargs (seq_idx) on to its backbone: take the
+            # prepared model's call's (the same forward, or its recomputation under gradient checkpointing)
+            seq_idx = self.model_state.seq_idx
+        if seq_idx is not None and tuple(seq_idx.shape) != tuple(hidden_states.shape[:2]):
+            raise ValueError(
+                f"{name}: seq_idx has shape {tuple(seq_idx.shape)} but this rank's hidden_states hold (batch, "
+                f"local_seqlen) = {tuple(hidden_states.shape[:2])}; shard seq_idx with the tokens (shard_batch)."
+            )
         return mixer_forward(
             hidden_states, self._in_proj, self.mixer.out_proj, self.core(), self.sharding.config, self.sharding.group(),
-            seq_idx=rest.get("seq_idx"),
+            seq_idx=seq_idx,
         )  # fmt: skip
 
     def _in_proj(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -317,6 +328,7 @@ class _MixerAdapter:
         new.original_forward = copy.deepcopy(self.original_forward, memo)
         new.sharding = copy.deepcopy(self.sharding, memo)
         new.sharding._validate = new._validate
+        new.model_state = copy.deepcopy(self.model_state, memo)
         return new
 
 
@@ -513,7 +525,7 @@ class _PreparedModel:
         self.implementations = implementations  # of the sharded attention layers (empty: attention-free)
         self.signature = inspect.signature(model.forward)
         self.var_keyword = [p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD]
-        self.position_ids = None  # of the current call (set by the pre-forward check)
+        self.position_ids = self.seq_idx = None  # of the current call (set by the pre-forward check)
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)
@@ -544,7 +556,7 @@ def _check_model_call(model: nn.Module, args: tuple, kwargs: dict):
             "ds_mamba_spcp.data.sequence_parallel_cross_entropy(logits, shift_labels, group) (shard_batch shifts "
             "the labels before sharding)."
         )
-    state.position_ids = call.get("position_ids")
+    state.position_ids, state.seq_idx = call.get("position_ids"), call.get("seq_idx")
     if state.implementations and state.position_ids is None:
         raise ValueError(
             f"{model_name} has attention layers sharded by DeepSpeed's Ulysses attention, which needs position_ids "
@@ -646,6 +658,10 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     for module, implementation in attention:
         core_fn = _install_dispatcher(implementation)
         module.__dict__[_ATTN_ATTR] = _UlyssesAttention(module, state, implementation, core_fn)
+    for m in model.modules():
+        adapter = m.__dict__.get(_MIXER_ATTR)
+        if adapter is not None:
+            adapter.model_state = state
     model.__dict__[_MODEL_ATTR] = state
     model.register_forward_pre_hook(_check_model_call, with_kwargs=True)
     return parallel_state_sp
