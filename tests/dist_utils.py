@@ -31,10 +31,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, backend):
+def _worker(rank, world_size, port, fn, args, queue, backend, share_gpu=False):
+    # share_gpu: every rank on cuda:0 (DeepSpeed binds the device of LOCAL_RANK when it initialises)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(0 if share_gpu else rank),
+        LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
     torch.set_num_threads(1)
     try:
@@ -42,6 +43,8 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        elif share_gpu:
+            torch.cuda.set_device(0)
         dist.init_distributed(dist_backend=backend, verbose=False)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
@@ -51,18 +54,23 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo"):
+def run_ranks(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo", share_gpu: bool = False):
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; returns their results.
 
-    backend: "gloo" (CPU) or "nccl" (rank r on cuda:r; needs world_size GPUs)."""
+    backend: "gloo" (CPU) or "nccl" (rank r on cuda:r; needs world_size GPUs). share_gpu (gloo only): every
+    rank on cuda:0, for correctness runs on one GPU (DESIGN.md section 6; gloo's point-to-point of CUDA
+    tensors fails, its collectives work; timings mean nothing)."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if share_gpu and backend != "gloo":
+        raise ValueError("share_gpu needs backend='gloo' (NCCL refuses two ranks on one device)")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend)) for r in range(world_size)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend, share_gpu))
+        for r in range(world_size)
     ]
     for p in procs:
         p.start()

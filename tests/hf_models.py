@@ -16,6 +16,7 @@ VOCAB = 40
 HIDDEN = 16
 SSM = dict(heads=8, headdim=4, ngroups=2, dstate=5, d_conv=4, chunk=8)
 ATTN = dict(heads=4, kv_heads=2)
+SIZES = dict(vocab=VOCAB, hidden=HIDDEN, ssm=SSM, attn=ATTN)  # the CPU tests' sizes; ``build(sizes=...)`` others
 
 # family -> the transformers modeling module (imported by ``import_models``)
 MODULES = {
@@ -38,14 +39,15 @@ def import_models() -> None:
         importlib.import_module(name)
 
 
-def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa", **extra):
+def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa", sizes=None, **extra):
     """A tiny ``<Family>ForCausalLM`` with randomized parameters. ``attention=False`` gives the family's
-    attention-free variant (all but Falcon-H1, whose every layer has attention beside its mixer). ``extra``
-    overrides config fields."""
+    attention-free variant (all but Falcon-H1, whose every layer has attention beside its mixer). ``sizes``
+    replaces ``SIZES``; ``extra`` overrides config fields."""
     import transformers as tf
 
-    s, a = SSM, ATTN
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, tie_word_embeddings=False)
+    sizes = sizes or SIZES
+    s, a, hidden = sizes["ssm"], sizes["attn"], sizes["hidden"]
+    common = dict(vocab_size=sizes["vocab"], hidden_size=hidden, tie_word_embeddings=False)
     attn_common = dict(num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"])
     if family == "mamba2":
         cfg = tf.Mamba2Config(
@@ -63,19 +65,21 @@ def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.flo
         cls = tf.BambaForCausalLM
     elif family == "nemotron_h":
         cfg = tf.NemotronHConfig(
-            **common, **attn_common, head_dim=HIDDEN // a["heads"], intermediate_size=20,
+            **common, **attn_common, head_dim=hidden // a["heads"], intermediate_size=20,
             layers_block_type=["mamba", "attention", "mamba", "mlp"] if attention else ["mamba", "mlp", "mamba"],
             ssm_state_size=s["dstate"], mamba_num_heads=s["heads"], mamba_head_dim=s["headdim"],
             n_groups=s["ngroups"], conv_kernel=s["d_conv"], chunk_size=s["chunk"], **extra,
         )  # fmt: skip
         cls = tf.NemotronHForCausalLM
     elif family == "granitemoehybrid":
+        experts = dict(num_local_experts=2, num_experts_per_tok=1)
+        experts.update(extra)
         cfg = tf.GraniteMoeHybridConfig(
             **common, **attn_common, intermediate_size=20, num_hidden_layers=3 if attention else 2,
             layer_types=["mamba", "attention", "mamba"] if attention else ["mamba", "mamba"],
-            num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=16, mamba_n_heads=s["heads"],
-            mamba_d_head=s["headdim"], mamba_n_groups=s["ngroups"], mamba_d_state=s["dstate"],
-            mamba_d_conv=s["d_conv"], mamba_expand=2, mamba_chunk_size=s["chunk"], **extra,
+            shared_intermediate_size=16, mamba_n_heads=s["heads"], mamba_d_head=s["headdim"],
+            mamba_n_groups=s["ngroups"], mamba_d_state=s["dstate"], mamba_d_conv=s["d_conv"], mamba_expand=2,
+            mamba_chunk_size=s["chunk"], **experts,
         )  # fmt: skip
         cfg._experts_implementation = "eager"  # the loop over experts: the grouped GEMM refuses fp64 on CPU
         cls = tf.GraniteMoeHybridForCausalLM
