@@ -16,19 +16,19 @@ RMS error (squared norms summed over the shards) and every parameter gradient's 
 contributions summed, as DeepSpeed's reduction does). Each world size is spawned once and runs all its cases.
 
 Tolerance, per tensor: relative RMS <= max(1e-5, 3 x the oracle's own spread), the spread being how far
-transformers' fp32 run is from its run with fp64 parameters (same inputs). Two fp32 computations of one model
-differ by their roundings, and by how much depends on the tensor's conditioning: for most tensors the spread
-is ~1e-7..5e-6 and 1e-5 binds (the sharded model sums in another order: a state passed between ranks,
-gradients summed over ranks; its errors here are ~1e-7..5e-6 too). A few SSM scalars' gradients (dt_bias,
-A_log, D of the first layer, sums over every token that nearly cancel) are ill-conditioned for some seeds:
-transformers' own fp32 run is then up to ~1e-4 from its fp64 run, and the sharded fp32 run as far from the
-fp32 oracle, so their bound follows the spread (a triangle inequality: two runs each about the spread from the
-truth are within 2x of it; 3x for margin). An exact fp64 oracle is not available: transformers' PyTorch
-path computes the scan and the gated norm in fp32 whatever the parameters' dtype (``A_log.float()``,
-``hidden_states.float()``), which is also why its fp64 run only bounds, rather than removes, that rounding;
-the op's own fp64 equivalence (1e-10) is tests/test_state_passing.py's. A lost state (the negative control:
-DeepSpeed's attention sharding alone, each rank's Mamba layers starting from a zero state) is off by > 1e-2
-on tensors whose spread is ~1e-6.
+transformers' fp32 run is from its run with fp64 parameters (same inputs). Two fp32 computations of one
+model differ by their roundings, and by how much depends on the tensor's conditioning: for almost every
+tensor the spread is ~1e-7..5e-6, so the bound is 1e-5..1.5e-5 (the sharded model sums in another order: a
+state passed between ranks, gradients summed over ranks; its errors here are ~1e-7..6e-6 too). A few SSM
+scalars' gradients (dt_bias, A_log, D of the first layer: sums over every token that nearly cancel) are
+ill-conditioned for some seeds: transformers' own fp32 run is then up to ~1e-4 from its fp64 run, and the
+sharded fp32 run about as far from the fp32 oracle (seen: 3.3e-5 where the spread is 8e-5), so their bound
+follows the spread (two runs each about the spread from the truth are within 2x of it; 3x for margin). An
+exact fp64 oracle is not available: transformers' PyTorch path computes the scan and the gated norm in fp32
+whatever the parameters' dtype (``A_log.float()``, ``hidden_states.float()``), which is also why its fp64
+run only bounds, rather than removes, that rounding; the op's own fp64 equivalence (1e-10) is
+tests/test_state_passing.py's. A lost state (the negative control: DeepSpeed's attention sharding alone, each
+rank's Mamba layers starting from a zero state) is off by > 1e-2 on tensors whose spread is ~1e-6.
 
 The packed-row cases (marker ``packed``) run once the op takes ``seq_idx`` (they skip, naming the reason,
 while it refuses it); their oracle is the unwrapped model on each document separately.
@@ -426,8 +426,11 @@ def _assert_close(res: dict, where: str) -> None:
     bounds = {k: max(TOL, ORACLE_FACTOR * res["spread"][k]) for k in errs}
     worst = max(errs, key=lambda k: errs[k] / bounds[k])
     loose = sorted(k for k in errs if bounds[k] > TOL)
-    print(f"{where}: out {errs['out']:.2e}, worst {worst} {errs[worst]:.2e} (bound {bounds[worst]:.2e}); "
-          f"{len(loose)} of {len(errs)} bounds above {TOL:g}")  # fmt: skip
+    top = max(errs, key=errs.get)
+    print(
+        f"{where}: out {errs['out']:.2e}, largest {top} {errs[top]:.2e}, closest to its bound {worst} "
+        f"{errs[worst]:.2e} (bound {bounds[worst]:.2e}); {len(loose)} of {len(errs)} bounds above {TOL:g}"
+    )
     bad = {k: (errs[k], bounds[k]) for k in errs if not errs[k] <= bounds[k]}
     assert not bad, f"{where}: (error, bound) over the bound: {bad}"
 
