@@ -48,7 +48,10 @@ def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.flo
     sizes = sizes or SIZES
     s, a, hidden = sizes["ssm"], sizes["attn"], sizes["hidden"]
     common = dict(vocab_size=sizes["vocab"], hidden_size=hidden, tie_word_embeddings=False)
-    attn_common = dict(num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"])
+    attn_common = dict(
+        num_attention_heads=extra.pop("num_attention_heads", a["heads"]),
+        num_key_value_heads=extra.pop("num_key_value_heads", a["kv_heads"]),
+    )
     if family == "mamba2":
         cfg = tf.Mamba2Config(
             **common, num_heads=s["heads"], head_dim=s["headdim"], state_size=s["dstate"], n_groups=s["ngroups"],
@@ -65,7 +68,7 @@ def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.flo
         cls = tf.BambaForCausalLM
     elif family == "nemotron_h":
         cfg = tf.NemotronHConfig(
-            **common, **attn_common, head_dim=hidden // a["heads"], intermediate_size=20,
+            **common, **attn_common, head_dim=hidden // attn_common["num_attention_heads"], intermediate_size=20,
             layers_block_type=["mamba", "attention", "mamba", "mlp"] if attention else ["mamba", "mlp", "mamba"],
             ssm_state_size=s["dstate"], mamba_num_heads=s["heads"], mamba_head_dim=s["headdim"],
             n_groups=s["ngroups"], conv_kernel=s["d_conv"], chunk_size=s["chunk"], **extra,

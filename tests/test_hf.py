@@ -327,6 +327,18 @@ def _checks(rank, world):
         lambda: prepare_sequence_parallel(hf_models.build("zamba2"), ds_config(world, "sp_virtual")),
         ValueError, '"input_layout": "contiguous"',
     )  # fmt: skip
+    heads = world // 2  # not divisible by the group size
+    out["attention_heads_not_divisible_raise"] = _raises(
+        lambda: prepare_sequence_parallel(
+            hf_models.build("bamba", num_attention_heads=heads, num_key_value_heads=heads), ds_config(world, "sp_none")
+        ),
+        ValueError, f"{heads} query and {heads} key/value heads",
+    )  # fmt: skip
+    mask4d = torch.zeros(BATCH, 1, local["input_ids"].shape[1], seqlen)
+    out["custom_4d_mask_raises"] = _raises(
+        lambda: model(input_ids=local["input_ids"], position_ids=local["position_ids"], attention_mask=mask4d),
+        NotImplementedError, "non-2-D",
+    )  # fmt: skip
     out["prepared_twice_raises"] = _raises(
         lambda: prepare_sequence_parallel(model, ds_config(world, "sp_none")), ValueError, "already prepared"
     )
@@ -458,7 +470,7 @@ CHECKS = [
     "generate_raises", "generate_disabled_matches_unwrapped", "use_cache_true_raises", "padding_raises_on_every_rank",
     "all_ones_mask_accepted", "labels_raise", "no_position_ids_raise", "seq_idx_with_sdpa_attention_raises",
     "mixer_called_with_cache_raises", "eager_attention_raises", "zigzag_with_attention_raises",
-    "prepared_twice_raises", "other_size_raises",
+    "attention_heads_not_divisible_raise", "custom_4d_mask_raises", "prepared_twice_raises", "other_size_raises",
 ]  # fmt: skip
 
 
