@@ -22,6 +22,7 @@ before or after ``deepspeed.initialize`` (the parameters stay the same objects).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -320,12 +321,14 @@ class DistributedMamba2(nn.Module):
 
 
 def wrap_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
-    """Replaces every ``Mamba2`` submodule of ``model`` with a :class:`DistributedMamba2`, in place.
+    """Replaces every ``Mamba2`` submodule of ``model`` with a :class:`DistributedMamba2`, in place, and makes
+    transformers' Mamba2-style mixers sequence-parallel (``integrations.transformers.wrap_hf_mamba2_mixers``).
 
     The config is read once and shared. A mixer registered at several places is wrapped once and the
     same wrapper put at each; mixers already wrapped are left alone. Returns the number of mixers
     wrapped. State_dict keys do not change, so this can run before or after loading a checkpoint, and
-    before or after ``deepspeed.initialize`` (the parameters stay the same objects).
+    before or after ``deepspeed.initialize`` (the parameters stay the same objects; transformers' mixers
+    under ZeRO-3: before, see ``integrations.transformers``).
     """
     mamba2 = mamba2_class()
     if isinstance(model, mamba2):
@@ -345,4 +348,9 @@ def wrap_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: An
         if id(child) not in wrappers:
             wrappers[id(child)] = DistributedMamba2(child, sequence_process_group, cfg)
         setattr(parent, name, wrappers[id(child)])
-    return len(wrappers)
+    if sys.modules.get("transformers") is None:
+        return len(wrappers)
+    # transformers' Mamba2-style mixers (Bamba, Nemotron-H, ...): ds_mamba_spcp.integrations.transformers
+    from ds_mamba_spcp.integrations.transformers import wrap_hf_mamba2_mixers
+
+    return len(wrappers) + wrap_hf_mamba2_mixers(model, sequence_process_group, cfg)

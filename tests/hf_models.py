@@ -1,0 +1,137 @@
+"""Tiny transformers models of the six Mamba2-style families, built from configs (no download), shared by
+the CPU tests (tests/test_hf.py) and the GPU test (tests/test_hf_gpu.py).
+
+Sizes are small but not degenerate: 8 SSM heads of headdim 4 in 2 groups (so the gated norm's group
+size matters), dstate 5, d_conv 4, chunk 8 (shards that are not chunk multiples), 4 attention heads with
+2 key/value heads (at 4 ranks DeepSpeed's Ulysses attention replicates the key/value heads). ``randomize``
+gives every parameter an O(1) effect: transformers' own initialisation (std 0.02) makes the mixers' and
+attention's contributions so small next to the residual stream that a wrong state would hardly show.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 40
+HIDDEN = 16
+SSM = dict(heads=8, headdim=4, ngroups=2, dstate=5, d_conv=4, chunk=8)
+ATTN = dict(heads=4, kv_heads=2)
+SIZES = dict(vocab=VOCAB, hidden=HIDDEN, ssm=SSM, attn=ATTN)  # the CPU tests' sizes; ``build(sizes=...)`` others
+
+# family -> the transformers modeling module (imported by ``import_models``)
+MODULES = {
+    "mamba2": "transformers.models.mamba2.modeling_mamba2",
+    "bamba": "transformers.models.bamba.modeling_bamba",
+    "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h",
+    "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+    "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1",
+    "zamba2": "transformers.models.zamba2.modeling_zamba2",
+}
+
+
+def import_models() -> None:
+    """Imports the six modeling modules. On CPU, call this before anything of ds_mamba_spcp loads mamba-ssm's
+    Triton modules: transformers binds mamba-ssm's kernels (which need CUDA) instead of its PyTorch path to the
+    model classes imported after that (see ds_mamba_spcp.integrations.transformers)."""
+    import importlib
+
+    for name in MODULES.values():
+        importlib.import_module(name)
+
+
+def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa", sizes=None, **extra):
+    """A tiny ``<Family>ForCausalLM`` with randomized parameters. ``attention=False`` gives the family's
+    attention-free variant (all but Falcon-H1, whose every layer has attention beside its mixer). ``sizes``
+    replaces ``SIZES``; ``extra`` overrides config fields."""
+    import transformers as tf
+
+    sizes = sizes or SIZES
+    s, a, hidden = sizes["ssm"], sizes["attn"], sizes["hidden"]
+    common = dict(vocab_size=sizes["vocab"], hidden_size=hidden, tie_word_embeddings=False)
+    attn_common = dict(
+        num_attention_heads=extra.pop("num_attention_heads", a["heads"]),
+        num_key_value_heads=extra.pop("num_key_value_heads", a["kv_heads"]),
+    )
+    if family == "mamba2":
+        cfg = tf.Mamba2Config(
+            **common, num_heads=s["heads"], head_dim=s["headdim"], state_size=s["dstate"], n_groups=s["ngroups"],
+            conv_kernel=s["d_conv"], chunk_size=s["chunk"], num_hidden_layers=2, expand=2, **extra,
+        )  # fmt: skip
+        cls = tf.Mamba2ForCausalLM
+    elif family == "bamba":
+        cfg = tf.BambaConfig(
+            **common, **attn_common, intermediate_size=20, num_hidden_layers=3,
+            attn_layer_indices=[1] if attention else [], mamba_n_heads=s["heads"], mamba_d_head=s["headdim"],
+            mamba_n_groups=s["ngroups"], mamba_d_state=s["dstate"], mamba_d_conv=s["d_conv"], mamba_expand=2,
+            mamba_chunk_size=s["chunk"], **extra,
+        )  # fmt: skip
+        cls = tf.BambaForCausalLM
+    elif family == "nemotron_h":
+        cfg = tf.NemotronHConfig(
+            **common, **attn_common, head_dim=hidden // attn_common["num_attention_heads"], intermediate_size=20,
+            layers_block_type=["mamba", "attention", "mamba", "mlp"] if attention else ["mamba", "mlp", "mamba"],
+            ssm_state_size=s["dstate"], mamba_num_heads=s["heads"], mamba_head_dim=s["headdim"],
+            n_groups=s["ngroups"], conv_kernel=s["d_conv"], chunk_size=s["chunk"], **extra,
+        )  # fmt: skip
+        cls = tf.NemotronHForCausalLM
+    elif family == "granitemoehybrid":
+        experts = dict(num_local_experts=2, num_experts_per_tok=1)
+        experts.update(extra)
+        cfg = tf.GraniteMoeHybridConfig(
+            **common, **attn_common, intermediate_size=20, num_hidden_layers=3 if attention else 2,
+            layer_types=["mamba", "attention", "mamba"] if attention else ["mamba", "mamba"],
+            shared_intermediate_size=16, mamba_n_heads=s["heads"], mamba_d_head=s["headdim"],
+            mamba_n_groups=s["ngroups"], mamba_d_state=s["dstate"], mamba_d_conv=s["d_conv"], mamba_expand=2,
+            mamba_chunk_size=s["chunk"], **experts,
+        )  # fmt: skip
+        cfg._experts_implementation = "eager"  # the loop over experts: the grouped GEMM refuses fp64 on CPU
+        cls = tf.GraniteMoeHybridForCausalLM
+    elif family == "falcon_h1":
+        if not attention:
+            raise ValueError("every Falcon-H1 layer has attention beside its mixer: there is no attention-free variant")
+        opts = dict(mamba_rms_norm=True, mamba_norm_before_gate=False, ssm_in_multiplier=0.7,
+                    ssm_multipliers=[1.1, 0.8, 1.3, 0.9, 1.2])  # fmt: skip
+        opts.update(extra)
+        cfg = tf.FalconH1Config(
+            **common, **attn_common, intermediate_size=20, num_hidden_layers=2,
+            mamba_d_ssm=s["heads"] * s["headdim"], mamba_n_heads=s["heads"], mamba_d_head=s["headdim"],
+            mamba_n_groups=s["ngroups"], mamba_d_state=s["dstate"], mamba_d_conv=s["d_conv"], mamba_expand=2,
+            mamba_chunk_size=s["chunk"], **opts,
+        )  # fmt: skip
+        cls = tf.FalconH1ForCausalLM
+    elif family == "zamba2":
+        cfg = tf.Zamba2Config(
+            **common, **attn_common, num_hidden_layers=3 if attention else 2,
+            layers_block_type=["mamba", "hybrid", "mamba"] if attention else ["mamba", "mamba"],
+            mamba_d_state=s["dstate"], mamba_d_conv=s["d_conv"], mamba_expand=2, mamba_ngroups=s["ngroups"],
+            n_mamba_heads=s["heads"], chunk_size=s["chunk"], intermediate_size=20, **extra,
+        )  # fmt: skip
+        cls = tf.Zamba2ForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}; one of {list(MODULES)}")
+    if family != "mamba2":  # attention-free: transformers refuses any attention implementation but its default
+        cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    randomize(model, seed)
+    return model.to(dtype).train()
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every parameter drawn anew: matrices ~ N(0, 1/fan_in); the SSM's A in [-1.5, -0.5], dt ~ softplus(-1)
+    (decays of order one per shard, so the state passed between ranks matters), D, norm weights and biases
+    around their usual values."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                value = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+            elif name.endswith("A_log"):
+                value = torch.rand(p.shape, generator=g).add(0.5).log()
+            elif name.endswith("dt_bias"):
+                value = torch.randn(p.shape, generator=g) * 0.5 - 1.0
+            elif name.endswith(".D") or "norm" in name:
+                value = 1.0 + 0.3 * torch.randn(p.shape, generator=g)
+            else:
+                value = 0.3 * torch.randn(p.shape, generator=g)
+            p.copy_(value.to(p.dtype))
