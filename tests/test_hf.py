@@ -481,27 +481,7 @@ def test_prepared_model_behaviour(request, world, check):
     assert ok, f"world {world}, {check}: {msg}"
 
 
-def _packing_lands() -> str | None:
-    """None when the op takes seq_idx (the packing issue has landed), else why the packed cases skip."""
-    from ds_mamba_spcp.state_passing import mamba_split_conv1d_scan_sp
-
-    nheads, headdim, dstate = 2, 2, 2
-    zxbcdt = torch.randn(1, 4, 2 * nheads * headdim + 2 * dstate + nheads)
-    conv_dim = nheads * headdim + 2 * dstate
-    try:
-        mamba_split_conv1d_scan_sp(
-            zxbcdt, torch.randn(conv_dim, 4), None, torch.zeros(nheads), -torch.ones(nheads), torch.ones(nheads), 4,
-            headdim=headdim, ngroups=1, seq_idx=torch.zeros(1, 4, dtype=torch.int32),
-        )  # fmt: skip
-    except NotImplementedError as e:
-        return f"the op refuses seq_idx until the packing issue lands: {e}"
-    return None
-
-
 def _packed(world):
-    reason = _packing_lands()
-    if reason:
-        pytest.skip(reason)
     return run_ranks(_run_packed, world, timeout=600)
 
 
