@@ -46,6 +46,7 @@ class Options:
     overlap_comm: bool = True
     backend: str = "auto"  # ops.BACKENDS
     check_shapes: bool = True
+    tile_length: int | None = None  # run each segment in tiles of this many tokens (None: only past the kernels' cap)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,15 @@ def _check_options(options: Options, spec: CoreSpec, cp: int, local_seqlen: int)
         raise ValueError(f"input_layout must be one of {layout.LAYOUTS}, got {options.input_layout!r}")
     if options.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {options.backend!r}")
+    if options.tile_length is not None and (
+        isinstance(options.tile_length, bool) or not isinstance(options.tile_length, int)
+        or options.tile_length < max(spec.d_conv - 1, 1)
+    ):  # fmt: skip
+        raise ValueError(
+            f"tile_length must be an int of at least d_conv-1 = {max(spec.d_conv - 1, 1)} tokens (a multiple of "
+            f"chunk_size={spec.chunk_size} runs fastest), or None to tile only past the kernels' limit; got "
+            f"{options.tile_length!r}"
+        )
     if options.mode == "ulysses":
         if options.load_balancing != "none":
             raise ValueError(f"the ulysses mode takes no load_balancing, got {options.load_balancing!r}")
@@ -281,6 +291,7 @@ def _descriptor(
         ("recompute_output", options.recompute_output),
         ("overlap_comm", options.overlap_comm),
         ("backend", BACKENDS.index(options.backend) if options.backend in BACKENDS else 9),
+        ("tile_length", -1 if not isinstance(options.tile_length, int) else options.tile_length),
         ("seq_idx", seq_idx is not None),
         ("cu_seqlens", cu_seqlens is not None),
         ("cu_seqlens.len", cu_len),

@@ -103,6 +103,13 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     it in backward instead: that activation is not held between forward and backward, at the cost of
     one more chunk-scan kernel per layer (about 8% slower at 128K tokens on 2 H200s)."""
 
+    tile_length: int | None = Field(default=None, ge=1, strict=True)
+    """Run every causal segment (a rank's shard, or half of it under ``"virtual"``; the whole row in a
+    group of one; the gathered row under ``"ulysses"``) as consecutive tiles of this many tokens, the
+    state and the conv halo carried from tile to tile. ``None`` (default): tile only where a segment
+    holds more tokens than one call of mamba-ssm's kernels can index (int32 offsets), so that no shard
+    is refused for its length. A multiple of the chunk size runs fastest."""
+
     def __init__(self, **data: Any) -> None:
         # DeepSpeedConfigModel.__init__(strict=False) silently drops every value equal to "auto" (a
         # HF-integration shortcut), which would turn mode="auto" into the default instead of an error,

@@ -120,7 +120,7 @@ def mixer_forward(
     options = Options(
         mode=c.mode, load_balancing=c.load_balancing, input_layout=c.input_layout,
         recompute_output=c.recompute_output, overlap_comm=c.overlap_comm, backend=c.backend,
-        check_shapes=c.check_shapes,
+        check_shapes=c.check_shapes, tile_length=c.tile_length,
     )  # fmt: skip
     call = prepare(
         probe, *args, process_group=group, options=options, seq_idx=seq_idx, cu_seqlens=cu_seqlens,

@@ -22,8 +22,8 @@ def run(call: MixerCall):
     """Runs a prepared call with the strategy its options name. Autocast does not reach inside: the op
     computes as its inputs' dtypes say, with every cross-rank quantity in fp32 (as mamba-ssm's op)."""
     with torch.autocast(device_type=call.zxbcdt.device.type, enabled=False):
-        if call.cp == 1:
-            return call.single_device()
+        if call.cp == 1:  # the plain single-device op, or, past the kernels' cap, the row in tiles
+            return state_passing.run(call) if state_passing.needs_tiles(call) else call.single_device()
         if call.options.mode == "ulysses":
             return ulysses.run(call)
         if call.options.load_balancing in PERMUTE:
@@ -59,6 +59,7 @@ def mixer_core(
     overlap_comm=True,
     check_shapes=True,
     recompute_output=False,
+    tile_length=None,
     what="mamba_split_conv1d_scan_sp",
 ):
     """The mixer core in any mode: ``mamba_split_conv1d_scan_sp``'s arguments plus ``mode``
@@ -69,7 +70,7 @@ def mixer_core(
     options = Options(
         mode=mode, load_balancing=load_balancing, input_layout=input_layout,
         return_final_states=bool(return_final_states), recompute_output=bool(recompute_output),
-        overlap_comm=bool(overlap_comm), backend=backend, check_shapes=bool(check_shapes),
+        overlap_comm=bool(overlap_comm), backend=backend, check_shapes=bool(check_shapes), tile_length=tile_length,
     )  # fmt: skip
     call = prepare(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group, options=options,
@@ -106,6 +107,7 @@ def mamba_split_conv1d_scan_sp(
     overlap_comm=True,
     check_shapes=True,
     recompute_output=False,
+    tile_length=None,
 ):
     """Mamba2 mixer core (conv1d + SSD + gating) on this rank's shard of a sequence, by state passing.
 
@@ -151,6 +153,10 @@ def mamba_split_conv1d_scan_sp(
     chunk-scan kernel, and frees it as soon as the gate's backward has used it; True saves only the
     inputs, the halo, S_in and the decays and recomputes y too (one activation less held between
     forward and backward, one kernel more). The reference backend always recomputes.
+    tile_length: run every causal segment (a shard, or half of it under "virtual") as consecutive tiles of
+    this many tokens with the state carried through (``ops/tiles.py``). None (default): only where a
+    segment holds more tokens than one call of mamba-ssm's kernels can index (int32 offsets), so that
+    no shard length is refused; a group of one then runs the whole row in tiles.
     """
     return mixer_core(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group,
@@ -159,4 +165,5 @@ def mamba_split_conv1d_scan_sp(
         activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
         norm_before_gate=norm_before_gate, seq_idx=seq_idx, cu_seqlens=cu_seqlens, backend=backend,
         overlap_comm=overlap_comm, check_shapes=check_shapes, recompute_output=recompute_output,
+        tile_length=tile_length,
     )  # fmt: skip

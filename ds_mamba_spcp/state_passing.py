@@ -37,6 +37,7 @@ import torch
 
 from ds_mamba_spcp import comm, layout, scan
 from ds_mamba_spcp.autograd import first_order_only
+from ds_mamba_spcp.ops import tiles as tiling
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
 from ds_mamba_spcp.ops.segment import drive_bwd, drive_fwd
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
@@ -253,6 +254,22 @@ class _Static:
     backend: object
     return_final_states: bool
     recompute_output: bool
+    tile_length: int | None = None
+
+    def tiles(self, rows: torch.Tensor):
+        """The tiles of the (b*nlocal, m, d) segment rows, or None (one call of the backend)."""
+        limit = self.backend.max_tokens_per_call(self.spec)
+        return tiling.plan(rows.shape[0], rows.shape[1], self.spec, limit, self.tile_length)
+
+    def segment_fwd(self, tiles, saved, *args, **kwargs):
+        if tiles is None:
+            return self.backend.segment_fwd(*args, **kwargs)
+        return tiling.segment_fwd(self.backend, tiles, saved, *args, **kwargs)
+
+    def segment_bwd(self, tiles, saved, *args, S_in, **kwargs):
+        if tiles is None:
+            return self.backend.segment_bwd(*args, S_in, **kwargs)
+        return tiling.segment_bwd(self.backend, tiles, saved, *args, S_in=S_in, **kwargs)
 
 
 def _forward(zxbcdt, params, initial_states, seq_idx, st: _Static):
@@ -270,20 +287,22 @@ def _forward(zxbcdt, params, initial_states, seq_idx, st: _Static):
         exchange.start0 = halo.start0
         return exchange.post(S_ext, log_a)
 
-    gen = st.backend.segment_fwd(
-        rows, halo, *params, spec=spec, seq_idx=local_ids, keep_y=not st.recompute_output
-    )  # fmt: skip
+    tiles, saved = st.tiles(rows), {}
+    keep_y = not st.recompute_output
+    gen = st.segment_fwd(tiles, saved, rows, halo, *params, spec=spec, seq_idx=local_ids, keep_y=keep_y)
     out, y = drive_fwd(gen, post)
-    return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, exchange
+    return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, exchange, saved
 
 
-def _backward(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, local_ids, start0, mask, kept, st: _Static):
+def _backward(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, local_ids, start0, mask, kept, saved,
+              st: _Static):  # fmt: skip
     plan, spec = st.plan, st.spec
     batch = zxbcdt.shape[0]
     rows = layout.pack_segments(zxbcdt, plan.nlocal)
     dout = layout.pack_segments(dout, plan.nlocal)
     exchange = _SummaryExchange(plan, batch, log_a_all=log_a_all, dfinal_states=dfinal, start0=start0)
-    gen = st.backend.segment_bwd(dout, rows, halo, *params, S_in, spec=spec, seq_idx=local_ids, kept=kept)
+    gen = st.segment_bwd(st.tiles(rows), saved, dout, rows, halo, *params, S_in=S_in, spec=spec, seq_idx=local_ids,
+                         kept=kept)  # fmt: skip
     (dzxbcdt, *dparams), dtail = drive_bwd(gen, exchange.post_grad, lambda dh: _post_halo_grad(dh, mask, plan))
     if dtail is not None:
         dtail = dtail.wait()
@@ -309,15 +328,22 @@ class _StatePassingFn(torch.autograd.Function):
                 st):  # fmt: skip
         params = (conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight)
         with _no_autocast(zxbcdt.device):
-            out, y, halo, local_ids, exchange = _forward(zxbcdt, params, initial_states, seq_idx, st)
+            out, y, halo, local_ids, exchange, saved = _forward(zxbcdt, params, initial_states, seq_idx, st)
         to_save = [zxbcdt, halo.value, exchange.S_in, exchange.log_a_all, local_ids, halo.start0, halo.mask, *params]
-        # The pre-gate output: where saved-tensor hooks are active they must see it (they may offload it or
-        # drop it for recomputation), so it is saved like the rest. Otherwise it is not a saved tensor: the
-        # backward pops it and frees it as soon as the gate's backward has used it (a saved tensor lives until
-        # the backward returns). A second backward (retain_graph) finds the list empty and recomputes it.
-        ctx.y_saved = y is not None and _saved_tensor_hooks_active()
-        ctx.kept = [] if y is None or ctx.y_saved else [y]
-        ctx.save_for_backward(*to_save, *([y] if ctx.y_saved else []))
+        # tiles: their incoming states and decays (fp32, (rows, heads, ...) each: small), flattened
+        ctx.tile_counts = [len(states) for states in saved.get("S_in", [])]
+        to_save += [t for states in saved.get("S_in", []) for t in states]
+        to_save += [t for decays in saved.get("log_a", []) for t in decays]
+        # The pre-gate output (a tensor, or one per tile): where saved-tensor hooks are active they must see it
+        # (they may offload it or drop it for recomputation), so it is saved like the rest. Otherwise it is not a
+        # saved tensor: the backward pops it and frees it as soon as the gate's backward has used it (a saved
+        # tensor lives until the backward returns). A second backward (retain_graph) finds the list empty and
+        # recomputes it.
+        ys = [] if y is None else (y if isinstance(y, list) else [y])
+        ctx.y_count = len(ys) if ys and _saved_tensor_hooks_active() else 0
+        ctx.y_is_list = isinstance(y, list)
+        ctx.kept = [] if y is None or ctx.y_count else [y]
+        ctx.save_for_backward(*to_save, *(ys if ctx.y_count else []))
         ctx.st = st
         ctx.initial_dtype = None if initial_states is None else initial_states.dtype
         if st.return_final_states:
@@ -327,15 +353,27 @@ class _StatePassingFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, dout, *rest):
-        zxbcdt, halo, S_in, log_a_all, local_ids, start0, mask, *params = ctx.saved_tensors
-        kept = [params.pop()] if ctx.y_saved else ctx.kept
+        zxbcdt, halo, S_in, log_a_all, local_ids, start0, mask, *more = ctx.saved_tensors
+        params, more = more[:6], more[6:]
+        kept = ctx.kept
+        if ctx.y_count:
+            ys, more = more[-ctx.y_count :], more[: -ctx.y_count]
+            kept = [list(ys) if ctx.y_is_list else ys[0]]
         ctx.kept = []
+        saved, n = {}, sum(ctx.tile_counts)
+        if n:
+            flat_S, flat_a, saved["S_in"], saved["log_a"] = more[:n], more[n : 2 * n], [], []
+            for count in ctx.tile_counts:
+                saved["S_in"].append(list(flat_S[:count]))
+                saved["log_a"].append(list(flat_a[:count]))
+                flat_S, flat_a = flat_S[count:], flat_a[count:]
         st = ctx.st
         dfinal = rest[0] if st.return_final_states else None
         with _no_autocast(dout.device):
             dzxbcdt, dparams, dinit = _backward(
-                dout.contiguous(), zxbcdt, halo, params, S_in, log_a_all, dfinal, local_ids, start0, mask, kept, st
-            )
+                dout.contiguous(), zxbcdt, halo, params, S_in, log_a_all, dfinal, local_ids, start0, mask, kept, saved,
+                st,
+            )  # fmt: skip
         dinitial = None
         if ctx.initial_dtype is not None:
             # replicated input: the full gradient lands on the rank holding segment 0, zeros elsewhere
@@ -343,12 +381,26 @@ class _StatePassingFn(torch.autograd.Function):
         return (dzxbcdt, *dparams, dinitial, None, None)
 
 
+def needs_tiles(call) -> bool:
+    """Whether a group of one must run its row as tiles: a configured tile length, or more tokens than one
+    call of the backend takes (mamba-ssm's int32 offsets)."""
+    limit = call.backend.max_tokens_per_call(call.spec)
+    tokens = call.zxbcdt.shape[0] * call.zxbcdt.shape[1]
+    return call.options.tile_length is not None or (limit is not None and tokens > limit)
+
+
 def run(call):
-    """The state-passing strategy on a prepared ``MixerCall`` (load_balancing "none" or "virtual", cp > 1)."""
+    """The state-passing strategy on a prepared ``MixerCall`` (load_balancing "none" or "virtual"). With a
+    group of one it runs the row as one segment, in tiles (``needs_tiles``): the single-device op with no
+    length cap. Labels are renumbered from 0 there as the single-device op does."""
     o = call.options
-    seq_layout = "zigzag" if o.load_balancing == "virtual" else "contiguous"
-    plan = SegmentPlan(call.group, call.rank, call.cp, seq_layout, async_op=o.overlap_comm)
-    st = _Static(call.spec, plan, call.backend, bool(o.return_final_states), bool(o.recompute_output))
+    if call.cp == 1:
+        seq_idx = None if call.seq_idx is None else canonical_seq_idx(call.seq_idx)
+        call = call.replace(seq_idx=seq_idx, rank=0).with_options(load_balancing="none", input_layout="contiguous")
+    seq_layout = "zigzag" if o.load_balancing == "virtual" and call.cp > 1 else "contiguous"
+    plan = SegmentPlan(call.group if call.cp > 1 else None, call.rank, call.cp, seq_layout, async_op=o.overlap_comm)
+    st = _Static(call.spec, plan, call.backend, bool(o.return_final_states), bool(o.recompute_output),
+                 o.tile_length)  # fmt: skip
     return _StatePassingFn.apply(
         call.zxbcdt, *call.params, call.initial_states, call.seq_idx, st
     )  # fmt: skip

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_mamba_spcp import comm, layout
+from ds_mamba_spcp import comm, layout, state_passing
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.call import Options, _ulysses_head_layout, prepare
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
@@ -270,6 +270,7 @@ def mamba_split_conv1d_scan_ulysses(
     cu_seqlens=None,
     backend="auto",
     check_shapes=True,
+    tile_length=None,
 ):
     """Mamba2 mixer core on this rank's shard of a sequence, by all-to-all head sharding.
 
@@ -294,12 +295,14 @@ def mamba_split_conv1d_scan_ulysses(
     Needs nheads % cp == 0 and ngroups a multiple or a divisor of cp; with rmsnorm and cp > ngroups,
     norm_before_gate must be False. A group of size 1 runs the backend's single-device op. The scan
     is mamba-ssm's own op (Triton) or its plain-PyTorch twin, which keeps the pre-gate output for
-    backward: there is no recompute_output here, and nothing to overlap the all-to-alls with.
+    backward: there is no recompute_output here, and nothing to overlap the all-to-alls with. Where the
+    gathered row holds more tokens than one kernel call can index (or with ``tile_length``), it runs as
+    tiles (``ops/tiles.py``).
     """
     call = prepare(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group,
         options=Options(mode="ulysses", input_layout=input_layout, return_final_states=bool(return_final_states),
-                        backend=backend, check_shapes=check_shapes),
+                        backend=backend, check_shapes=check_shapes, tile_length=tile_length),
         initial_states=initial_states, dt_limit=dt_limit, headdim=headdim, ngroups=ngroups, activation=activation,
         rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate, seq_idx=seq_idx,
         cu_seqlens=cu_seqlens, what="mamba_split_conv1d_scan_ulysses",
@@ -315,10 +318,17 @@ def _full_row_labels(seq_idx, plan: _Plan):
     return canonical_seq_idx(full)
 
 
+def _scan(call):
+    """The single-device scan of a call, in tiles where it needs them."""
+    if state_passing.needs_tiles(call):
+        return state_passing.run(call.replace(cp=1, rank=0, group=None))
+    return call.single_device()
+
+
 def run(call):
     """The all-to-all strategy on a prepared ``MixerCall``."""
     if call.cp == 1:
-        return call.single_device()
+        return _scan(call)
     spec, o = call.spec, call.options
     rank, cp = call.rank, call.cp
     h_loc, g_loc, nrep = _ulysses_head_layout(spec, cp)
@@ -355,7 +365,7 @@ def run(call):
         initial_states=local_initial_states, seq_idx=labels,
         spec=dataclasses.replace(spec, nheads=h_loc, ngroups=g_loc),
     )  # fmt: skip
-    res = local.single_device()
+    res = _scan(local)
     y_loc, final_loc = res if o.return_final_states else (res, None)
     out = _HeadsToSeq.apply(y_loc, shard_y, plan)  # [b, L, d_inner/cp] -> [b, L/cp, d_inner]
     if norm_after:

@@ -19,6 +19,7 @@ FIELDS = (
     "backend",
     "check_shapes",
     "recompute_output",
+    "tile_length",
 )
 
 # Every field differs from its default, and the combination is valid.
@@ -32,6 +33,7 @@ NON_DEFAULT = {
     "backend": "reference",
     "check_shapes": False,
     "recompute_output": True,
+    "tile_length": 4096,
 }
 
 
@@ -62,6 +64,7 @@ def test_defaults():
         "backend": "auto",
         "check_shapes": True,
         "recompute_output": False,
+        "tile_length": None,
     }
     assert_fields(MambaSequenceParallelConfig(), expected)
     assert_fields(load_mamba_sp_config(ds_config()), expected)

@@ -71,6 +71,9 @@ OP_CASES = {
     # packed rows: documents across the shard border, starting on it, and short ones
     "none_packed_gate_keep_output": dict(lb="none", keep=True, packed=True),
     "virtual_packed_rms": dict(lb="virtual", rms=True, packed=True),
+    # tiles inside each segment (16 tokens: one chunk each, the last partial), kept y per tile
+    "none_tiled_packed_keep_output": dict(lb="none", keep=True, packed=True, tiles=16),
+    "virtual_tiled_rms": dict(lb="virtual", rms=True, tiles=16),
 }
 OP_BATCH, OP_PER_RANK = 1, 38
 
@@ -280,7 +283,7 @@ def _op_case(rank, world, opts):
     start = time.perf_counter()
     out, final = call(
         mamba_split_conv1d_scan_sp, sp_in, load_balancing=lb, backend="triton", recompute_output=not opts.get("keep"),
-        seq_idx=None if labels is None else shard(labels),
+        seq_idx=None if labels is None else shard(labels), tile_length=opts.get("tiles"),
     )  # fmt: skip
     # the copies of final_states on the ranks share its gradient: their contributions add up
     loss = (out * shard(grads["out"])).sum() + (final * grads["final"]).sum() / world

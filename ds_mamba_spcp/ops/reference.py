@@ -396,3 +396,8 @@ def ssd_recurrent_ref(x, dt, A, B, C, initial_states=None, seq_idx=None):
 
 
 single_device_op = mamba_split_conv1d_scan_ref
+
+
+def max_tokens_per_call(spec: CoreSpec) -> None:
+    """Plain PyTorch indexes with int64: no limit on the tokens of one call (see ops/tiles.py)."""
+    return None

@@ -89,6 +89,11 @@ def max_tokens(spec: CoreSpec) -> int:
     return (INT32_LIMIT - 1) // per_token
 
 
+def max_tokens_per_call(spec: CoreSpec) -> int:
+    """The most tokens one call of the kernels takes (ops/tiles.py runs longer segments as tiles)."""
+    return max_tokens(spec)
+
+
 def check_lengths(rows: int, seqlen: int, spec: CoreSpec, *, sharded: bool) -> None:
     """Raises ValueError, with the way out, when a call would overflow the kernels' int32 offsets.
 

@@ -1,0 +1,245 @@
+"""A causal segment run as consecutive tiles on one device, with the state and the conv halo carried.
+
+mamba-ssm's kernels index with int32 offsets, so one call can take at most ``max_tokens_per_call``
+tokens (batch x seqlen); a longer segment (a long shard, the whole row of a group of one, the
+gathered row of the ulysses mode) runs here as tiles: row groups, and within a row consecutive
+stretches of the sequence, each a segment of its own for the backend. The tiles of a row form a
+chain with the algebra the ranks use (DESIGN.md section 2), only local:
+
+    forward   every tile's summary (S_ext_k, log_a_k) from a zero state (the backend's first phase)
+              -> the segment's summary, folded: S_ext = sum_k (prod_{j>k} a_j) S_ext_k, log_a = sum_k log_a_k
+              yield it; S_in arrives -> S_in_k = a_{k-1} S_in_{k-1} + S_ext_{k-1} -> every tile finishes
+    backward  every tile's L_k (the gradient reaching its S_in) -> L = sum_k (prod_{j<k} a_j) L_k, yield;
+              dS_out arrives -> dS_out_k = L_{k+1} + a_{k+1} dS_out_{k+1} from the last tile back; the
+              halo gradient of tile k > 0 lands on tile k-1's last rows; tile 0's goes to the caller
+
+The generators have the protocol of ``ops/segment.py``, so the strategies use them in place of the
+backend's. Packed rows: a tile that begins a document gets log_a = -inf, S_in = 0 and no L, and its
+halo rows of another document are zeroed (as between ranks). Memory: the tiles' intermediates live
+from their first phase to their finish, as the untiled call's do, so tiling removes the length cap
+without lowering the op's peak; the tiles' incoming states (fp32, tiny) are kept for the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds_mamba_spcp.ops.reference import canonical_seq_idx
+from ds_mamba_spcp.ops.segment import Ready
+from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Row groups x stretches of one segment: ``rows`` [(r0, r1)], ``spans`` [(s, e)] along the sequence."""
+
+    rows: tuple
+    spans: tuple
+
+    @property
+    def count(self) -> int:
+        return len(self.rows) * len(self.spans)
+
+
+def plan(nrows: int, seqlen: int, spec: CoreSpec, limit: int | None, tile_length: int | None) -> Tiles | None:
+    """The tiles of a (nrows, seqlen) segment, or None when one call takes it whole.
+
+    limit: the backend's most tokens per call (None: unbounded); tile_length: a configured length
+    (None: tile only past the limit). Stretches are multiples of the chunk size where they can be.
+    """
+    span = tile_length
+    if span is None and (limit is None or nrows * seqlen <= limit):
+        return None
+    if span is None:
+        span = seqlen if seqlen <= limit else max(spec.chunk_size, limit // spec.chunk_size * spec.chunk_size)
+    span = min(span, seqlen)
+    per_call = nrows if limit is None else max(1, limit // span)
+    rows = tuple((r, min(r + per_call, nrows)) for r in range(0, nrows, per_call))
+    spans = tuple((s, min(s + span, seqlen)) for s in range(0, seqlen, span))
+    if len(rows) == 1 and len(spans) == 1:
+        return None
+    return Tiles(rows, spans)
+
+
+class _Rows:
+    """The rows [r0, r1) of a halo handle's value."""
+
+    def __init__(self, halo, r0, r1):
+        self.halo, self.r0, self.r1 = halo, r0, r1
+
+    def wait(self):
+        value = self.halo.wait() if hasattr(self.halo, "wait") else self.halo
+        return None if value is None else value[self.r0 : self.r1]
+
+
+def _decay(log_a):
+    return torch.exp(log_a)[:, :, None, None]
+
+
+class _Chain:
+    """One row group's tiles: their labels, halos and the masks of tiles that begin a document."""
+
+    def __init__(self, zxbcdt, halo, seq_idx, spec: CoreSpec, r0, r1, spans):
+        self.spec, self.r0, self.r1, self.spans = spec, r0, r1, spans
+        self.zx = zxbcdt[r0:r1]
+        labels = None if seq_idx is None else seq_idx[r0:r1]
+        self.labels = [None if labels is None else canonical_seq_idx(labels[:, s:e]) for s, e in spans]
+        self.start0 = [None] * len(spans)  # [rows] bool: the tile begins a document (tile 0: the caller's business)
+        self.halos = [_Rows(halo, r0, r1)]
+        self.masks = [None]
+        _, xBC, _ = split_zxbcdt(self.zx, spec)
+        K = spec.d_conv
+        for s, _ in spans[1:]:
+            tail = xBC[:, s - (K - 1) : s] if K > 1 else None
+            mask = None
+            if labels is not None:
+                self.start0[len(self.halos)] = labels[:, s] != labels[:, s - 1]
+                if tail is not None:
+                    mask = labels[:, s - (K - 1) : s] == labels[:, s : s + 1]
+                    tail = tail * mask[..., None].to(tail.dtype)
+            self.halos.append(tail)
+            self.masks.append(mask)
+
+    def keep(self, k, t):
+        """Zeroes what reaches tile k when it begins a document."""
+        start0 = self.start0[k]
+        return t if start0 is None else t * (~start0).to(t.dtype)[:, None, None, None]
+
+    def log_a(self, k, log_a):
+        start0 = self.start0[k]
+        return log_a if start0 is None else torch.where(start0[:, None], float("-inf"), log_a)
+
+
+def _chains(zxbcdt, halo, seq_idx, spec, tiles: Tiles):
+    return [_Chain(zxbcdt, halo, seq_idx, spec, r0, r1, tiles.spans) for r0, r1 in tiles.rows]
+
+
+def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec, seq_idx=None, keep_y=False):
+    """``backend.segment_fwd`` over ``tiles`` (the protocol of ops/segment.py). ``saved`` receives the
+    tiles' incoming states and decays ("S_in", "log_a": lists per row group) for segment_bwd; the kept
+    y is a list with one entry per tile."""
+    chains = _chains(zxbcdt, halo, seq_idx, spec, tiles)
+    gens, summaries = [], []
+    for ch in chains:
+        for k, (s, e) in enumerate(ch.spans):
+            gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
+                                      keep_y=keep_y)  # fmt: skip
+            S_ext, log_a = next(gen)
+            gens.append(gen)
+            summaries.append((S_ext, ch.log_a(k, log_a)))
+    # the segment's summary, row group by row group
+    S_ext_rows, log_a_rows, i = [], [], 0
+    for ch in chains:
+        acc, total = None, None
+        for _ in ch.spans:
+            S_ext, log_a = summaries[i]
+            acc = S_ext if acc is None else _decay(log_a) * acc + S_ext
+            total = log_a if total is None else total + log_a
+            i += 1
+        S_ext_rows.append(acc)
+        log_a_rows.append(total)
+    handle = yield torch.cat(S_ext_rows), torch.cat(log_a_rows)
+    S_in_all = handle.wait()
+    out = torch.empty(*zxbcdt.shape[:2], spec.d_inner, dtype=zxbcdt.dtype, device=zxbcdt.device)
+    ys, i = [], 0
+    saved["S_in"], saved["log_a"] = [], []
+    for ch in chains:
+        state = S_in_all[ch.r0 : ch.r1]
+        states, decays = [], []
+        for k, (s, e) in enumerate(ch.spans):
+            S_ext, log_a = summaries[i]
+            S_in = ch.keep(k, state)
+            tile_out, y = _finish(gens[i], Ready(S_in))
+            out[ch.r0 : ch.r1, s:e] = tile_out
+            ys.append(y)
+            states.append(S_in)
+            decays.append(log_a)
+            state = _decay(log_a) * S_in + S_ext
+            i += 1
+        saved["S_in"].append(states)
+        saved["log_a"].append(decays)
+    return out, (ys if keep_y else None)
+
+
+def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params, S_in, spec, seq_idx=None,
+                kept=None):  # fmt: skip
+    """``backend.segment_bwd`` over ``tiles``; ``saved`` as filled by ``segment_fwd``; ``kept``: a list
+    holding the list of the tiles' kept y (or nothing)."""
+    chains = _chains(zxbcdt, halo, seq_idx, spec, tiles)
+    ys = kept.pop() if kept else None
+    gens, Ls, i = [], [], 0
+    for c, ch in enumerate(chains):
+        for k, (s, e) in enumerate(ch.spans):
+            tile_kept = [ys[i]] if ys is not None and ys[i] is not None else None
+            gen = backend.segment_bwd(dout[ch.r0 : ch.r1, s:e], ch.zx[:, s:e], _halo_value(ch, k), *params,
+                                      saved["S_in"][c][k], spec=spec, seq_idx=ch.labels[k], kept=tile_kept)  # fmt: skip
+            gens.append(gen)
+            Ls.append(ch.keep(k, next(gen)))
+            i += 1
+    del ys
+    # the gradient reaching the segment's S_in, row group by row group
+    L_rows, i = [], 0
+    for c, ch in enumerate(chains):
+        acc = None
+        for k in reversed(range(len(ch.spans))):
+            L = Ls[i + k]
+            acc = L if acc is None else L + _decay(saved["log_a"][c][k]).to(L.dtype) * acc
+        L_rows.append(acc)
+        i += len(ch.spans)
+    handle = yield torch.cat(L_rows)
+    dS_out_all = handle.wait()
+    dzxbcdt = torch.empty_like(zxbcdt)
+    dparams = None
+    dhalo_rows = []
+    xbc = slice(spec.d_inner, spec.d_inner + spec.conv_dim)
+    K = spec.d_conv
+    i = 0
+    for c, ch in enumerate(chains):
+        n = len(ch.spans)
+        grad = dS_out_all[ch.r0 : ch.r1]
+        carry = None  # the halo gradient tile k+1 sends to tile k's last rows
+        first_dhalo = None
+        for k in reversed(range(n)):
+            s, e = ch.spans[k]
+            gen = gens[i + k]
+            dhalo = gen.send(Ready(grad))
+            tile_grads = _finish(gen, None)
+            dzxbcdt[ch.r0 : ch.r1, s:e] = tile_grads[0]
+            if carry is not None:
+                dzxbcdt[ch.r0 : ch.r1, e - (K - 1) : e, xbc] += carry.to(dzxbcdt.dtype)
+            dparams = _add(dparams, tile_grads[1:])
+            if k > 0:
+                carry = None if dhalo is None else _masked(dhalo, ch.masks[k])
+                # the gradient reaching tile k-1's end: what tile k's outputs send, and what passes through tile k
+                grad = Ls[i + k] + _decay(saved["log_a"][c][k]).to(grad.dtype) * grad
+            else:
+                first_dhalo = dhalo
+        dhalo_rows.append(first_dhalo)
+        i += n
+    yield None if dhalo_rows[0] is None else torch.cat(dhalo_rows)
+    return (dzxbcdt, *dparams)
+
+
+def _halo_value(ch: _Chain, k: int):
+    halo = ch.halos[k]
+    return halo.wait() if hasattr(halo, "wait") else halo
+
+
+def _masked(dhalo, mask):
+    return dhalo if mask is None else dhalo * mask[..., None].to(dhalo.dtype)
+
+
+def _add(acc, grads):
+    if acc is None:
+        return list(grads)
+    return [a if g is None else (g if a is None else a + g) for a, g in zip(acc, grads)]
+
+
+def _finish(gen, value):
+    try:
+        gen.send(value)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("a segment generator yielded more often than the segment protocol allows")
