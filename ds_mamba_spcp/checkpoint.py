@@ -466,6 +466,13 @@ def load_checkpoint(engine, plan: ResumePlan, *, load_optimizer_states: bool = T
             f'the engine\'s "checkpoint.load_universal" is {engine.load_universal_checkpoint()} but the plan needs '
             f"{plan.universal}: pass plan.ds_config to deepspeed.initialize"
         )
+    if plan.universal and not load_optimizer_states and plan.current.zero_stage in (1, 2):
+        raise ValueError(
+            f"load_optimizer_states=False with a universal checkpoint at ZeRO stage {plan.current.zero_stage}: "
+            "DeepSpeed 0.19.8 restores the optimizer state from a universal checkpoint at stages 1-2 whatever "
+            "load_optimizer_states says, so the warm start would silently keep it. Resume at the saved world size "
+            f"({plan.saved.world_size} ranks) for a warm start, or at ZeRO stage 3."
+        )
     ckpt = plan.checkpoint
     with _mpu_without_tensor_parallelism():
         load_path, client = engine.load_checkpoint(

@@ -76,10 +76,11 @@ CASES = {
     "ulysses-zero1": ("mamba", "ulysses.json", 1),
     "ulysses-zero3": ("mamba", "ulysses.json", 3),
 }
-# resumed at another sequence-parallel size (the whole world shares one sequence)
+# resumed at another sequence-parallel size (the whole world shares one sequence): the case whose
+# checkpoint is resumed -> the case whose config resumes it (the mode may change too: it holds no state)
 RESHARD = {
-    1: ["state_passing-zero1", "state_passing-zero3"],
-    4: ["state_passing-zero1", "ulysses-zero3"],
+    1: {"state_passing-zero1": "state_passing-zero1", "state_passing-zero3": "state_passing-zero3"},
+    4: {"state_passing-zero1": "state_passing-zero1", "state_passing-zero3": "ulysses-zero3"},
 }
 
 
@@ -398,8 +399,8 @@ def test_resume_at_another_sequence_parallel_size(world, uninterrupted, workdir)
     """Saved with 2 ranks per sequence, resumed with ``world`` (the ZeRO partitions change: universal
     checkpoint); on 4 ranks also the resumes that must be refused before anything loads."""
     flags = ("--dist-timeout", str(RESHARD_TIMEOUT))
-    jobs = [Job(name, name, write_config(workdir, name, sp=world), flags, copy_checkpoint=uninterrupted_dir(
-        workdir, name)) for name in RESHARD[world]]  # fmt: skip
+    jobs = [Job(name, name, write_config(workdir, config, sp=world), flags, copy_checkpoint=uninterrupted_dir(
+        workdir, name)) for name, config in RESHARD[world].items()]  # fmt: skip
     refusals = {}
     if world == 4:
         name = "state_passing-zero1"
@@ -411,18 +412,31 @@ def test_resume_at_another_sequence_parallel_size(world, uninterrupted, workdir)
                                        copy_checkpoint=src, refused=True), "saved at ZeRO stage 1"),
             "refused-model": (Job("refused-model", name, config, ("--d-state", "16"), copy_checkpoint=src,
                                   refused=True), "d_state 8 -> 16"),
+            # DeepSpeed would restore the optimizer state anyway (universal, ZeRO 1-2)
+            "refused-warm_start": (Job("refused-warm_start", name, config, ("--resume-without", "optimizer"),
+                                       copy_checkpoint=src, refused=True), "load_optimizer_states=False"),
         }  # fmt: skip
         jobs += [job for job, _ in refusals.values()]
+    control = None
+    if world == 1:  # negative control: the universal path without the optimizer state must fail the bound
+        name = "state_passing-zero3"
+        control = Job("control-no_optimizer", name, write_config(workdir, name, sp=world), ("--resume-without",
+                      "optimizer"), copy_checkpoint=uninterrupted_dir(workdir, name))  # fmt: skip
+        jobs.append(control)
     t0 = time.monotonic()
     results = run_jobs(world, workdir, jobs)
     print(f"sp={world}: {time.monotonic() - t0:.1f} s")
-    for name in RESHARD[world]:
+    for name, config in RESHARD[world].items():
         got = results[name]
         assert got["universal"], f"{name}: resumed on {world} ranks without a universal checkpoint"
         assert got["timeouts"] == [float(RESHARD_TIMEOUT)], f"process-group timeouts {got['timeouts']}"
         err = max_rel_diff(got["losses"], uninterrupted[name]["losses"][RESUMED_FROM:])
-        print(f"{name} saved at sp=2, resumed at sp={world}: steps 7-12 max relative difference {err:.1e}")
+        print(f"{name} saved at sp=2, resumed as {config} at sp={world}: steps 7-12 max relative difference {err:.1e}")
         assert err <= RESHARD_TOL, f"{name} at sp={world}: {err:.2e} > {RESHARD_TOL:g}"
+    if control is not None:
+        err = max_rel_diff(results[control.key]["losses"], uninterrupted[control.case]["losses"][RESUMED_FROM:])
+        print(f"{control.case} at sp={world} without its optimizer state: max relative difference {err:.1e}")
+        assert err > CONTROL_MIN, f"a universal resume without the optimizer state went unnoticed ({err:.1e})"
     for key, (_, needle) in refusals.items():
         assert needle in results[key]["error"], f"{key}: {results[key]['error']}"
         assert not results[key]["logged"], f"{key}: steps ran before the refusal"
