@@ -50,6 +50,7 @@ if _HERE not in sys.path:  # model.py beside this file, also when imported by th
 from model import MambaLM, mamba2_factory, parallelize  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from ds_mamba_spcp import checkpoint as checkpointing  # noqa: E402 - not "checkpoint": torch.utils has one
 from ds_mamba_spcp.config import MambaSequenceParallelConfig, load_mamba_sp_config  # noqa: E402
 from ds_mamba_spcp.data import grad_scale_for_engine, sequence_parallel_cross_entropy, shard_batch  # noqa: E402
 
@@ -353,11 +354,9 @@ def save(engine, args, ds_config: dict, next_data_step: int, dp: int) -> None:
     """A checkpoint of this rank's engine, its RNG states and the data position (every rank calls it)."""
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import checkpoint
-
     t0 = time.perf_counter()
     state = {"next_data_step": next_data_step, **run_identity(args, ds_config, dp)}
-    tag = checkpoint.save_checkpoint(engine, args.save_dir, client_state=state)
+    tag = checkpointing.save_checkpoint(engine, args.save_dir, client_state=state)
     if dist.get_rank() == 0:
         tqdm.write(f"saved checkpoint {os.path.join(args.save_dir, tag)} ({time.perf_counter() - t0:.2f} s)")
 
@@ -367,9 +366,7 @@ def resume_plan(args, ds_config: dict, sp: int):
     rank and before anything is loaded, when the checkpoint does not fit this run."""
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import checkpoint
-
-    found = checkpoint.find_checkpoint(args.save_dir)
+    found = checkpointing.find_checkpoint(args.save_dir)
     if found is None:
         if dist.get_rank() == 0:
             print(f"--resume: {args.save_dir} holds no checkpoint yet; starting at step 1", flush=True)
@@ -390,7 +387,7 @@ def resume_plan(args, ds_config: dict, sp: int):
             "size; the sequence-parallel size may change). Use the saved values, or another --save-dir for a new run."
         )
     rng = "skip" if "rng" in args.resume_without else "restore"
-    return checkpoint.plan_resume(found, ds_config, sequence_parallel_size=sp, rng=rng)
+    return checkpointing.plan_resume(found, ds_config, sequence_parallel_size=sp, rng=rng)
 
 
 def resume(engine, plan, args) -> tuple[int, int]:
@@ -398,10 +395,8 @@ def resume(engine, plan, args) -> tuple[int, int]:
     runs from ``first_step`` and draws the batches of step ``step + data_offset``."""
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import checkpoint
-
     t0 = time.perf_counter()
-    client = checkpoint.load_checkpoint(engine, plan, load_optimizer_states="optimizer" not in args.resume_without)
+    client = checkpointing.load_checkpoint(engine, plan, load_optimizer_states="optimizer" not in args.resume_without)
     first_step = engine.global_steps + 1
     if client["next_data_step"] != first_step:
         raise RuntimeError(
@@ -414,13 +409,9 @@ def resume(engine, plan, args) -> tuple[int, int]:
         skipped = f" (not restored: {', '.join(args.resume_without)})" if args.resume_without else ""
         print(f"resumed at step {first_step} from {plan.describe()}{skipped} ({time.perf_counter() - t0:.2f} s)",
               flush=True)  # fmt: skip
+        if first_step > args.steps:
+            print(f"the checkpoint is past --steps {args.steps}: nothing left to train", flush=True)
     return first_step, data_offset
-
-
-def set_process_group_timeout(timeout: timedelta) -> None:
-    from ds_mamba_spcp import checkpoint
-
-    checkpoint.set_process_group_timeout(timeout)
 
 
 def fault_drill() -> None:
@@ -468,7 +459,7 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=plan.ds_config if plan else ds_config, mpu=mpu,
     )  # fmt: skip
-    set_process_group_timeout(dist_timeout(args))  # every group, the ones made above and by DeepSpeed
+    checkpointing.set_process_group_timeout(dist_timeout(args))  # every group: the ones made above and DeepSpeed's
     first_step, data_offset = resume(engine, plan, args) if plan else (1, 0)
     scale = grad_scale_for_engine(engine) if args.grad_scale == "auto" else float(args.grad_scale)
     log = StepLog(args, rank == 0, micro * gas * (world // sp) * args.seq_len, first_step)
@@ -482,9 +473,9 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
     for step in range(first_step, args.steps + 1):
         t0 = time.perf_counter()
         losses = []
+        data_step = step + data_offset  # the data position (the step, unless a negative control shifts it)
         for m in range(gas):
-            seed = batch_seed(args.seed, step + data_offset, m, dp_rank)
-            full = synthetic_batch(micro, args.seq_len, args.vocab_size, seed)
+            full = synthetic_batch(micro, args.seq_len, args.vocab_size, batch_seed(args.seed, data_step, m, dp_rank))
             batch = shard_batch(full, group, layout=cfg.input_layout, rank=sp_rank, world_size=sp)
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             logits = engine(batch["input_ids"])
@@ -499,7 +490,7 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         dist.all_reduce(total)
         log.step(step, total.item() / world, time.perf_counter() - t0)
         if args.save_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
-            save(engine, args, ds_config, next_data_step=step + data_offset + 1, dp=world // sp)
+            save(engine, args, ds_config, next_data_step=data_step + 1, dp=world // sp)
     log.close()
     if engine.device.type == "cpu" and "MASTER_PORT" in os.environ:
         dist.barrier()  # nobody needs DeepSpeed's CPU all-reduce buffers any more: free them (it never does)
