@@ -37,7 +37,9 @@ at ZeRO 3) over every rank of the world (sequence x data parallel), one file per
   replica then takes its replica's state);
 - refused before anything is loaded, with the reason: another ZeRO stage (stage 3 names and splits its
   files differently, and DeepSpeed's universal loader finds no model-state file across that change),
-  RNG states that differed within a sequence-parallel group when the size changes.
+  RNG states that differed within a sequence-parallel group when the size changes, a warm start
+  (``load_optimizer_states=False``) from a universal checkpoint at ZeRO 1-2 (DeepSpeed would restore
+  the optimizer state anyway).
 
 Two DeepSpeed 0.19.8 defects are worked around inside :func:`save_checkpoint` and :func:`load_checkpoint`
 (see :func:`_mpu_without_tensor_parallelism`): ``parallel_state_sp`` aliases model parallelism to sequence
@@ -47,7 +49,7 @@ rejects), and the ZeRO 1-2 universal loader calls ``mpu.get_tensor_model_paralle
 
 Faults: :func:`set_process_group_timeout` gives every process group of the rank the same timeout.
 ``deepspeed.init_distributed(timeout=...)`` sets it for the world group only; groups made later with
-``new_group`` (the sequence-parallel groups, DeepSpeed's data-parallel clones) keep torch's default of
+``new_group`` (the sequence-parallel groups, any that DeepSpeed makes) keep torch's default of
 30 minutes (gloo) or 10 minutes (NCCL), so a hung peer would stall a collective on them that long.
 """
 

@@ -14,9 +14,11 @@ on CPU, 2 ranks per sequence.
   minute). Steps 7-12 must equal the uninterrupted run's bitwise: the resumed run repeats the same
   fp32 operations in the same order (same data, weights, optimizer state and thread count), so
   nothing can round differently, while a lost piece of state moves the loss by > 1e-3 (the
-  negative controls: no data position 0.32, no optimizer state 0.093).
+  negative controls: no data position 0.32, no optimizer state 0.093). The permute mode at ZeRO 2 is
+  resumed the same way, in process, without a kill.
 - Another sequence-parallel size: the uninterrupted run's step-6 checkpoint (2 ranks per sequence)
-  resumed on 1 and on 4 gloo ranks, through DeepSpeed's universal checkpoint. Within 1e-5 relative:
+  resumed on 1 and on 4 gloo ranks, through DeepSpeed's universal checkpoint (ZeRO 1, 2 and 3; one of
+  them with another mode, which holds no state). Within 1e-5 relative:
   the same model, but the sequence-parallel sums run in another order (other shard boundaries),
   which moves fp32 results by ~1e-7 (1.5e-7 measured over 6 steps); a partition restored into the
   wrong place, or Adam's step count lost, moves them by > 1e-3.
@@ -76,21 +78,28 @@ CASES = {
     "ulysses-zero1": ("mamba", "ulysses.json", 1),
     "ulysses-zero3": ("mamba", "ulysses.json", 3),
 }
+# resumed in process only (no kill): the other modes and stages
+MORE_CASES = {"permute-zero2": ("mamba", "state_passing_permute.json", 2)}
+ALL_CASES = {**CASES, **MORE_CASES}
 # resumed at another sequence-parallel size (the whole world shares one sequence): the case whose
 # checkpoint is resumed -> the case whose config resumes it (the mode may change too: it holds no state)
 RESHARD = {
     1: {"state_passing-zero1": "state_passing-zero1", "state_passing-zero3": "state_passing-zero3"},
-    4: {"state_passing-zero1": "state_passing-zero1", "state_passing-zero3": "ulysses-zero3"},
+    4: {
+        "state_passing-zero1": "state_passing-zero1",
+        "state_passing-zero3": "ulysses-zero3",
+        "permute-zero2": "permute-zero2",
+    },
 }
 
 
 def argv(name: str) -> list[str]:
-    return TINY + ["--steps", str(STEPS)] + MODELS[CASES[name][0]]  # the last --steps wins
+    return TINY + ["--steps", str(STEPS)] + MODELS[ALL_CASES[name][0]]  # the last --steps wins
 
 
 def write_config(folder, name: str, sp: int = CP, stage: int | None = None) -> str:
     """The case's shipped config with its ZeRO stage (or ``stage``) and sequence-parallel size, as a file."""
-    _, config_name, case_stage = CASES[name]
+    _, config_name, case_stage = ALL_CASES[name]
     stage = case_stage if stage is None else stage
     with open(os.path.join(REPO, "configs", config_name), encoding="utf-8") as f:
         config = json.load(f)
@@ -212,7 +221,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def configs(workdir):
-    return {name: write_config(workdir, name) for name in CASES}
+    return {name: write_config(workdir, name) for name in ALL_CASES}
 
 
 def uninterrupted_dir(workdir, name: str) -> str:
@@ -225,12 +234,15 @@ def uninterrupted(workdir, configs):
     checkpoint: with every piece restored, and without one piece each (the negative controls); and a
     resume onto another data-parallel size, which must be refused."""
     jobs = [Job(name, name, configs[name], ("--save-dir", uninterrupted_dir(workdir, name), "--save-every",
-                                            str(SAVE_EVERY))) for name in CASES]  # fmt: skip
+                                            str(SAVE_EVERY))) for name in ALL_CASES]  # fmt: skip
     name = "state_passing-zero1"
     src = uninterrupted_dir(workdir, name)
     for label, skip in (("complete", ()), ("no_data_position", ("data_position",)), ("no_optimizer", ("optimizer",))):
         flags = tuple(f for piece in skip for f in ("--resume-without", piece))
         jobs.append(Job(f"resume-{label}", name, configs[name], flags, copy_checkpoint=src))
+    for name in MORE_CASES:  # same topology, in process
+        jobs.append(Job(f"resume-{name}", name, configs[name], copy_checkpoint=uninterrupted_dir(workdir, name)))
+    name = "state_passing-zero1"
     # 1 rank per sequence on 2 ranks: 2 data-parallel replicas instead of 1, another data stream
     jobs.append(Job("refused-data_parallel", name, write_config(workdir, name, sp=1), copy_checkpoint=src,
                     refused=True))  # fmt: skip
@@ -373,6 +385,13 @@ def test_killed_rank_then_resume_continues_exactly(name, uninterrupted, killed, 
     print(f"{name}: killed run {run['seconds']:.1f} s (the other rank ended {run['fault_s']:.2f} s after the kill); "
           f"resumed ({how}): steps 7-12 max relative difference {err:.1e}")  # fmt: skip
     assert err <= EXACT, f"{name}: steps 7-12 differ from the uninterrupted run by {err:.2e}: {got} vs {ref[6:]}"
+
+
+@pytest.mark.parametrize("name", list(MORE_CASES))
+def test_resume_other_modes_and_stages(name, uninterrupted):
+    err = max_rel_diff(uninterrupted[f"resume-{name}"]["losses"], uninterrupted[name]["losses"][RESUMED_FROM:])
+    print(f"{name}: resumed in process, steps 7-12 max relative difference {err:.1e}")
+    assert err <= EXACT, f"{name}: steps 7-12 differ from the uninterrupted run by {err:.2e}"
 
 
 def test_resume_negative_controls(uninterrupted):
