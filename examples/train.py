@@ -11,6 +11,12 @@ keeps its shard of every sequence (``ds_mamba_spcp.data.shard_batch``, in the co
 ``python`` the same script is the single-process reference: same initialisation, same data, the
 whole sequence on one device, and the optimizer of the ds_config in plain PyTorch (fp32).
 
+Checkpoints (launched runs): ``--save-dir DIR --save-every N`` saves a DeepSpeed checkpoint every N
+steps and after the last one; ``--resume`` continues from the newest complete one in DIR (the same
+batches, optimizer state and RNG states), also at another sequence-parallel size, where the ZeRO state
+is re-partitioned through DeepSpeed's universal checkpoint (``ds_mamba_spcp.checkpoint``,
+docs/checkpointing.md). ``--dist-timeout`` bounds how long a rank waits for a lost peer.
+
 The loss of each rank is its share of the global mean over the group's tokens, times the factor
 that undoes DeepSpeed's reduction (sum over sequence-parallel ranks in ZeRO 0-2, average in ZeRO 3):
 see ``ds_mamba_spcp.data``. The logged loss is the global mean, comparable step by step with the
@@ -22,14 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
+from datetime import timedelta
 
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(_HERE)
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "state_passing.json")
+RESUME_PIECES = ("data_position", "optimizer", "rng")
 
 try:
     import ds_mamba_spcp  # noqa: F401 - installed (pip install -e .)
@@ -41,6 +50,7 @@ if _HERE not in sys.path:  # model.py beside this file, also when imported by th
 from model import MambaLM, mamba2_factory, parallelize  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from ds_mamba_spcp import checkpoint as checkpointing  # noqa: E402 - not "checkpoint": torch.utils has one
 from ds_mamba_spcp.config import MambaSequenceParallelConfig, load_mamba_sp_config  # noqa: E402
 from ds_mamba_spcp.data import grad_scale_for_engine, sequence_parallel_cross_entropy, shard_batch  # noqa: E402
 
@@ -79,10 +89,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logs")
+    add_checkpoint_args(p)
     args = p.parse_args(argv)  # fmt: skip
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    check_checkpoint_args(p, args)
     return args
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoints and faults (launched runs)")
+    g.add_argument("--save-dir", default=None, help="save DeepSpeed checkpoints here (and resume from here)")
+    g.add_argument("--save-every", type=int, default=0, help="save every N steps (and after the last step); "
+                   "0: only after the last step")  # fmt: skip
+    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
+                   "--save-dir, also at another sequence-parallel size; start fresh when it holds none")  # fmt: skip
+    g.add_argument(
+        "--resume-without", action="append", default=[], choices=RESUME_PIECES,
+        help="negative control for the tests: resume without restoring this piece (repeatable)",
+    )  # fmt: skip
+    g.add_argument(
+        "--dist-timeout", type=float, default=None,
+        help="seconds a collective waits for a peer before it raises, on every process group (default: "
+        "DeepSpeed's, $DEEPSPEED_TIMEOUT minutes or 10)",
+    )  # fmt: skip
+    g.add_argument(
+        "--fault-drill", default=None, metavar="RANK:STEP",
+        help="global rank RANK freezes itself (SIGSTOP) in the middle of step STEP, after its forward pass, as "
+        "a hung process would; kill it to simulate a lost rank, or wait for --dist-timeout",
+    )  # fmt: skip
+
+
+def check_checkpoint_args(p: argparse.ArgumentParser, args) -> None:
+    if args.save_every < 0:
+        p.error(f"--save-every must be >= 0, got {args.save_every}")
+    if (args.resume or args.save_every) and not args.save_dir:
+        p.error("--resume and --save-every need --save-dir (where the checkpoints are)")
+    if args.resume_without and not args.resume:
+        p.error("--resume-without applies to --resume")
+    if args.dist_timeout is not None and args.dist_timeout <= 0:
+        p.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+    if args.fault_drill is not None:
+        try:
+            rank, step = (int(v) for v in args.fault_drill.split(":"))
+        except ValueError:
+            p.error(f"--fault-drill takes RANK:STEP (two integers), got {args.fault_drill!r}")
+        args.fault_drill = (rank, step)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,10 +205,15 @@ def torch_optimizer(ds_config: dict, params):
 class StepLog:
     """Per-step log line, JSON lines file and progress bar (rank 0 only)."""
 
-    def __init__(self, args, enabled: bool, tokens_per_step: int):
+    def __init__(self, args, enabled: bool, tokens_per_step: int, first_step: int = 1):
         self.enabled, self.tokens_per_step, self.records = enabled, tokens_per_step, []
-        self.file = open(args.log_json, "w", encoding="utf-8") if (enabled and args.log_json) else None  # noqa: SIM115
-        self.bar = tqdm(total=args.steps, disable=not enabled or args.no_progress, dynamic_ncols=True, leave=False)
+        self.file = None
+        if enabled and args.log_json:
+            kept = _log_lines_before(args.log_json, first_step)  # a resumed run continues its log
+            self.file = open(args.log_json, "w", encoding="utf-8")  # noqa: SIM115
+            self.file.writelines(kept)
+        self.bar = tqdm(total=args.steps, initial=first_step - 1, disable=not enabled or args.no_progress,
+                        dynamic_ncols=True, leave=False)  # fmt: skip
         self.t0 = time.perf_counter()
 
     def step(self, step: int, loss: float, seconds: float) -> None:
@@ -178,6 +235,15 @@ class StepLog:
         self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+def _log_lines_before(path: str, first_step: int) -> list[str]:
+    """The lines of an existing JSON-lines log for steps before ``first_step`` (those of the run a resume
+    continues; later ones, logged after the checkpoint, are replaced by the resumed run's)."""
+    if first_step <= 1 or not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [line for line in f if line.strip() and json.loads(line)["step"] < first_step]
 
 
 def _grad_accumulation(ds_config: dict) -> tuple[int, int]:
@@ -243,6 +309,119 @@ def sequence_parallel_groups(sp: int):
     return parallel_state_sp.get_sequence_parallel_group(), parallel_state_sp
 
 
+# ------------------------------------------------------------------------------------------------
+# checkpoints and faults (ds_mamba_spcp.checkpoint; docs/checkpointing.md)
+# ------------------------------------------------------------------------------------------------
+
+# What a checkpoint is bound to: the model's shape (its weights) and the data stream (the batches of a
+# step are a function of the seed, the step, the micro-batch index and the data-parallel rank).
+MODEL_ARGS = ("model", "vocab_size", "d_model", "n_layers", "d_state", "d_conv", "expand", "headdim", "ngroups",
+              "chunk_size", "tie_embeddings")  # fmt: skip
+HYBRID_ARGS = ("attn_every", "attn_heads")
+
+
+def seed_generators(seed: int) -> None:
+    """Seeds python's and numpy's generators (``build_model`` seeds torch's) alike on every rank, so that
+    the ranks sharing a sequence hold the same RNG states and a checkpoint's states map onto another
+    sequence-parallel size (``ds_mamba_spcp.checkpoint`` refuses per-rank states there)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def dist_timeout(args) -> timedelta:
+    """--dist-timeout, or DeepSpeed's default (``$DEEPSPEED_TIMEOUT`` minutes, 10 when unset)."""
+    from deepspeed.constants import default_pg_timeout
+
+    return default_pg_timeout if args.dist_timeout is None else timedelta(seconds=args.dist_timeout)
+
+
+def run_identity(args, ds_config: dict, dp: int) -> dict:
+    """The settings a resumed run must share with the run that saved the checkpoint."""
+    micro, gas = _grad_accumulation(ds_config)
+    keys = MODEL_ARGS + (HYBRID_ARGS if args.model == "hybrid" else ())
+    return {
+        "model": {k: getattr(args, k) for k in keys},
+        "data": {"seed": args.seed, "seq_len": args.seq_len, "train_micro_batch_size_per_gpu": micro,
+                 "gradient_accumulation_steps": gas, "data_parallel_size": dp},
+    }  # fmt: skip
+
+
+def save(engine, args, ds_config: dict, next_data_step: int, dp: int) -> None:
+    """A checkpoint of this rank's engine, its RNG states and the data position (every rank calls it)."""
+    import deepspeed.comm as dist
+
+    t0 = time.perf_counter()
+    state = {"next_data_step": next_data_step, **run_identity(args, ds_config, dp)}
+    tag = checkpointing.save_checkpoint(engine, args.save_dir, client_state=state)
+    if dist.get_rank() == 0:
+        tqdm.write(f"saved checkpoint {os.path.join(args.save_dir, tag)} ({time.perf_counter() - t0:.2f} s)")
+
+
+def resume_plan(args, ds_config: dict, sp: int):
+    """How to resume from --save-dir (None: it holds no checkpoint yet, start at step 1). Raises, on every
+    rank and before anything is loaded, when the checkpoint does not fit this run."""
+    import deepspeed.comm as dist
+
+    found = checkpointing.find_checkpoint(args.save_dir)
+    if found is None:
+        if dist.get_rank() == 0:
+            print(f"--resume: {args.save_dir} holds no checkpoint yet; starting at step 1", flush=True)
+        return None
+    now = run_identity(args, ds_config, dist.get_world_size() // sp)
+    saved = found.client_state
+    diffs = [
+        f"{key} {saved[part].get(key)!r} -> {value!r}"
+        for part in ("model", "data")
+        for key, value in now[part].items()
+        if saved[part].get(key) != value
+    ]
+    if diffs:
+        raise ValueError(
+            f"cannot resume from {found.path}: this run differs from the one that saved it in {', '.join(diffs)} "
+            "(saved -> now). The model's shape must match the saved weights, and the batches continue exactly only "
+            "with the same seed, sequence length and sequences per step (micro-batch x accumulation x data-parallel "
+            "size; the sequence-parallel size may change). Use the saved values, or another --save-dir for a new run."
+        )
+    rng = "skip" if "rng" in args.resume_without else "restore"
+    return checkpointing.plan_resume(found, ds_config, sequence_parallel_size=sp, rng=rng)
+
+
+def resume(engine, plan, args) -> tuple[int, int]:
+    """Loads the planned checkpoint into ``engine``. Returns ``(first_step, data_offset)``: the loop
+    runs from ``first_step`` and draws the batches of step ``step + data_offset``."""
+    import deepspeed.comm as dist
+
+    t0 = time.perf_counter()
+    client = checkpointing.load_checkpoint(engine, plan, load_optimizer_states="optimizer" not in args.resume_without)
+    first_step = engine.global_steps + 1
+    if client["next_data_step"] != first_step:
+        raise RuntimeError(
+            f"{plan.checkpoint.path}: data position {client['next_data_step']} but optimizer step "
+            f"{engine.global_steps}; this script saves them together, so the checkpoint is inconsistent"
+        )
+    # negative control (--resume-without data_position): the batches start over from step 1
+    data_offset = 1 - first_step if "data_position" in args.resume_without else 0
+    if dist.get_rank() == 0:
+        skipped = f" (not restored: {', '.join(args.resume_without)})" if args.resume_without else ""
+        print(f"resumed at step {first_step} from {plan.describe()}{skipped} ({time.perf_counter() - t0:.2f} s)",
+              flush=True)  # fmt: skip
+        if first_step > args.steps:
+            print(f"the checkpoint is past --steps {args.steps}: nothing left to train", flush=True)
+    return first_step, data_offset
+
+
+def fault_drill() -> None:
+    """--fault-drill: this rank freezes (SIGSTOP) in the middle of a step, as a hung process would. The
+    other ranks wait in the step's next collective: until this rank is killed (the launcher, or the
+    transport, notices) or until the process-group timeout (--dist-timeout) raises there."""
+    print(f"fault drill: pid {os.getpid()} stops itself (SIGSTOP) in the middle of a step", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def run_distributed(args, ds_config: dict) -> list[dict]:
     """One rank of a launched run: shard, train through DeepSpeed, log the global loss on rank 0."""
     import deepspeed
@@ -253,7 +432,7 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
     if not args.verbose:
         deepspeed.utils.logger.setLevel("WARNING")
     if not dist.is_initialized():
-        deepspeed.init_distributed(verbose=args.verbose)
+        deepspeed.init_distributed(verbose=args.verbose, timeout=dist_timeout(args))
     world, rank = dist.get_world_size(), dist.get_rank()
     if "data_parallel_size" in ds_config:
         raise ValueError(
@@ -271,14 +450,19 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
     micro, gas = _grad_accumulation(ds_config)
     if (args.seq_len // sp) % 2 and cfg.input_layout == "zigzag":
         raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2*sp = {2 * sp} for the zigzag layout")
+    plan = resume_plan(args, ds_config, sp) if args.resume else None  # before initialize: it may change the config
 
+    seed_generators(args.seed)  # python's and numpy's too: the same states on every rank (a checkpoint keeps them)
     model = build_model(args)
     parallelize(model, group, ds_config)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config, mpu=mpu
-    )
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=plan.ds_config if plan else ds_config, mpu=mpu,
+    )  # fmt: skip
+    checkpointing.set_process_group_timeout(dist_timeout(args))  # every group: the ones made above and DeepSpeed's
+    first_step, data_offset = resume(engine, plan, args) if plan else (1, 0)
     scale = grad_scale_for_engine(engine) if args.grad_scale == "auto" else float(args.grad_scale)
-    log = StepLog(args, rank == 0, micro * gas * (world // sp) * args.seq_len)
+    log = StepLog(args, rank == 0, micro * gas * (world // sp) * args.seq_len, first_step)
     if rank == 0:
         print(
             f"{world} ranks, sequence_parallel_size {sp}, ZeRO stage {engine.zero_optimization_stage()}, "
@@ -286,15 +470,18 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
             f"grad scale {scale:g}, {engine.device}: {_describe(model, args)}",
             flush=True,
         )
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
         t0 = time.perf_counter()
         losses = []
+        data_step = step + data_offset  # the data position (the step, unless a negative control shifts it)
         for m in range(gas):
-            full = synthetic_batch(micro, args.seq_len, args.vocab_size, batch_seed(args.seed, step, m, dp_rank))
+            full = synthetic_batch(micro, args.seq_len, args.vocab_size, batch_seed(args.seed, data_step, m, dp_rank))
             batch = shard_batch(full, group, layout=cfg.input_layout, rank=sp_rank, world_size=sp)
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             logits = engine(batch["input_ids"])
             loss, mean_loss = sequence_parallel_cross_entropy(logits, batch["shift_labels"], group, grad_scale=scale)
+            if args.fault_drill == (rank, step) and m == 0:
+                fault_drill()
             engine.backward(loss)
             engine.step()
             losses.append(mean_loss)
@@ -302,6 +489,8 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         total = torch.stack(losses).mean().reshape(1)
         dist.all_reduce(total)
         log.step(step, total.item() / world, time.perf_counter() - t0)
+        if args.save_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            save(engine, args, ds_config, next_data_step=data_step + 1, dp=world // sp)
     log.close()
     if engine.device.type == "cpu" and "MASTER_PORT" in os.environ:
         dist.barrier()  # nobody needs DeepSpeed's CPU all-reduce buffers any more: free them (it never does)
@@ -333,6 +522,11 @@ def main(argv=None) -> list[dict]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if launched():
         return run_distributed(args, ds_config)
+    if args.save_dir or args.fault_drill:
+        raise ValueError(
+            "--save-dir, --resume and --fault-drill need DeepSpeed (the single-process reference is plain PyTorch): "
+            "run one rank through the launcher, `deepspeed --num_gpus 1 examples/train.py ...`"
+        )
     return run_single(args, ds_config)
 
 
