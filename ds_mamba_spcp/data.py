@@ -218,6 +218,55 @@ def sequence_parallel_cross_entropy(
     # bf16/fp16 logits are scored in fp32; fp32 and fp64 keep their precision
     logits = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
     token_sum = F.cross_entropy(logits, shift_labels.flatten(), ignore_index=ignore_index, reduction="sum")
+    return _share_of_the_mean(token_sum, shift_labels, group, grad_scale, ignore_index)
+
+
+def sequence_parallel_tiled_cross_entropy(
+    hidden: torch.Tensor,
+    logits_fn,
+    shift_labels: torch.Tensor,
+    group=None,
+    *,
+    grad_scale: float = 1.0,
+    tile_tokens: int = 8192,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_parallel_cross_entropy`` without ever holding the logits of the whole shard.
+
+    hidden: (batch, local_seqlen, d_model), what ``logits_fn`` maps to logits (the final norm and the LM
+    head, applied per token). The shard's tokens are scored ``tile_tokens`` at a time; each tile's logits
+    are dropped after its loss and recomputed in backward (``torch.utils.checkpoint``, non-reentrant), so
+    at most one tile's logits (tile_tokens x vocab, fp32 for the loss) exist at once instead of the
+    shard's. Same return values and loss convention as ``sequence_parallel_cross_entropy``; the result
+    equals it up to the order of the sum. (DeepSpeed's ``TiledFusedLogitsLoss`` computes the parameters'
+    gradients inside its forward, unscaled by the gradient that later reaches its output, which the
+    loss scale below and gradient accumulation would make wrong; hence this checkpointed form.)
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    if hidden.shape[:-1] != shift_labels.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and shift_labels {tuple(shift_labels.shape)} disagree: expected "
+            "hidden (batch, local_seqlen, d_model) and labels (batch, local_seqlen)"
+        )
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
+
+    def tile_loss(h, y):
+        logits = logits_fn(h)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum")
+
+    h, y = hidden.flatten(0, 1), shift_labels.flatten()
+    token_sum = sum(
+        checkpoint(tile_loss, h[s : s + tile_tokens], y[s : s + tile_tokens], use_reentrant=False)
+        for s in range(0, h.shape[0], tile_tokens)
+    )
+    return _share_of_the_mean(token_sum, shift_labels, group, grad_scale, ignore_index)
+
+
+def _share_of_the_mean(token_sum, shift_labels, group, grad_scale, ignore_index):
+    """(this rank's share of the group's mean loss, times grad_scale; the detached global mean)."""
     counts = torch.stack([token_sum.detach(), (shift_labels != ignore_index).sum().to(token_sum.dtype)])
     _, cp = comm.group_rank_size(group)
     if cp > 1:

@@ -53,12 +53,21 @@ class LocalCausalAttention(nn.Module):
         super().__init__()
         self.zigzag_cp = zigzag_cp
 
-    def forward(self, q, k, v, *args):
+    def forward(self, q, k, v, *args, doc_ids=None):
+        """doc_ids: (batch, seqlen) document labels of the whole sequence in causal order (packed rows: a
+        token attends to earlier tokens of its own document only), or None."""
         cp = self.zigzag_cp
         if cp > 1:
             q, k, v = (unshard_sequence(list(t.chunk(cp, dim=1)), "zigzag", dim=1) for t in (q, k, v))
         # (batch, seqlen, nheads, headdim) -> (batch, nheads, seqlen, headdim) for SDPA and back
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if doc_ids is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            seqlen = q.shape[2]
+            causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=q.device).tril()
+            same = doc_ids[:, :, None] == doc_ids[:, None, :]  # [b, L, L]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=(causal & same)[:, None])
         out = out.transpose(1, 2)
         if cp > 1:
             out = torch.cat([shard_sequence(out, r, cp, "zigzag", dim=1) for r in range(cp)], dim=1)
@@ -78,23 +87,30 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model, bias=False)
         self.core = LocalCausalAttention()
 
-    def forward(self, x):
+    def forward(self, x, doc_ids=None):
         b, l, d = x.shape
         q, k, v = self.qkv(x).view(b, l, 3, self.nheads, d // self.nheads).unbind(2)
-        out = self.core(q, k, v, 0)  # batch_dim_idx=0: batch-first tensors
+        out = self.core(q, k, v, 0, doc_ids=doc_ids)  # batch_dim_idx=0: batch-first tensors
         return self.out_proj(out.reshape(b, l, d))
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + mixer(RMSNorm(x))."""
+    """Pre-norm residual block: x + mixer(RMSNorm(x)).
+
+    seq_idx: this rank's shard of the document labels (packed rows) for a Mamba2 mixer; doc_ids: the
+    whole sequence's labels for an attention mixer (it sees every token after its all-to-all)."""
 
     def __init__(self, d_model: int, mixer: nn.Module, norm_eps: float = 1e-5):
         super().__init__()
         self.norm = nn.RMSNorm(d_model, eps=norm_eps)
         self.mixer = mixer
 
-    def forward(self, x):
-        return x + self.mixer(self.norm(x))
+    def forward(self, x, seq_idx=None, doc_ids=None):
+        if isinstance(self.mixer, CausalSelfAttention):
+            return x + self.mixer(self.norm(x), doc_ids=doc_ids)
+        if seq_idx is None:
+            return x + self.mixer(self.norm(x))
+        return x + self.mixer(self.norm(x), seq_idx=seq_idx)
 
 
 class MambaLM(nn.Module):
@@ -130,12 +146,33 @@ class MambaLM(nn.Module):
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.embedding.weight
+        # set by parallelize: the group and layout the sequence is sharded in (to gather the document labels
+        # that attention needs whole); set by the training script: a block checkpointing function or None
+        self.sequence_group, self.layout = None, "contiguous"
+        self.checkpoint = None
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, seq_idx=None, return_hidden=False):
+        """input_ids (batch, seqlen): this rank's tokens; seq_idx (batch, seqlen): their document labels
+        (packed rows) or None. Returns logits, or with ``return_hidden`` the hidden states before the final
+        norm (for a loss that computes the logits tile by tile: ``logits``)."""
+        doc_ids = None
+        if seq_idx is not None and any(isinstance(b.mixer, CausalSelfAttention) for b in self.layers):
+            doc_ids = seq_idx
+            if self.sequence_group is not None:
+                from ds_mamba_spcp.data import gather_sequence
+
+                doc_ids = gather_sequence(seq_idx, self.sequence_group, layout=self.layout)
         x = self.embedding(input_ids)
         for block in self.layers:
-            x = block(x)
-        return self.lm_head(self.norm_f(x))
+            if self.checkpoint is not None and torch.is_grad_enabled():
+                x = self.checkpoint(block, x, seq_idx, doc_ids)
+            else:
+                x = block(x, seq_idx, doc_ids)
+        return x if return_hidden else self.logits(x)
+
+    def logits(self, hidden):
+        """The final norm and the LM head on hidden states (batch, n, d_model) -> (batch, n, vocab_size)."""
+        return self.lm_head(self.norm_f(hidden))
 
 
 def wrap_attention(model: nn.Module, sequence_process_group, layout: str = "contiguous") -> int:
@@ -171,6 +208,8 @@ def parallelize(model: nn.Module, sequence_process_group, config) -> tuple[int, 
 
     sp_config = load_mamba_sp_config(config)
     n_mamba = wrap_mamba2_mixers(model, sequence_process_group, sp_config)
+    if isinstance(model, MambaLM):
+        model.sequence_group, model.layout = sequence_process_group, sp_config.input_layout
     n_attn = 0
     if any(isinstance(m, CausalSelfAttention) for m in model.modules()):
         n_attn = wrap_attention(model, sequence_process_group, sp_config.input_layout)

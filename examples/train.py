@@ -87,12 +87,40 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="factor on each rank's loss share: 'auto' reads it off the engine (1 for ZeRO 0-2, "
         "sp_size for ZeRO 3); a number overrides it (the tests' negative control)",
     )
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="pack documents of random lengths into every row (padding-free): Mamba2 layers restart at "
+        "each document (seq_idx), attention stays inside it",
+    )
+    p.add_argument("--doc-len", type=int, default=None, help="--packed: mean document length (default seq_len/6)")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block in backward (DeepSpeed's activation checkpointing under the launcher)",
+    )
+    p.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="with --activation-checkpointing: keep the checkpoints in CPU memory",
+    )
+    p.add_argument(
+        "--loss-tile",
+        type=int,
+        default=0,
+        help="score the shard's tokens this many at a time, never materialising the whole shard's "
+        "logits (0: all at once)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logs")
     add_checkpoint_args(p)
     args = p.parse_args(argv)  # fmt: skip
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.offload_activations and not args.activation_checkpointing:
+        p.error("--offload-activations needs --activation-checkpointing")
+    if args.doc_len is not None and (not args.packed or args.doc_len < 1):
+        p.error("--doc-len takes a positive length, with --packed")
     check_checkpoint_args(p, args)
     return args
 
@@ -158,6 +186,39 @@ def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int, n
     return {"input_ids": tokens, "labels": tokens.clone()}
 
 
+def synthetic_packed_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int, doc_len: int | None = None,
+                           noise: float = 0.1) -> dict:  # fmt: skip
+    """Rows packed with documents of random lengths (1 to 2*doc_len tokens, the last one cut by the row's
+    end), each counting with its own start and stride as ``synthetic_batch``'s rows do. Returns
+    ``{"input_ids", "labels", "position_ids"}``: positions restart at 0 at each document (Hugging Face's
+    padding-free convention, from which ``shard_batch`` derives ``seq_idx``), and the label of each
+    document's first token is ignored, so that no token is scored against the next document."""
+    from ds_mamba_spcp.data import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(seed)
+    doc_len = doc_len or max(1, seq_len // 6)
+    rows, positions = [], []
+    for _ in range(batch_size):
+        lengths = []
+        while sum(lengths) < seq_len:
+            lengths.append(int(torch.randint(1, 2 * doc_len + 1, (1,), generator=g)))
+        lengths[-1] -= sum(lengths) - seq_len
+        docs = synthetic_batch(len(lengths), max(lengths), vocab_size, int(torch.randint(2**31, (1,), generator=g)),
+                               noise)["input_ids"]  # fmt: skip
+        rows.append(torch.cat([docs[i, :n] for i, n in enumerate(lengths)]))
+        positions.append(torch.cat([torch.arange(n) for n in lengths]))
+    tokens, position_ids = torch.stack(rows), torch.stack(positions)
+    labels = torch.where(position_ids == 0, IGNORE_INDEX, tokens)
+    return {"input_ids": tokens, "labels": labels, "position_ids": position_ids}
+
+
+def make_batch(args, micro: int, seed: int) -> dict:
+    """One micro-batch of full rows: packed documents with --packed, else one sequence per row."""
+    if args.packed:
+        return synthetic_packed_batch(micro, args.seq_len, args.vocab_size, seed, args.doc_len)
+    return synthetic_batch(micro, args.seq_len, args.vocab_size, seed)
+
+
 def batch_seed(seed: int, step: int, micro: int, dp_rank: int) -> int:
     """Data seed of one micro-batch of one data-parallel replica (int tuples hash deterministically)."""
     return hash((seed, step, micro, dp_rank)) & 0x7FFF_FFFF_FFFF
@@ -197,6 +258,60 @@ def torch_optimizer(ds_config: dict, params):
     return getattr(torch.optim, name)(params, **kwargs)
 
 
+def forward_loss(model, forward, batch: dict, group, scale: float, args):
+    """(loss share to back-propagate, global mean loss) of one sharded micro-batch.
+
+    ``forward`` is the model or its DeepSpeed engine; ``model`` the module itself (its ``logits`` for the
+    tiled loss). Packed rows pass their document labels to the model."""
+    from ds_mamba_spcp.data import sequence_parallel_tiled_cross_entropy
+
+    kwargs = {} if "seq_idx" not in batch else dict(seq_idx=batch["seq_idx"])
+    if args.loss_tile:
+        hidden = forward(batch["input_ids"], return_hidden=True, **kwargs)
+        return sequence_parallel_tiled_cross_entropy(
+            hidden, model.logits, batch["shift_labels"], group, grad_scale=scale, tile_tokens=args.loss_tile
+        )
+    return sequence_parallel_cross_entropy(forward(batch["input_ids"], **kwargs), batch["shift_labels"], group,
+                                           grad_scale=scale)  # fmt: skip
+
+
+def block_checkpointing(model: MambaLM, args, mpu=None) -> None:
+    """--activation-checkpointing: every block recomputed in backward. Launched runs use DeepSpeed's
+    activation checkpointing (``deepspeed.checkpointing``; --offload-activations keeps the checkpoints in
+    CPU memory), the single-process reference torch's equivalent (``save_on_cpu`` for the offload)."""
+    if not args.activation_checkpointing:
+        return
+    if launched():
+        import deepspeed
+
+        deepspeed.checkpointing.configure(mpu, checkpoint_in_cpu=args.offload_activations)
+        model.checkpoint = deepspeed.checkpointing.checkpoint
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    def torch_checkpoint(block, *inputs):
+        if not args.offload_activations:
+            return checkpoint(block, *inputs, use_reentrant=False)
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return checkpoint(block, *inputs, use_reentrant=False)
+
+    model.checkpoint = torch_checkpoint
+
+
+def mixer_backend(model) -> str:
+    """The backend the Mamba2 layers run on ("triton" / "reference"), for the log."""
+    from ds_mamba_spcp.module import DistributedMamba2
+    from ds_mamba_spcp.ops import get_backend
+
+    device = next(model.parameters()).device
+    for m in model.modules():
+        if isinstance(m, DistributedMamba2):
+            if not m.config.enabled:
+                return "mamba-ssm (sequence parallelism disabled)"
+            return get_backend(m.config.backend, device).__name__.rsplit(".", 1)[-1]
+    return "none"
+
+
 # ------------------------------------------------------------------------------------------------
 # the loop
 # ------------------------------------------------------------------------------------------------
@@ -221,6 +336,8 @@ class StepLog:
             "step": step, "loss": loss, "tokens": self.tokens_per_step, "tokens_per_s": self.tokens_per_step / seconds,
             "step_s": seconds, "elapsed_s": time.perf_counter() - self.t0,
         }  # fmt: skip
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self.records.append(rec)
         if not self.enabled:
             return
@@ -267,17 +384,18 @@ def run_single(args, ds_config: dict) -> list[dict]:
                                          "input_layout": "contiguous"})  # fmt: skip
     wrap_mamba2_mixers(model, None, one)
     model.to(device).train()
+    block_checkpointing(model, args)
     optimizer = torch_optimizer(ds_config, model.parameters())
     clip = float(ds_config.get("gradient_clipping", 0.0))
     log = StepLog(args, True, micro * gas * args.seq_len)
-    print(f"single process on {device}: {_describe(model, args)}", flush=True)
+    print(f"single process on {device}, Mamba2 backend {mixer_backend(model)}: {_describe(model, args)}", flush=True)
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         losses = []
         for m in range(gas):
-            full = synthetic_batch(micro, args.seq_len, args.vocab_size, batch_seed(args.seed, step, m, 0))
+            full = make_batch(args, micro, batch_seed(args.seed, step, m, 0))
             batch = {k: v.to(device) for k, v in shard_batch(full, rank=0, world_size=1).items()}
-            loss, mean_loss = sequence_parallel_cross_entropy(model(batch["input_ids"]), batch["shift_labels"])
+            loss, mean_loss = forward_loss(model, model, batch, None, 1.0, args)
             (loss / gas).backward()
             losses.append(mean_loss.item())
         if clip > 0:
@@ -455,6 +573,7 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
     seed_generators(args.seed)  # python's and numpy's too: the same states on every rank (a checkpoint keeps them)
     model = build_model(args)
     parallelize(model, group, ds_config)
+    block_checkpointing(model, args, mpu)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=plan.ds_config if plan else ds_config, mpu=mpu,
@@ -467,7 +586,7 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         print(
             f"{world} ranks, sequence_parallel_size {sp}, ZeRO stage {engine.zero_optimization_stage()}, "
             f"mode {cfg.mode}, load_balancing {cfg.load_balancing}, input_layout {cfg.input_layout}, "
-            f"grad scale {scale:g}, {engine.device}: {_describe(model, args)}",
+            f"grad scale {scale:g}, {engine.device}, Mamba2 backend {mixer_backend(model)}: {_describe(model, args)}",
             flush=True,
         )
     for step in range(first_step, args.steps + 1):
@@ -475,11 +594,10 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         losses = []
         data_step = step + data_offset  # the data position (the step, unless a negative control shifts it)
         for m in range(gas):
-            full = synthetic_batch(micro, args.seq_len, args.vocab_size, batch_seed(args.seed, data_step, m, dp_rank))
+            full = make_batch(args, micro, batch_seed(args.seed, data_step, m, dp_rank))
             batch = shard_batch(full, group, layout=cfg.input_layout, rank=sp_rank, world_size=sp)
             batch = {k: v.to(engine.device) for k, v in batch.items()}
-            logits = engine(batch["input_ids"])
-            loss, mean_loss = sequence_parallel_cross_entropy(logits, batch["shift_labels"], group, grad_scale=scale)
+            loss, mean_loss = forward_loss(model, engine, batch, group, scale, args)
             if args.fault_drill == (rank, step) and m == 0:
                 fault_drill()
             engine.backward(loss)

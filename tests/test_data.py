@@ -245,3 +245,27 @@ def test_seq_idx_from_position_ids_and_packed_shards():
     assert "seq_idx" not in plain
     given = shard_batch({"input_ids": ids, "seq_idx": labels + 7}, rank=1, world_size=2)
     assert torch.equal(given["seq_idx"], labels[:, 6:] + 7)
+
+
+def test_tiled_cross_entropy_equals_the_full_one():
+    """The tiled loss (logits never whole) gives the full loss, its gradient for the hidden states and for the
+    head's weights, in fp64 (the sum is only reordered: 1e-12), with ignored labels and a partial last tile."""
+    from ds_mamba_spcp.data import sequence_parallel_cross_entropy, sequence_parallel_tiled_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(6, 11, dtype=torch.float64)
+    hidden = torch.randn(2, 13, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(11, (2, 13), generator=g)
+    labels[0, 3] = labels[1, -1] = -100
+    results = []
+    for tiled in (False, True):
+        head.zero_grad()
+        hidden.grad = None
+        if tiled:
+            loss, mean = sequence_parallel_tiled_cross_entropy(hidden, head, labels, grad_scale=3.0, tile_tokens=5)
+        else:
+            loss, mean = sequence_parallel_cross_entropy(head(hidden), labels, grad_scale=3.0)
+        loss.backward()
+        results.append((loss.detach(), mean, hidden.grad.clone(), head.weight.grad.clone()))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)

@@ -80,20 +80,29 @@ def sgd_config(name: str, stage: int) -> dict:
     return config
 
 
-# name -> (model, shipped config, ZeRO stage, grad scale override or "auto")
+# name -> (model, shipped config, ZeRO stage, grad scale override or "auto", extra flags)
 CASES = {
-    f"{model}-{mode}-zero{stage}": (model, f"{mode}.json", stage, "auto")
+    f"{model}-{mode}-zero{stage}": (model, f"{mode}.json", stage, "auto", ())
     for model in MODELS
     for mode in ("state_passing", "ulysses")
     for stage in (1, 3)
 }
+PACKED = ("--packed", "--doc-len", "5")  # documents of 1-10 tokens: starts on and near the shard borders
 CASES.update({
-    "mamba-state_passing_virtual-zero1": ("mamba", "state_passing_virtual.json", 1, "auto"),
-    "hybrid-state_passing_virtual-zero3": ("hybrid", "state_passing_virtual.json", 3, "auto"),
-    "mamba-state_passing_permute-zero1": ("mamba", "state_passing_permute.json", 1, "auto"),
+    "mamba-state_passing_virtual-zero1": ("mamba", "state_passing_virtual.json", 1, "auto", ()),
+    "hybrid-state_passing_virtual-zero3": ("hybrid", "state_passing_virtual.json", 3, "auto", ()),
+    "mamba-state_passing_permute-zero1": ("mamba", "state_passing_permute.json", 1, "auto", ()),
+    # packed rows (issue 11): Mamba2 restarts per document, attention masked per document
+    "mamba-packed-state_passing-zero1": ("mamba", "state_passing.json", 1, "auto", PACKED),
+    "hybrid-packed-state_passing_virtual-zero3": ("hybrid", "state_passing_virtual.json", 3, "auto", PACKED),
+    "mamba-packed-ulysses-zero1": ("mamba", "ulysses.json", 1, "auto", PACKED),
+    # what a long run needs (issue 13): DeepSpeed's activation checkpointing and the tiled loss
+    "hybrid-ckpt-tiled_loss-state_passing-zero1": (
+        "hybrid", "state_passing.json", 1, "auto", ("--activation-checkpointing", "--loss-tile", "7"),
+    ),
     # negative controls: the other stage's convention must fail the same tolerance
-    "control-zero3-summed": ("mamba", "state_passing.json", 3, "1"),
-    "control-zero1-doubled": ("mamba", "state_passing.json", 1, "2"),
+    "control-zero3-summed": ("mamba", "state_passing.json", 3, "1", ()),
+    "control-zero1-doubled": ("mamba", "state_passing.json", 1, "2", ()),
 })  # fmt: skip
 
 
@@ -106,25 +115,34 @@ def _needs(name: str) -> str | None:
     return None
 
 
-def _argv(model: str, grad_scale: str = "auto") -> list[str]:
-    return TINY + MODELS[model] + ["--grad-scale", grad_scale]
+def _argv(model: str, grad_scale: str = "auto", extra=()) -> list[str]:
+    return TINY + MODELS[model] + ["--grad-scale", grad_scale, *extra]
 
 
 def _run_cases(rank, world, cases):
     train = load_train()
     out = {}
-    for name, (model, config_name, stage, grad_scale) in cases.items():
-        records = train.run_distributed(train.parse_args(_argv(model, grad_scale)), sgd_config(config_name, stage))
-        out[name] = [r["loss"] for r in records]
+    for name, (model, config_name, stage, grad_scale, extra) in cases.items():
+        args = train.parse_args(_argv(model, grad_scale, extra))
+        out[name] = [r["loss"] for r in train.run_distributed(args, sgd_config(config_name, stage))]
     return out
+
+
+def _reference_key(case) -> tuple:
+    return case[0], case[4]  # the model and the extra flags: the ZeRO stage and SP mode play no part there
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """Single-process losses per model (the ZeRO stage and SP mode play no part there)."""
+    """Single-process losses per (model, extra flags)."""
     train = load_train()
     config = sgd_config("state_passing.json", 1)
-    return {model: [r["loss"] for r in train.run_single(train.parse_args(_argv(model)), config)] for model in MODELS}
+    out = {}
+    for model, extra in {_reference_key(case) for case in CASES.values()}:
+        out[(model, extra)] = [
+            r["loss"] for r in train.run_single(train.parse_args(_argv(model, "auto", extra)), config)
+        ]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +166,7 @@ def test_parity_with_single_process(name, reference, distributed):
     reason = _needs(name)
     if reason:
         pytest.skip(reason)
-    model = CASES[name][0]
-    ref = reference[model]
+    ref = reference[_reference_key(CASES[name])]
     first, last = sum(ref[:5]) / 5, sum(ref[-5:]) / 5
     assert last < 0.95 * first, f"the reference did not learn (mean loss {first:.4f} -> {last:.4f}): a weak test"
     err = max_rel_diff(distributed[name], ref)
@@ -160,7 +177,7 @@ def test_parity_with_single_process(name, reference, distributed):
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("control")])
 def test_negative_control_wrong_loss_convention_fails(name, reference, distributed):
     """A gradient twice or half the single-rank one (the sum-vs-average trap) must break parity."""
-    losses, ref = distributed[name], reference[CASES[name][0]]
+    losses, ref = distributed[name], reference[_reference_key(CASES[name])]
     assert losses[0] == pytest.approx(ref[0], rel=TOL), "step 1 precedes any update and must agree"
     assert max_rel_diff(losses, ref) > 100 * TOL, f"{name}: a wrong convention went unnoticed"
 
