@@ -129,6 +129,7 @@ class Context:
     seed: int = 1234
     recompute_output: bool = False  # the sp op's recompute_output (--recompute-output: True)
     check_shapes: bool = True  # the ops' cross-rank call check (--no-check-shapes: False)
+    tile_length: int | None = None  # the sp op's tile_length (--tile-length)
 
     @property
     def cuda(self) -> bool:
@@ -251,6 +252,7 @@ def build_step(mode: str, cell: Cell, ctx: Context):
                 recompute_output=ctx.recompute_output,
                 check_shapes=ctx.check_shapes,
                 seq_idx=labels,
+                tile_length=ctx.tile_length,
                 **inp.kwargs(),
             )
         )
@@ -719,6 +721,7 @@ def init(args) -> Context:
         dims=args.dims,
         recompute_output=args.recompute_output,
         check_shapes=args.check_shapes,
+        tile_length=args.tile_length,
     )
     torch.manual_seed(ctx.seed + ctx.rank)
     return ctx
@@ -742,6 +745,7 @@ def main(argv=None):
             suite=args.suite,
             recompute_output=ctx.recompute_output,
             check_shapes=ctx.check_shapes,
+            tile_length=ctx.tile_length,
             docs_per_row=sorted({c.docs for c in args.cells}),
             shared_gpu=args.shared_gpu,
         ),

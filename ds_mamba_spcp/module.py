@@ -37,6 +37,7 @@ from ds_mamba_spcp.call import Options, prepare
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config
 from ds_mamba_spcp.groups import group_size, resolve_sequence_process_group
 from ds_mamba_spcp.ops import get_backend, reference
+from ds_mamba_spcp.ops.spec import CoreSpec
 
 # The registries of nn.Module that hold what state_dict / parameters / .to() walk.
 _SHARED_REGISTRIES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
@@ -296,7 +297,8 @@ class DistributedMamba2(nn.Module):
             )
         _reject_call(inference_params)
         group = self._resolve_group()
-        if self._group_size == 1 and get_backend(self.config.backend, u.device) is not reference:
+        backend = get_backend(self.config.backend, u.device)
+        if self._group_size == 1 and backend is not reference and self._fits_one_call(backend, u):
             return self.local_mixer(u, seqlen=seqlen, seq_idx=seq_idx, cu_seqlens=cu_seqlens)  # the unwrapped module
         hidden = u if seqlen is None else rearrange(u, "(b l) d -> b l d", l=seqlen)
         out = mixer_forward(
@@ -304,6 +306,14 @@ class DistributedMamba2(nn.Module):
             cu_seqlens=cu_seqlens, d_model=self.local_mixer.d_model,
         )  # fmt: skip
         return out if seqlen is None else rearrange(out, "b l d -> (b l) d")
+
+    def _fits_one_call(self, backend, u) -> bool:
+        """Whether mamba-ssm's own op can take these tokens in one call (else the op runs them in tiles)."""
+        m = self.local_mixer
+        spec = CoreSpec(m.nheads, m.headdim, m.ngroups, m.d_state, m.d_conv, m.chunk_size)
+        limit = backend.max_tokens_per_call(spec)
+        tokens = u.numel() // u.shape[-1]
+        return self.config.tile_length is None and (limit is None or tokens <= limit)
 
     def _core(self) -> MixerCore:
         """The mixer core's parameters and options, read off the wrapped Mamba2 as its forward does."""

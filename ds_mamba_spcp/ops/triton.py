@@ -31,7 +31,8 @@ below upstream's op on the same tokens (benchmarks/results).
 
 Length limit: mamba-ssm 2.3.2's kernels compute element offsets in int32 (mamba-ssm issue #1015),
 so a tensor they touch must hold fewer than 2**31 elements. The widest is zxbcdt and its gradient
-(d_in_proj elements per token): see ``max_tokens``; longer shards are refused with the way out.
+(d_in_proj elements per token): see ``max_tokens``. The sharded op runs longer segments as tiles
+(``ops/tiles.py``); only a direct call of this module with more is refused, with the way out.
 Measured on an H200 (benchmarks/probe_int32_limit.py: upstream's op, bf16, batch 1, nheads=64,
 headdim=64, ngroups=8, dstate=128, d_in_proj=10304, against the fp32 reference): 208384 tokens
 (zxbcdt 2,147,188,736 elements) match (worst 1/16 of the sequence 2.8e-3 out, 3.0e-3 dzxbcdt);
@@ -95,26 +96,23 @@ def max_tokens_per_call(spec: CoreSpec) -> int:
 
 
 def check_lengths(rows: int, seqlen: int, spec: CoreSpec, *, sharded: bool) -> None:
-    """Raises ValueError, with the way out, when a call would overflow the kernels' int32 offsets.
+    """Raises ValueError, with the way out, when one call would overflow the kernels' int32 offsets.
 
-    rows x seqlen: the batch as the kernels see it (under load_balancing="virtual" a rank's two
-    segments are packed on the batch axis, so rows = 2 x batch and seqlen = local seqlen / 2).
+    rows x seqlen: the batch as the kernels see it. The sharded op never gets here with too much (it
+    runs longer segments in tiles, ops/tiles.py); what remains refused is a direct call of this
+    backend's functions, mamba-ssm's own op among them (``single_device_op``), with too many tokens.
     """
     if largest_numel(rows, seqlen, spec) < INT32_LIMIT:
         return
     tokens, limit = rows * seqlen, max_tokens(spec)
-    where = "this rank holds" if sharded else "the input holds"
-    way_out = (
-        f"Split the sequence over at least {math.ceil(tokens / limit)}x as many sequence-parallel ranks"
-        if sharded
-        else f"Shard the sequence over at least {math.ceil(tokens / limit)} sequence-parallel ranks"
-    )
+    where = "this segment holds" if sharded else "the input holds"
     raise ValueError(
         f"{where} {tokens} tokens (batch x seqlen); mamba-ssm 2.3.2's Triton kernels index with int32 offsets "
         f"and silently return wrong results once a tensor reaches 2**31 elements (mamba-ssm issue #1015). With "
         f"d_in_proj={spec.d_in_proj} (nheads={spec.nheads}, headdim={spec.headdim}, ngroups={spec.ngroups}, "
-        f"dstate={spec.dstate}) one rank can take at most {limit} tokens (batch x local seqlen) per call. "
-        f"{way_out}, or use a smaller micro-batch, so that batch x local seqlen <= {limit}."
+        f"dstate={spec.dstate}) one call can take at most {limit} tokens. Call "
+        "ds_mamba_spcp.mamba_split_conv1d_scan_sp instead (it runs longer rows in tiles, also on one GPU), or "
+        f"pass it a tile_length of at most {limit // spec.chunk_size * spec.chunk_size}."
     )
 
 
