@@ -111,6 +111,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="score the shard's tokens this many at a time, never materialising the whole shard's "
         "logits (0: all at once)",
     )
+    p.add_argument(
+        "--shared-gpu",
+        action="store_true",
+        help="every rank on GPU 0 through gloo: a correctness run of the GPU path on one GPU (timings mean "
+        "nothing; DESIGN.md section 6)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logs")
     add_checkpoint_args(p)
@@ -549,8 +555,12 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
 
     if not args.verbose:
         deepspeed.utils.logger.setLevel("WARNING")
+    if args.shared_gpu:  # before DeepSpeed binds rank i to cuda:i
+        os.environ["LOCAL_RANK"] = "0"
+        torch.cuda.set_device(0)
     if not dist.is_initialized():
-        deepspeed.init_distributed(verbose=args.verbose, timeout=dist_timeout(args))
+        deepspeed.init_distributed(dist_backend="gloo" if args.shared_gpu else None, verbose=args.verbose,
+                                   timeout=dist_timeout(args))  # fmt: skip
     world, rank = dist.get_world_size(), dist.get_rank()
     if "data_parallel_size" in ds_config:
         raise ValueError(
