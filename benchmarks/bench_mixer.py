@@ -641,6 +641,12 @@ def parse_args(argv=None):
         help="the ops' cross-rank call check (default on, as for users)",
     )
     p.add_argument(
+        "--tile-length",
+        type=int,
+        default=None,
+        help="the state-passing modes run every segment in tiles of this many tokens (a group of one too)",
+    )
+    p.add_argument(
         "--shared-gpu",
         action="store_true",
         help="every rank on cuda:0 through gloo: kernel lists and correctness only, timings mean nothing",
