@@ -109,7 +109,7 @@ def trial(args, seqlen: int, workdir: str) -> dict:
     backend = re.search(r"Mamba2 backend (\S+)", out)
     rec["mamba_backend"] = backend.group(1).rstrip(":") if backend else None
     if status != "ok":
-        lines = [line for line in out.splitlines() if "Error" in line or "error" in line]
+        lines = [line for line in out.splitlines() if re.search(r"OutOfMemoryError|Error:|error:", line)]
         rec["reason"] = (lines[-1] if lines else out[-300:]).strip()[:400]
     return rec
 
@@ -131,7 +131,11 @@ def markdown(payload: dict) -> str:
     lines += ["| preset | GPUs | mode | global L | status | step s | tokens/s | peak GiB | notes |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in payload["records"]:
-        note = r.get("reason", "") if r["status"] != "ok" else ("offload" if r["offload"] else "")
+        note = "offload" if r["offload"] else ""
+        if r["status"] == "oom":
+            note = "CUDA out of memory"
+        elif r["status"] != "ok":
+            note = r.get("reason", "")
         lines.append(
             f"| {r['preset']} | {r['gpus']} | {r['mode']} | {r['seqlen']:,} | {r['status']} | "
             f"{r.get('step_s', float('nan')):.2f} | {r.get('tokens_per_s', float('nan')):,.0f} | "
