@@ -640,14 +640,20 @@ def launched() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
-    with open(args.deepspeed_config, encoding="utf-8") as f:
+def read_config_and_share_cores(path: str) -> dict:
+    """The ds_config at ``path``; on CPU, each local rank takes its share of the host's cores (instead of
+    every rank taking them all)."""
+    with open(path, encoding="utf-8") as f:
         ds_config = json.load(f)
     if not torch.cuda.is_available():
-        # CPU ranks share the host's cores: one share each, instead of every rank taking them all.
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1))) if launched() else 1
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    return ds_config
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    ds_config = read_config_and_share_cores(args.deepspeed_config)
     if launched():
         return run_distributed(args, ds_config)
     if args.save_dir or args.fault_drill:

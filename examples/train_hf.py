@@ -18,7 +18,6 @@ CPU processes (gloo). The ds_config's ``input_layout`` must be contiguous (the a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +29,15 @@ if _HERE not in sys.path:  # train.py beside this file, also when imported by th
     sys.path.insert(0, _HERE)
 
 # the data, the single-process optimizer and the step log of the Mamba2 example
-from train import DEFAULT_CONFIG, StepLog, batch_seed, launched, synthetic_batch, torch_optimizer  # noqa: E402
+from train import (  # noqa: E402
+    DEFAULT_CONFIG,
+    StepLog,
+    batch_seed,
+    launched,
+    read_config_and_share_cores,
+    synthetic_batch,
+    torch_optimizer,
+)
 
 from ds_mamba_spcp.config import load_mamba_sp_config  # noqa: E402
 from ds_mamba_spcp.data import grad_scale_for_engine, sequence_parallel_cross_entropy, shard_batch  # noqa: E402
@@ -186,12 +193,7 @@ def _describe(model, args) -> str:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    with open(args.deepspeed_config, encoding="utf-8") as f:
-        ds_config = json.load(f)
-    if not torch.cuda.is_available():
-        # CPU ranks share the host's cores: one share each
-        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1))) if launched() else 1
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    ds_config = read_config_and_share_cores(args.deepspeed_config)
     if launched():
         return run_distributed(args, ds_config)
     return run_single(args, ds_config)
