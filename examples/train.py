@@ -380,7 +380,6 @@ def run_single(args, ds_config: dict) -> list[dict]:
     """The single-process reference: the whole sequence on one device, plain PyTorch optimizer."""
     from ds_mamba_spcp.module import wrap_mamba2_mixers
 
-    micro, gas = _grad_accumulation(ds_config)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args)
     # A group of one on the plain-PyTorch reference op on CPU (mamba-ssm's own kernels need CUDA).
@@ -391,17 +390,30 @@ def run_single(args, ds_config: dict) -> list[dict]:
     wrap_mamba2_mixers(model, None, one)
     model.to(device).train()
     block_checkpointing(model, args)
+    print(f"single process on {device}, Mamba2 backend {mixer_backend(model)}: {_describe(model, args)}", flush=True)
+    return train_single_process(
+        args, ds_config, model, device,
+        lambda step, m, micro: make_batch(args, micro, batch_seed(args.seed, step, m, 0)),
+        lambda batch: forward_loss(model, model, batch, None, 1.0, args),
+    )  # fmt: skip
+
+
+def train_single_process(args, ds_config: dict, model, device, full_batch, loss_of) -> list[dict]:
+    """The single-process loop (plain PyTorch optimizer of the ds_config, gradient accumulation, clipping).
+
+    ``full_batch(step, micro_index, micro_batch_size)`` gives full rows, ``loss_of(batch)`` the (loss, mean
+    loss) of one batch as ``shard_batch`` (a group of one) makes it, on ``device``."""
+    micro, gas = _grad_accumulation(ds_config)
     optimizer = torch_optimizer(ds_config, model.parameters())
     clip = float(ds_config.get("gradient_clipping", 0.0))
     log = StepLog(args, True, micro * gas * args.seq_len)
-    print(f"single process on {device}, Mamba2 backend {mixer_backend(model)}: {_describe(model, args)}", flush=True)
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         losses = []
         for m in range(gas):
-            full = make_batch(args, micro, batch_seed(args.seed, step, m, 0))
+            full = full_batch(step, m, micro)
             batch = {k: v.to(device) for k, v in shard_batch(full, rank=0, world_size=1).items()}
-            loss, mean_loss = forward_loss(model, model, batch, None, 1.0, args)
+            loss, mean_loss = loss_of(batch)
             (loss / gas).backward()
             losses.append(mean_loss.item())
         if clip > 0:

@@ -32,11 +32,12 @@ if _HERE not in sys.path:  # train.py beside this file, also when imported by th
 from train import (  # noqa: E402
     DEFAULT_CONFIG,
     StepLog,
+    _grad_accumulation,
     batch_seed,
     launched,
     read_config_and_share_cores,
     synthetic_batch,
-    torch_optimizer,
+    train_single_process,
 )
 
 from ds_mamba_spcp.config import load_mamba_sp_config  # noqa: E402
@@ -91,42 +92,20 @@ def build_model(args):
     return NemotronHForCausalLM(config)
 
 
-def _grad_accumulation(ds_config: dict) -> tuple[int, int]:
-    micro = ds_config.get("train_micro_batch_size_per_gpu")
-    if micro is None:
-        raise ValueError('set "train_micro_batch_size_per_gpu" in the ds_config (the sequences per step and rank)')
-    return int(micro), int(ds_config.get("gradient_accumulation_steps", 1))
-
-
 def _logits(model, batch):
     return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
 
 
 def run_single(args, ds_config: dict) -> list[dict]:
     """The reference: transformers' model on whole sequences, plain PyTorch optimizer."""
-    micro, gas = _grad_accumulation(ds_config)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args).to(device).train()
-    optimizer = torch_optimizer(ds_config, model.parameters())
-    clip = float(ds_config.get("gradient_clipping", 0.0))
-    log = StepLog(args, True, micro * gas * args.seq_len)
     print(f"single process on {device}: {_describe(model, args)}", flush=True)
-    for step in range(1, args.steps + 1):
-        t0 = time.perf_counter()
-        losses = []
-        for m in range(gas):
-            full = synthetic_batch(micro, args.seq_len, args.vocab_size, batch_seed(args.seed, step, m, 0))
-            batch = {k: v.to(device) for k, v in shard_batch(full, rank=0, world_size=1).items()}
-            loss, mean_loss = sequence_parallel_cross_entropy(_logits(model, batch), batch["shift_labels"])
-            (loss / gas).backward()
-            losses.append(mean_loss.item())
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        log.step(step, sum(losses) / gas, time.perf_counter() - t0)
-    log.close()
-    return log.records
+    return train_single_process(
+        args, ds_config, model, device,
+        lambda step, m, micro: synthetic_batch(micro, args.seq_len, args.vocab_size, batch_seed(args.seed, step, m, 0)),
+        lambda batch: sequence_parallel_cross_entropy(_logits(model, batch), batch["shift_labels"]),
+    )  # fmt: skip
 
 
 def run_distributed(args, ds_config: dict) -> list[dict]:
