@@ -392,11 +392,10 @@ def needs_tiles(call) -> bool:
 def run(call):
     """The state-passing strategy on a prepared ``MixerCall`` (load_balancing "none" or "virtual"). With a
     group of one it runs the row as one segment, in tiles (``needs_tiles``): the single-device op with no
-    length cap. Labels are renumbered from 0 there as the single-device op does."""
+    length cap."""
     o = call.options
-    if call.cp == 1:
-        seq_idx = None if call.seq_idx is None else canonical_seq_idx(call.seq_idx)
-        call = call.replace(seq_idx=seq_idx, rank=0).with_options(load_balancing="none", input_layout="contiguous")
+    if call.cp == 1:  # (labels: each segment renumbers its own below)
+        call = call.replace(rank=0).with_options(load_balancing="none", input_layout="contiguous")
     seq_layout = "zigzag" if o.load_balancing == "virtual" and call.cp > 1 else "contiguous"
     plan = SegmentPlan(call.group if call.cp > 1 else None, call.rank, call.cp, seq_layout, async_op=o.overlap_comm)
     st = _Static(call.spec, plan, call.backend, bool(o.return_final_states), bool(o.recompute_output),

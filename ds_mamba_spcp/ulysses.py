@@ -37,7 +37,6 @@ import torch
 from ds_mamba_spcp import comm, layout, state_passing
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.call import Options, _ulysses_head_layout, prepare
-from ds_mamba_spcp.ops.reference import canonical_seq_idx
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 # ---------------------------------------------------------------------------------------------
@@ -312,10 +311,9 @@ def mamba_split_conv1d_scan_ulysses(
 
 
 def _full_row_labels(seq_idx, plan: _Plan):
-    """Every rank's shard of the labels -> the whole rows in causal order, renumbered from 0 per row."""
+    """Every rank's shard of the labels -> the whole rows in causal order (the scan renumbers them)."""
     shards = comm.all_gather(seq_idx, plan.group, plan.cp, async_op=False).wait()  # [cp, b, L/cp]
-    full = layout.unshard_sequence(list(shards.unbind(0)), plan.seq_layout)
-    return canonical_seq_idx(full)
+    return layout.unshard_sequence(list(shards.unbind(0)), plan.seq_layout)
 
 
 def _scan(call):
