@@ -38,10 +38,6 @@ class Tiles:
     rows: tuple
     spans: tuple
 
-    @property
-    def count(self) -> int:
-        return len(self.rows) * len(self.spans)
-
 
 def plan(nrows: int, seqlen: int, spec: CoreSpec, limit: int | None, tile_length: int | None) -> Tiles | None:
     """The tiles of a (nrows, seqlen) segment, or None when one call takes it whole.
