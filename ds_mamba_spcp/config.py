@@ -209,8 +209,8 @@ def _read_json(path: str | os.PathLike) -> Any:
             raise ValueError(f"ds_config file {path!r} is not valid JSON: {e}") from e
 
 
-def _ds_config_dict(config: Any) -> Mapping:
-    """The whole ds_config as a mapping, from any of the accepted sources."""
+def ds_config_dict(config: Any) -> Mapping:
+    """The whole ds_config as a mapping, from any of the accepted sources (not a MambaSequenceParallelConfig)."""
     if isinstance(config, Mapping):
         return config
     if isinstance(config, (str, os.PathLike)):
@@ -265,7 +265,7 @@ def load_mamba_sp_config(config: Any) -> MambaSequenceParallelConfig:
     """
     if isinstance(config, MambaSequenceParallelConfig):
         return config
-    ds_config = _ds_config_dict(config)
+    ds_config = ds_config_dict(config)
     section = ds_config.get(SECTION)
     if section is None:
         section = {}

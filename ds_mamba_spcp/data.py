@@ -169,9 +169,61 @@ def grad_scale_for_engine(engine) -> float:
     ranks count as data-parallel ranks and every stage averages over them, so this raises.
     """
     sp_size = int(getattr(engine, "sequence_parallel_size", 1) or 1)
+    check_engine_settings(engine)
     stage = int(engine.zero_optimization_stage())
     reduce_scatter = bool(engine.zero_reduce_scatter()) if stage == 3 else True
     return grad_scale(stage, sp_size, reduce_scatter=reduce_scatter)
+
+
+def selects_bf16_optimizer(ds_config: Mapping) -> bool:
+    """Whether DeepSpeed 0.19.8 wraps the optimizer of ``ds_config`` (a dict) in its ``BF16_Optimizer``.
+
+    ``DeepSpeedEngine._do_optimizer_sanity_check`` picks it for ZeRO stage 1 with ``"bf16"`` enabled,
+    ``"data_types": {"grad_accum_dtype": "fp32"}`` and no CPU optimizer offload (otherwise ZeRO 1-3 use
+    the ZeRO optimizers, stage 0 with bf16 the FP16_Optimizer), and for stage 0 with bf16 under pipeline
+    parallelism (``PipelineModule``, which this package does not take).
+    """
+    from deepspeed.runtime.config import DtypeEnum
+
+    zero = ds_config.get("zero_optimization") or {}
+    bf16 = ds_config.get("bf16", ds_config.get("bfloat16")) or {}
+    accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    return (
+        int(zero.get("stage", 0)) == 1
+        and bool(bf16.get("enabled", False))
+        and accum is not None
+        and DtypeEnum(accum).value == torch.float32
+        and str(offload).lower() != "cpu"
+    )
+
+
+def bf16_optimizer_error() -> ValueError:
+    """The error for DeepSpeed's BF16_Optimizer under sequence parallelism (see ``check_engine_settings``)."""
+    return ValueError(
+        'ZeRO stage 1 with "bf16": {"enabled": true} and "data_types": {"grad_accum_dtype": "fp32"} makes DeepSpeed '
+        "0.19.8 use its BF16_Optimizer, whose gradient norm counts parameters only on model-parallel rank 0; "
+        "DeepSpeed's sequence-parallel mpu (parallel_state_sp) aliases model parallelism to sequence parallelism, so "
+        'sequence-parallel ranks >= 1 count no parameter and fail in get_global_norm_of_tensors ("stack expects a '
+        'non-empty TensorList") while rank 0 waits in the all-reduce (a hang on NCCL). Set '
+        '"zero_optimization.stage" to 2 (it keeps the fp32 gradient accumulation, and its norm is right), or drop '
+        '"data_types.grad_accum_dtype" (ZeRO 1 then accumulates in bf16 through its ZeRO optimizer).'
+    )
+
+
+def check_engine_settings(engine) -> None:
+    """Raises ValueError, before the first step, for DeepSpeed settings that break sequence parallelism.
+
+    Every rank of a run builds its engine from the same ds_config, so every rank raises alike. Checked:
+    DeepSpeed's ``BF16_Optimizer`` (``selects_bf16_optimizer``) with a sequence-parallel mpu.
+    ``grad_scale_for_engine`` calls this; ``prepare_sequence_parallel`` checks the ds_config before
+    ``deepspeed.initialize``.
+    """
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    sp_size = int(getattr(engine, "sequence_parallel_size", 1) or 1)
+    if sp_size > 1 and getattr(engine, "mpu", None) is not None and isinstance(engine.optimizer, BF16_Optimizer):
+        raise bf16_optimizer_error()
 
 
 def grad_scale(zero_stage: int, sp_size: int, *, reduce_scatter: bool = True) -> float:

@@ -629,6 +629,12 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     import deepspeed.comm as dist
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
+    from ds_mamba_spcp.config import ds_config_dict
+    from ds_mamba_spcp.data import bf16_optimizer_error, selects_bf16_optimizer
+
+    if not isinstance(ds_config, MambaSequenceParallelConfig) and selects_bf16_optimizer(ds_config_dict(ds_config)):
+        raise bf16_optimizer_error()  # the returned mpu would break DeepSpeed's BF16_Optimizer
+
     if not dist.is_initialized():
         raise RuntimeError(
             "prepare_sequence_parallel needs deepspeed.comm: launch with the deepspeed launcher (or torchrun) and "
