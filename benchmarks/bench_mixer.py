@@ -332,8 +332,10 @@ def agree(ok: bool, ctx: Context) -> bool:
 def gather_row(values: list[float], ctx: Context) -> list[list[float]]:
     """Every rank's row of floats, (world, n)."""
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    from ds_mamba_spcp import comm
+
     out = torch.empty(ctx.cp * t.numel(), dtype=torch.float64, device=ctx.device)
-    _dist().all_gather_into_tensor(out, t)
+    comm.all_gather_into(out, t)
     return out.view(ctx.cp, -1).tolist()
 
 

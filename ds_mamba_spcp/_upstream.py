@@ -3,9 +3,19 @@
 ``import mamba_ssm`` runs ``mamba_ssm/__init__.py``, which imports ``selective_scan_cuda`` and
 fails on builds without the CUDA extension (CPU machines, the Triton-only wheels). Everything
 this package needs (the Triton SSD pieces, ``Mamba2``) lives in submodules that do not need it.
-``mamba_module(name)`` registers a bare package object for ``mamba_ssm`` (its ``__path__`` set
-to the installed folder, ``__init__`` not executed) when the real import fails, then imports the
-submodule normally. When the real import works, nothing is bypassed.
+``mamba_module(name)`` imports the submodule under a bare package object for ``mamba_ssm`` (its
+``__path__`` set to the installed folder, ``__init__`` not executed) when the real import fails. When
+the real import works, nothing is bypassed.
+
+The bare package does not stay in ``sys.modules``: other libraries decide whether mamba-ssm is usable by
+importing it (transformers' ``use_kernel_func_from_hub_with_fallback`` binds a model class to
+``mamba_ssm``'s kernels when ``importlib.import_module("mamba_ssm")`` succeeds), and a half-imported
+package would make them bind CUDA-only kernels on a machine where mamba-ssm cannot run them. So the
+bare package and every submodule imported under it are put into ``sys.modules`` only for the duration
+of an import and kept aside between imports (the same module objects each time: one copy of every
+submodule and its Triton kernels). ``expose_mamba_package()`` leaves them in ``sys.modules`` for good,
+for a caller that wants other libraries to bind mamba-ssm's Triton kernels on a GPU without the CUDA
+extension (``tests/test_hf_gpu.py``).
 
 The Triton backend calls private functions of mamba-ssm and causal-conv1d (``_chunk_state_fwd``,
 ``causal_conv1d_bwd_function``, ...), whose signatures and semantics change between releases
@@ -16,6 +26,7 @@ gradients.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -30,28 +41,88 @@ PINNED = {"mamba-ssm": "2.3.2.post1", "causal-conv1d": "1.7.0"}
 UNPINNED_ENV = "DS_MAMBA_SPCP_ALLOW_UNPINNED"
 
 
-def _ensure_mamba_package() -> None:
-    if "mamba_ssm" in sys.modules:
+_PACKAGE = "mamba_ssm"
+# mamba_ssm modules imported under the bare package, kept out of sys.modules between imports
+_HIDDEN: dict[str, types.ModuleType] = {}
+_STATE = {"real": None, "exposed": False}  # real: whether `import mamba_ssm` works (None: not tried yet)
+
+
+def _ours(name: str) -> bool:
+    return name == _PACKAGE or name.startswith(_PACKAGE + ".")
+
+
+def _real_package_works() -> bool:
+    if _STATE["real"] is None:
+        before = {k for k in sys.modules if _ours(k)}
+        try:
+            importlib.import_module(_PACKAGE)
+            _STATE["real"] = True
+        except ImportError:
+            _STATE["real"] = False
+            # the failed import leaves the subpackages it got through (mamba_ssm.ops, ...): drop them too
+            for name in [k for k in sys.modules if _ours(k) and k not in before]:
+                del sys.modules[name]
+    return _STATE["real"]
+
+
+@contextlib.contextmanager
+def _bare_package():
+    """``sys.modules`` holds the bare ``mamba_ssm`` and the modules imported under it inside the block."""
+    if _PACKAGE not in _HIDDEN:
+        spec = importlib.util.find_spec(_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("mamba-ssm is not installed (pip install mamba-ssm==2.3.2.post1)")
+        pkg = types.ModuleType(_PACKAGE)
+        pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__spec__ = spec
+        pkg.__file__ = spec.origin
+        _HIDDEN[_PACKAGE] = pkg
+    if _STATE["exposed"]:
+        yield
         return
+    # what is there already stays (subpackages left by another library's failed `import mamba_ssm`)
+    before = {k for k in sys.modules if _ours(k)}
+    sys.modules.update({k: v for k, v in _HIDDEN.items() if k not in before})
     try:
-        importlib.import_module("mamba_ssm")
-        return
-    except ImportError:
-        sys.modules.pop("mamba_ssm", None)
-    spec = importlib.util.find_spec("mamba_ssm")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("mamba-ssm is not installed (pip install mamba-ssm==2.3.2.post1)")
-    pkg = types.ModuleType("mamba_ssm")
-    pkg.__path__ = list(spec.submodule_search_locations)
-    pkg.__spec__ = spec
-    pkg.__file__ = spec.origin
-    sys.modules["mamba_ssm"] = pkg
+        yield
+    finally:
+        for name in [k for k in sys.modules if _ours(k) and k not in before]:
+            _HIDDEN[name] = sys.modules.pop(name)
 
 
 def mamba_module(name: str):
     """``mamba_module("ops.triton.ssd_combined")`` -> that submodule of mamba_ssm."""
-    _ensure_mamba_package()
-    return importlib.import_module(f"mamba_ssm.{name}")
+    full = f"{_PACKAGE}.{name}"
+    if _real_package_works():
+        return importlib.import_module(full)
+    if full in _HIDDEN:
+        return _HIDDEN[full]
+    with _bare_package():
+        return importlib.import_module(full)
+
+
+def mamba_modules_loaded(prefix: str = _PACKAGE) -> list[str]:
+    """Names of the mamba_ssm modules loaded in this process that start with ``prefix`` (in ``sys.modules`` or
+    kept aside by ``mamba_module``): e.g. to check that no Triton module was imported before an environment
+    variable it reads at import time was set."""
+    names = set(_HIDDEN) | {k for k in sys.modules if _ours(k)}
+    return sorted(n for n in names if n.startswith(prefix) and n != _PACKAGE)
+
+
+def expose_mamba_package() -> None:
+    """Leaves the bare ``mamba_ssm`` package and its imported modules in ``sys.modules`` from now on (nothing
+    to do where the real import works). Libraries that import mamba_ssm afterwards then find it and bind its
+    Triton kernels: on a GPU without mamba-ssm's CUDA extension, what a built ``import mamba_ssm`` gives."""
+    if _real_package_works() or _STATE["exposed"]:
+        return
+    with _bare_package():
+        pass
+    for name, module in _HIDDEN.items():  # the attribute chain mamba_ssm.ops.triton... that importers walk
+        parent, _, child = name.rpartition(".")
+        if parent in _HIDDEN and not hasattr(_HIDDEN[parent], child):
+            setattr(_HIDDEN[parent], child, module)
+    sys.modules.update({k: v for k, v in _HIDDEN.items() if k not in sys.modules})
+    _STATE["exposed"] = True
 
 
 def mamba2_class():

@@ -67,13 +67,26 @@ class Gathered:
         return self._out.view(-1, *self._shape)
 
 
+def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+    """Gathers every rank's ``tensor`` into ``out`` (world * numel, rank order); returns the work handle.
+
+    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and warns at the old name, which
+    ``deepspeed.comm`` 0.19.8 still calls (it has no ``all_gather_single``): the new name is called
+    directly where torch has it, on the same process groups (deepspeed.comm's groups are torch's).
+    """
+    single = getattr(torch.distributed, "all_gather_single", None)
+    if single is None:
+        return _dist().all_gather_into_tensor(out, tensor, group=group, async_op=async_op)
+    return single(out, tensor, group=group, async_op=async_op)
+
+
 def all_gather(tensor: torch.Tensor, group, world: int, async_op: bool = True) -> Gathered:
     """Posts an all-gather of ``tensor`` over ``group`` (every rank passes the same shape)."""
     tensor = tensor.contiguous()
     if world == 1:
         return Gathered(tensor.clone(), None, tensor.shape)
     out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    work = _dist().all_gather_into_tensor(out, tensor.view(-1), group=group, async_op=async_op)
+    work = all_gather_into(out, tensor.view(-1), group=group, async_op=async_op)
     stream = _current_stream(tensor.device) if async_op else None
     return Gathered(out, work if async_op else None, tensor.shape, stream)
 

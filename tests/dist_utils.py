@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import socket
+import tempfile
 import time
 import traceback
 
@@ -27,10 +28,63 @@ from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Rendezvous ports (MASTER_PORT). A port from bind(("", 0)) comes from the kernel's ephemeral range, the
+# range every outgoing connection's source port is drawn from too: between the moment it is chosen and
+# freed here and the moment the launched rank 0 binds it (tens of seconds of imports on a loaded machine),
+# any connection on the host (gloo's rank-to-rank sockets of other tests) may take it, and the run fails
+# to bind. So ports come from just below that range, where the kernel never assigns one, and each is
+# locked (flock on a file every test process on the host sees) for the life of the process that chose it,
+# so two test processes never pick the same one. DeepSpeed's CPU backend names its /dev/shm buffers after
+# the port and never unlinks them: the buffers a killed run left for this port are removed when it is
+# reserved, so no run maps another's stale buffers.
+_PORT_SPAN = 8000
+_PORT_LOCKS = os.path.join(tempfile.gettempdir(), "ds_mamba_spcp_ports")
+_held_ports: dict[int, int] = {}  # port -> the open lock file's descriptor (held: the lock lives with it)
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for automatically assigned ports (Linux default 32768-60999)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="utf-8") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_lock_path(port: int) -> str:
+    return os.path.join(_PORT_LOCKS, f"{port}.lock")
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port for one run's rendezvous, outside the ephemeral range, reserved for this process (see above)."""
+    import fcntl
+    import random
+
+    low, _ = ephemeral_port_range()
+    first = max(1024, low - _PORT_SPAN)
+    os.makedirs(_PORT_LOCKS, exist_ok=True)
+    candidates = list(range(first, low))
+    random.shuffle(candidates)
+    for port in candidates:
+        if port in _held_ports:
+            continue
+        fd = os.open(port_lock_path(port), os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # another test process holds it
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                os.close(fd)  # something else listens there
+                continue
+        _held_ports[port] = fd
+        remove_deepspeed_shm_buffers(port)  # stale buffers of a killed run on this port
+        return port
+    raise RuntimeError(f"no free port in {first}-{low - 1} (below the ephemeral range) for a test run")
 
 
 def _worker(rank, world_size, port, fn, args, queue, backend):

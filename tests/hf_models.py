@@ -30,9 +30,7 @@ MODULES = {
 
 
 def import_models() -> None:
-    """Imports the six modeling modules. On CPU, call this before anything of ds_mamba_spcp loads mamba-ssm's
-    Triton modules: transformers binds mamba-ssm's kernels (which need CUDA) instead of its PyTorch path to the
-    model classes imported after that (see ds_mamba_spcp.integrations.transformers)."""
+    """Imports the six modeling modules (in any order with ds_mamba_spcp: tests/test_import_order.py)."""
     import importlib
 
     for name in MODULES.values():

@@ -417,9 +417,9 @@ def _run_deterministic(rank, world):
     """The small odd shape in mamba-ssm's deterministic mode: one Triton config per kernel instead of
     autotuning (the odd shape's autotuning alone ran past 90 s on the H200 machine), the same kernels
     with their reductions done by stores and sums instead of fp32 atomics."""
-    import sys
+    from ds_mamba_spcp._upstream import mamba_modules_loaded
 
-    if "mamba_ssm.ops.triton.ssd_combined" in sys.modules:
+    if mamba_modules_loaded("mamba_ssm.ops.triton.ssd_combined"):
         raise RuntimeError("mamba-ssm's kernels were imported before MAMBA_DETERMINISTIC could be set")
     os.environ["MAMBA_DETERMINISTIC"] = "1"
     return {"cases": _run_cases(rank, world, [n for n, c in CASES.items() if c["shape"] in DETERMINISTIC_SHAPES])}

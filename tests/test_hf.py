@@ -49,7 +49,7 @@ import torch
 
 from tests import hf_models
 
-hf_models.import_models()  # before anything loads mamba-ssm's modules: see hf_models.import_models
+hf_models.import_models()
 
 from ds_mamba_spcp.config import SECTION  # noqa: E402
 from tests.dist_utils import REPO, agree, rel_err, run_ranks, sharded_rel_err, summed_rel_err  # noqa: E402

@@ -58,9 +58,10 @@ CASES["bug_attention_only_bamba"] = dict(family="bamba", extra={}, bug="attentio
 def _load_kernels_first():
     """mamba-ssm's Triton modules before transformers' models: transformers then binds its fused kernels."""
     os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
-    from ds_mamba_spcp._upstream import mamba_module
+    from ds_mamba_spcp._upstream import expose_mamba_package, mamba_module
 
     mamba_module("ops.triton.ssd_combined")
+    expose_mamba_package()  # the bare mamba_ssm stays in sys.modules: transformers finds it and binds the kernels
     hf_models.import_models()
 
 

@@ -115,6 +115,20 @@ def _one_step(engine, model, rank, world, dtype, scale=None):
     return float(engine.get_global_grad_norm()), reduced, update
 
 
+def _gather_without_deprecation(rank, world):
+    """The package's all-gather, every warning recorded: torch 2.13 deprecates all_gather_into_tensor."""
+    import warnings
+
+    from ds_mamba_spcp import comm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = comm.all_gather(torch.full((3,), float(rank)), None, world, async_op=True).wait()
+    deprecated = [str(w.message) for w in caught if "deprecated" in str(w.message)]
+    ok = torch.equal(rows, torch.arange(world, dtype=torch.float32)[:, None].expand(world, 3))
+    return {"deprecated": deprecated, "ok": agree(ok and not deprecated)}
+
+
 def _run(rank, world):
     import deepspeed
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
@@ -123,11 +137,12 @@ def _run(rank, world):
     from ds_mamba_spcp.data import grad_scale_for_engine, selects_bf16_optimizer
 
     deepspeed.utils.logger.setLevel("WARNING")
+    out = {"gather": _gather_without_deprecation(rank, world)}
     parallel_state_sp.initialize_sequence_parallel(world)
     truth = list(_single_process_grads(TinyLM()).values())
     true_norm = _norm(truth)
     clip = CLIP_FRACTION * true_norm
-    out = {"true_norm": true_norm, "clip": clip}
+    out.update(true_norm=true_norm, clip=clip)
     rule_ok = True
     for name, (stage, dtype, accum, scale) in {**CASES, **CONTROL}.items():
         engine, model, config = _engine(stage, dtype, accum, clip, world)
@@ -196,6 +211,12 @@ def test_bf16_optimizer_refused_on_every_rank(results):
     msg = results[0]["bf16_optimizer_error"]
     for needle in ("grad_accum_dtype", "BF16_Optimizer", '"zero_optimization.stage" to 2'):
         assert needle in msg, f"the error does not name {needle!r}: {msg}"
+
+
+def test_all_gather_uses_the_current_torch_api(results):
+    res = results[0]["gather"]
+    assert not res["deprecated"], f"comm.all_gather called a deprecated torch API: {res['deprecated']}"
+    assert res["ok"], "comm.all_gather gave wrong rows, or another rank saw a deprecation warning"
 
 
 def test_bf16_optimizer_rule_matches_deepspeed(results):

@@ -128,7 +128,9 @@ def _device_properties(device=None):
 
 def install():
     """Interpreter mode, deterministic configs, CUDA shims and the conv stand-in; see the module docstring."""
-    early = sorted(m for m in sys.modules if m.startswith("mamba_ssm.ops.triton") or m == "ds_mamba_spcp.ops.triton")
+    from ds_mamba_spcp._upstream import mamba_modules_loaded
+
+    early = mamba_modules_loaded("mamba_ssm.ops.triton") + [m for m in sys.modules if m == "ds_mamba_spcp.ops.triton"]
     if early:
         raise RuntimeError(f"install() must run before these are imported: {early}")
     os.environ["TRITON_INTERPRET"] = "1"

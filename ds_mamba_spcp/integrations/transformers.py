@@ -54,12 +54,9 @@ Padding. The mixers zero padded tokens (``attention_mask``), but DeepSpeed's Uly
 mask and masks causally only, so a padded batch cannot be honoured across the model: it is rejected;
 pack documents into full rows (``seq_idx``) instead.
 
-Import order on CPU. transformers binds mamba-ssm's kernels or its PyTorch path when a model's modeling
-module is first imported; once this package has loaded mamba-ssm's Triton modules (any wrap or op call),
-a transformers model class imported afterwards binds those kernels, which cannot run on CPU. Import the
-model classes first.
-
-Tested with transformers 5.24 (CPU suite) and written for 5.17 too (the GPU machine's release).
+Import order does not matter: the mamba-ssm modules this package loads stay out of ``sys.modules`` where
+``import mamba_ssm`` fails (see ``ds_mamba_spcp._upstream``), so transformers' own availability checks see
+what they would see without this package.
 """
 
 from __future__ import annotations
