@@ -17,7 +17,10 @@ d_conv=4, chunk_size=64), batch 2, global L = 4096, every rank's tokens in the m
    different places where segments do not align with chunks, so neither is closer to fp32 by
    construction; 2x keeps the check meaningful, a lost reset or a leaked state is O(1)).
 2. Autocast (issue 16): the op under ``torch.autocast("cuda", torch.bfloat16)`` equals the same call
-   without autocast, bitwise (out and every gradient): the op computes as its inputs' dtypes say.
+   without autocast (the op computes as its inputs' dtypes say): bitwise for the output, the final
+   states and every gradient the kernels compute deterministically; for causal-conv1d's conv weight and
+   bias gradients, whose backward is not run-to-run deterministic, within the spread of the plain call
+   run twice in the same process (``SPREAD_FACTOR``; docs/benchmarks.md, reproducibility).
 3. Double backward raises (gradients with create_graph=True through the sharded op and through
    mamba-ssm's op at a group of one), instead of silently dropping second-order terms.
 4. Waiting for an all-gather from another CUDA stream than the one that posted it raises.
@@ -137,7 +140,23 @@ def _run(rank, world):
     return results
 
 
+# causal-conv1d's backward accumulates the conv weight and bias gradients across thread blocks in an
+# order that changes from run to run (plain vs plain differed there on rank 1 at cp=2 and on three of
+# four ranks at cp=4, one H200); every other output of the op is bitwise reproducible.
+CONV_NONDETERMINISTIC = ("dconv1d_weight", "dconv1d_bias")
+# Bound for those two, relative RMS: autocast vs plain within SPREAD_FACTOR x the plain-vs-plain distance
+# measured in the same process, plus SPREAD_FLOOR. The two distances are draws of the same reordering
+# noise (fp32 sums of a few thousand terms, ~1e-7 relative) when autocast changes nothing; a draw can be
+# several times another, hence the factor 4, and the floor (1e-6) covers a plain pair that happened to
+# agree. A bf16 computation where the plain call runs fp32 (what autocast would do to an op that did not
+# control its dtypes) is off by ~1e-3, far above the bound.
+SPREAD_FACTOR, SPREAD_FLOOR = 4.0, 1e-6
+
+
 def _autocast_case(rank, world, t, grads, dev):
+    """The op under autocast vs the plain call: bitwise where the kernels are deterministic, within the
+    measured run-to-run spread for causal-conv1d's weight and bias gradients. One warm-up call first (Triton
+    autotuning), then plain, autocast, plain, so both distances are taken between tuned runs."""
     from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp
 
     def run(autocast: bool):
@@ -153,10 +172,23 @@ def _autocast_case(rank, world, t, grads, dev):
             loss = (out.float() * layout.shard_sequence(grads["out"], rank, world, "contiguous").float()).sum()
             loss = loss + (final * grads["final"]).sum()
         loss.backward()
-        return [out, final] + [inputs[k].grad for k in inputs]
+        return {"out": out.detach(), "final_states": final.detach(), **{"d" + k: v.grad for k, v in inputs.items()}}
 
-    plain, under = run(False), run(True)
-    return agree(all(torch.equal(a, b) for a, b in zip(plain, under)))
+    run(False)  # warm-up: autotuning
+    plain, under, plain2 = run(False), run(True), run(False)
+    rows = {}
+    for k in plain:
+        rows[k] = dict(
+            spread=rel(plain2[k].float(), plain[k].float()), autocast=rel(under[k].float(), plain[k].float()),
+            bitwise_spread=torch.equal(plain[k], plain2[k]), bitwise_autocast=torch.equal(plain[k], under[k]),
+        )  # fmt: skip
+    ok = all(
+        r["autocast"] <= SPREAD_FACTOR * r["spread"] + SPREAD_FLOOR
+        if k in CONV_NONDETERMINISTIC
+        else r["bitwise_spread"] and r["bitwise_autocast"]
+        for k, r in rows.items()
+    )
+    return dict(rows=rows, ok=agree(ok))
 
 
 def _stream_case(world, dev):
@@ -216,7 +248,20 @@ def test_packed_rows_match_upstream(results, mode):
 
 def test_autocast_changes_nothing(results):
     world, res = results
-    assert all(r["autocast"] for r in res), f"cp={world}: the op under autocast differs from the plain call"
+    for rank, r in enumerate(res):
+        rows = r["autocast"]["rows"]
+        print(f"\ncp={world} rank {rank} autocast vs plain (plain vs plain): " + ", ".join(
+            f"{k} {v['autocast']:.1e} ({v['spread']:.1e})" for k, v in rows.items()))  # fmt: skip
+        nondeterministic = sorted(k for k, v in rows.items() if not v["bitwise_spread"])
+        unexpected = [k for k in nondeterministic if k not in CONV_NONDETERMINISTIC]
+        assert not unexpected, f"cp={world} rank {rank}: {unexpected} differ from run to run (docs/benchmarks.md)"
+        changed = {
+            k: v for k, v in rows.items()
+            if (not v["bitwise_autocast"] if k not in CONV_NONDETERMINISTIC
+                else v["autocast"] > SPREAD_FACTOR * v["spread"] + SPREAD_FLOOR)
+        }  # fmt: skip
+        assert not changed, f"cp={world} rank {rank}: the op under autocast differs from the plain call: {changed}"
+    assert all(r["autocast"]["ok"] for r in res)
 
 
 def test_wait_on_another_stream_raises(results):
