@@ -337,11 +337,13 @@ class StepLog:
                         dynamic_ncols=True, leave=False)  # fmt: skip
         self.t0 = time.perf_counter()
 
-    def step(self, step: int, loss: float, seconds: float) -> None:
+    def step(self, step: int, loss: float, seconds: float, grad_norm: float | None = None) -> None:
         rec = {
             "step": step, "loss": loss, "tokens": self.tokens_per_step, "tokens_per_s": self.tokens_per_step / seconds,
             "step_s": seconds, "elapsed_s": time.perf_counter() - self.t0,
         }  # fmt: skip
+        if grad_norm is not None:
+            rec["grad_norm"] = float(grad_norm)  # the global gradient norm before clipping
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self.records.append(rec)
@@ -416,11 +418,10 @@ def train_single_process(args, ds_config: dict, model, device, full_batch, loss_
             loss, mean_loss = loss_of(batch)
             (loss / gas).backward()
             losses.append(mean_loss.item())
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item() if clip > 0 else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        log.step(step, sum(losses) / gas, time.perf_counter() - t0)
+        log.step(step, sum(losses) / gas, time.perf_counter() - t0, grad_norm)
     log.close()
     return log.records
 
@@ -628,7 +629,8 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         # the global loss: the mean over micro-batches and data-parallel replicas (equal on SP ranks)
         total = torch.stack(losses).mean().reshape(1)
         dist.all_reduce(total)
-        log.step(step, total.item() / world, time.perf_counter() - t0)
+        norm = engine.get_global_grad_norm() if engine.gradient_clipping() > 0 else None
+        log.step(step, total.item() / world, time.perf_counter() - t0, None if norm is None else float(norm))
         if args.save_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
             save(engine, args, ds_config, next_data_step=data_step + 1, dp=world // sp)
     log.close()
