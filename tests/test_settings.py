@@ -1,5 +1,7 @@
-"""DeepSpeed settings that real runs use (issue 19): gradient clipping at ZeRO 1-3 in fp32 and bf16, and
-DeepSpeed's BF16_Optimizer refused under sequence parallelism.
+"""DeepSpeed settings that real runs use (issue 19): gradient clipping at ZeRO 1-3 in fp32 and bf16,
+DeepSpeed's BF16_Optimizer refused under sequence parallelism, and the package's all-gather on torch
+2.13's current API (no deprecation warning: ``all_gather_into_tensor`` is deprecated for
+``all_gather_single``, which deepspeed.comm 0.19.8 does not have).
 
 One spawn of 2 gloo ranks, sequence-parallel size 2, DeepSpeed's own group (``parallel_state_sp`` as the
 mpu, how examples/train.py and ``prepare_sequence_parallel`` run), a fresh engine per case, one SGD step
