@@ -16,6 +16,8 @@ cp * batch * d_conv * conv_dim elements: nothing next to the prompt.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -23,6 +25,14 @@ from einops import rearrange
 from ds_mamba_spcp import comm, op
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
 from ds_mamba_spcp.module import MixerCore
+
+
+class Prefill(NamedTuple):
+    """What a sharded prefill returns on every rank."""
+
+    logits: torch.Tensor  # (batch, vocab): the logits after the prompt's last token
+    cache: Any  # the decode cache of the whole prompt (transformers: PrefilledCache; mamba-ssm: InferenceParams)
+
 
 _ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
 _MESSAGE_BYTES = 4096  # a fixed size, so the exchange itself can never be mismatched

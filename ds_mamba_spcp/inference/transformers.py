@@ -51,7 +51,7 @@ import copy
 import functools
 import hashlib
 import inspect
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,6 +60,7 @@ from ds_mamba_spcp import comm
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
 from ds_mamba_spcp.groups import deepspeed_sequence_parallel_group
 from ds_mamba_spcp.inference.prefill import (
+    Prefill,
     broadcast_from_last,
     fingerprint,
     gather_sequence,
@@ -74,13 +75,6 @@ try:
 except ImportError:  # transformers before the LinearAttentionLayer cache (5.17 keeps Mamba state elsewhere)
     CacheLayerMixin = DummyLayer = LinearAttentionCacheLayerMixin = None
     DynamicCache = object
-
-
-class Prefill(NamedTuple):
-    """What ``sequence_parallel_prefill`` returns on every rank."""
-
-    logits: torch.Tensor  # (batch, vocab): the logits after the prompt's last token
-    cache: Any  # PrefilledCache: the decode cache of the whole prompt
 
 
 class PrefilledCache(DynamicCache):
