@@ -8,7 +8,7 @@ A Mamba2 layer's decode cache is two tensors (mamba-ssm's ``allocate_inference_c
     SSM state   (batch, nheads, headdim, dstate)   the state after the prompt's last token
 
 The op returns the second (``return_final_states``: the state after the whole global sequence,
-identical on every rank, fp32). The first is a gather: each rank sends its last min(d_conv,
+identical on every rank, fp32). The first is a gather (``inference/forward.py``): each rank sends its last min(d_conv,
 local_seqlen) columns, and the last d_conv of the concatenation are the prompt's. A short last
 shard (local_seqlen < d_conv) takes columns from the ranks before it. The gather moves
 cp * batch * d_conv * conv_dim elements: nothing next to the prompt.
@@ -19,11 +19,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 
-from ds_mamba_spcp import comm, op
+from ds_mamba_spcp import comm
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
+from ds_mamba_spcp.inference.forward import conv_tail, mixer_core_prefill  # noqa: F401 - conv_tail re-exported
 from ds_mamba_spcp.module import MixerCore
 
 
@@ -83,19 +82,6 @@ def same_on_every_rank(values: list[int], group, device=None) -> bool:
     return all(r == rows[0] for r in rows)
 
 
-def conv_tail(xBC: torch.Tensor, d_conv: int, group) -> torch.Tensor:
-    """The conv state after the whole prompt, on every rank.
-
-    xBC: (batch, local_seqlen, conv_dim), this rank's contiguous shard of the pre-conv columns (every rank
-    the same shape). Returns (batch, conv_dim, d_conv): the prompt's last d_conv columns, left-padded with
-    zeros when the prompt is shorter."""
-    _, cp = comm.group_rank_size(group)
-    k = min(d_conv, xBC.shape[1])
-    tails = comm.all_gather(xBC[:, xBC.shape[1] - k :], group, cp, async_op=False).wait()  # (cp, b, k, conv_dim)
-    cols = rearrange(tails, "r b k d -> b d (r k)")[..., -d_conv:]
-    return F.pad(cols, (d_conv - cols.shape[-1], 0)) if cols.shape[-1] < d_conv else cols.contiguous()
-
-
 def gather_sequence(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The whole sequence of a tensor sharded contiguously along ``dim`` (rank order), on every rank."""
     _, cp = comm.group_rank_size(group)
@@ -125,12 +111,8 @@ def mixer_prefill(zxbcdt: torch.Tensor, core: MixerCore, group, config: MambaSeq
     state after the whole prompt (batch, nheads, headdim, dstate) in fp32 (fp64 for fp64 input), and the
     conv state (batch, conv_dim, d_conv) in zxbcdt's dtype, both identical on every rank."""
     args, kwargs = core.op_arguments()
-    y, state = op.mixer_core(
-        zxbcdt, *args, process_group=group, mode="state_passing", load_balancing="none",
-        input_layout="contiguous", return_final_states=True, backend=config.backend,
-        overlap_comm=config.overlap_comm, check_shapes=config.check_shapes, tile_length=config.tile_length,
-        what="sequence-parallel prefill", **kwargs,
+    return mixer_core_prefill(
+        zxbcdt, *args, process_group=group, mode="state_passing", load_balancing="none", input_layout="contiguous",
+        backend=config.backend, overlap_comm=config.overlap_comm, check_shapes=config.check_shapes,
+        tile_length=config.tile_length, **kwargs,
     )  # fmt: skip
-    d_inner = core.A.shape[0] * core.headdim
-    conv_dim, d_conv = core.conv1d_weight.shape
-    return y, state, conv_tail(zxbcdt[..., d_inner : d_inner + conv_dim], d_conv, group)
