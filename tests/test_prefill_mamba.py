@@ -225,3 +225,19 @@ def test_refuses_what_it_cannot_prefill():
         sequence_parallel_prefill_mamba(nn.Linear(2, 2), prompt(4, 0))
     with pytest.raises(ValueError, match="max_new_tokens"):
         sequence_parallel_generate_mamba(TinyMambaLM(0), prompt(4, 0), 0)
+
+
+@pytest.mark.parametrize("tile", [2, 7, 26])
+def test_chunked_prefill_matches_the_whole_prompt(one_process, tile):
+    """Tiles through the whole model, states and conv tails carried (tile 2 < d_conv - 1: the carried tail
+    spans several tiles) against the whole prompt in one call, fp64."""
+    from ds_mamba_spcp.inference.mamba_ssm import chunked_prefill_mamba
+
+    seqlen = 26
+    logits, params = chunked_prefill_mamba(TinyMambaLM(seqlen), prompt(seqlen, seqlen), tile, max_seqlen=30)
+    want = one_process[seqlen]
+    assert rel_err(logits, want["logits"]) <= TOL
+    for i, (c, s) in want["states"].items():
+        conv, ssm = params.key_value_memory_dict[i]
+        assert rel_err(conv, c) <= TOL and rel_err(ssm, s) <= TOL, (i, rel_err(conv, c), rel_err(ssm, s))
+    assert params.seqlen_offset == seqlen

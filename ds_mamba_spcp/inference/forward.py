@@ -69,3 +69,45 @@ def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_
         conv_dim, d_conv = conv1d_weight.shape
         tail = conv_tail(zxbcdt[..., d_inner : d_inner + conv_dim], d_conv, process_group, input_layout, seq_idx)
     return out, final, tail
+
+
+def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
+    """One tile of a chunked prefill on one device: the mixer core on ``zxbcdt`` (batch, tile, d_in_proj)
+    after the tokens ``carry`` summarises, through the backend's segment protocol (``ops/segment.py``).
+
+    carry: None (the sequence starts here) or (state (batch, nheads, headdim, dstate) fp32, tail (batch,
+    d_conv, conv_dim)): the state after the previous tokens and their last d_conv pre-conv columns (zeros
+    where there were fewer). Returns (out (batch, tile, nheads*headdim), the carry after this tile): the
+    state S_out = exp(log_a) * S_in + S_ext (the algebra the ranks use, DESIGN.md section 2, here from
+    one tile to the next) and the new tail; ``carry[1].transpose(1, 2)`` is the decode conv state."""
+    from ds_mamba_spcp.ops import get_backend
+    from ds_mamba_spcp.ops.segment import Ready
+    from ds_mamba_spcp.ops.spec import CoreSpec
+
+    args, kwargs = core.op_arguments()
+    conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size = args
+    spec = CoreSpec.infer(
+        zxbcdt, conv1d_weight, D, chunk_size, headdim=kwargs["headdim"], ngroups=kwargs["ngroups"],
+        dt_limit=kwargs["dt_limit"], activation=kwargs["activation"], rmsnorm_eps=kwargs["rmsnorm_eps"],
+        norm_before_gate=kwargs["norm_before_gate"],
+    )  # fmt: skip
+    d_inner, (conv_dim, d_conv) = A.shape[0] * core.headdim, conv1d_weight.shape
+    batch = zxbcdt.shape[0]
+    if carry is None:
+        state = torch.zeros(batch, A.shape[0], core.headdim, spec.dstate, dtype=torch.float32, device=zxbcdt.device)
+        state = state.to(torch.promote_types(zxbcdt.dtype, torch.float32))
+        tail = zxbcdt.new_zeros(batch, d_conv, conv_dim)
+    else:
+        state, tail = carry
+    with torch.no_grad():
+        gen = get_backend(backend, zxbcdt.device).segment_fwd(
+            zxbcdt, tail[:, 1:], conv1d_weight, conv1d_bias, dt_bias, A, D, kwargs["rmsnorm_weight"], spec=spec
+        )
+        S_ext, log_a = next(gen)
+        try:
+            gen.send(Ready(state.to(S_ext.dtype)))
+        except StopIteration as stop:
+            out, _ = stop.value
+        new_state = torch.exp(log_a)[..., None, None] * state.to(S_ext.dtype) + S_ext
+        new_tail = torch.cat([tail, zxbcdt[..., d_inner : d_inner + conv_dim]], 1)[:, -d_conv:]
+    return out, (new_state, new_tail)

@@ -199,3 +199,57 @@ def sequence_parallel_generate_mamba(model: nn.Module, input_ids: torch.Tensor, 
     if not same_on_every_rank(fingerprint(tokens), group, device):
         raise RuntimeError("sequence_parallel_generate_mamba: the ranks decoded different tokens from the same cache")
     return tokens
+
+
+def _tile_mixer_forward(mixer, wrapper, carries: dict, backend: str, u, seqlen=None, seq_idx=None, cu_seqlens=None,
+                        inference_params=None):  # fmt: skip
+    from ds_mamba_spcp.inference.forward import tile_forward
+
+    if seqlen is not None or seq_idx is not None or cu_seqlens is not None:
+        raise NotImplementedError("the chunked prefill takes (batch, tile, d_model) without packing")
+    out, carries[mixer.layer_idx] = tile_forward(mixer.in_proj(u), carries.get(mixer.layer_idx), wrapper._core(),
+                                                 backend)  # fmt: skip
+    return mixer.out_proj(out)
+
+
+def chunked_prefill_mamba(model: nn.Module, input_ids: torch.Tensor, tile_length: int, *, backend: str = "auto",
+                          max_seqlen: int | None = None) -> Prefill:  # fmt: skip
+    """A prompt prefilled on one device in tiles of ``tile_length`` tokens through the whole model, every
+    Mamba2 layer's state and conv tail carried from tile to tile (``forward.tile_forward``): the activations
+    of one tile at a time, so the prompt's length is bounded by its token ids, not by activations.
+
+    Returns ``Prefill(logits (batch, vocab) after the last token, InferenceParams)`` as
+    ``sequence_parallel_prefill_mamba`` does (the same states up to roundoff), under ``torch.no_grad``."""
+    mixers = _mixers(model)
+    problem = _model_problem(model, mixers)
+    if problem is not None:
+        raise problem
+    if tile_length < 1:
+        raise ValueError(f"tile_length must be >= 1, got {tile_length}")
+    batch, seqlen = input_ids.shape
+    carries: dict = {}
+    undo = []
+    try:
+        for m in mixers:
+            had, previous = "forward" in m.__dict__, m.__dict__.get("forward")
+            wrapper = DistributedMamba2(m, None, {"mamba_sequence_parallel": {"enabled": False}})
+            m.forward = functools.partial(_tile_mixer_forward, m, wrapper, carries, backend)
+            undo.append((m, had, previous))
+        with torch.no_grad():
+            for start in range(0, seqlen, tile_length):
+                logits = model(input_ids[:, start : start + tile_length], num_last_tokens=1).logits[:, -1]
+    finally:
+        for m, had, previous in undo:
+            if had:
+                m.__dict__["forward"] = previous
+            else:
+                m.__dict__.pop("forward", None)
+    params = _inference_params(max_seqlen or seqlen, batch)
+    for m in mixers:
+        state, tail = carries[m.layer_idx]
+        conv_state, ssm_state = m.allocate_inference_cache(batch, params.max_seqlen)
+        conv_state.copy_(tail.transpose(1, 2))
+        ssm_state.copy_(state)
+        params.key_value_memory_dict[m.layer_idx] = (conv_state, ssm_state)
+    params.seqlen_offset = seqlen
+    return Prefill(logits, params)
