@@ -390,3 +390,16 @@ def test_attention_free_nemotron_h_plain_generate_fails_in_transformers():
     model = build("nemotron_h", False, 1)
     with pytest.raises(ValueError, match="get_seq_length"):
         model.generate(prompt(9, 1), **GEN)
+
+
+def test_generate_example_in_one_process():
+    """examples/generate.py in a group of one (its 2-rank run: ``deepspeed --num_gpus 2 examples/generate.py``)."""
+    import importlib.util
+    import os
+
+    from tests.dist_utils import REPO
+
+    spec = importlib.util.spec_from_file_location("generate_example", os.path.join(REPO, "examples", "generate.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--prompt-len", "33", "--new-tokens", "4"])
