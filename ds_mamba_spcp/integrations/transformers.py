@@ -668,3 +668,16 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     model.__dict__[_MODEL_ATTR] = state
     model.register_forward_pre_hook(_check_model_call, with_kwargs=True)
     return parallel_state_sp
+
+
+_INFERENCE = ("sequence_parallel_generate", "sequence_parallel_prefill")
+
+
+def __getattr__(name: str):
+    # the sharded prefill and generate live in ds_mamba_spcp.inference.transformers (imported on first use:
+    # it imports this module)
+    if name in _INFERENCE:
+        from ds_mamba_spcp.inference import transformers as inference
+
+        return getattr(inference, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,448 @@
+"""Hugging Face transformers: a prompt prefilled sharded across the group, then ``model.generate``.
+
+    sequence_parallel_generate(model, input_ids, group)      every rank: the same whole prompt
+        -> checks, raised alike on every rank (prompt, kwargs, model; the same random state to sample)
+        -> sequence_parallel_prefill(model, this rank's shard of prompt[:, :n*cp], group)
+        -> model.generate(input_ids, cache=<the whole prompt's cache but its last 1..cp tokens>)
+           transformers' own generate: it feeds the tokens the cache lacks (the last one, and the
+           remainder when seqlen - 1 is not a multiple of cp) and decodes, on every rank alike
+        -> the same tokens on every rank (checked), those of model.generate(input_ids) in one process
+
+    sequence_parallel_prefill(model, input_ids_shard, group)  every rank: its contiguous shard
+        the model's own forward on the shard, with a cache (``PrefilledCache``, a ``DynamicCache``):
+        Mamba2 mixers   in_proj -> the op with return_final_states -> out_proj; the cache's
+                        LinearAttentionLayer gets the state and the conv tail (``inference.prefill``)
+        attention       DeepSpeed's Ulysses attention (all-to-all [L/cp, heads] -> [L, heads/cp]), as
+                        in training; ``cache.update`` gathers every rank's K/V into each rank's cache
+        -> (the last prompt token's logits, from the last rank, and the cache), on every rank
+
+transformers 5.24 keeps decode state in ``DynamicCache(config=...)``: a ``LinearAttentionLayer`` per Mamba
+layer (``conv_states``: the last d_conv pre-conv columns; ``recurrent_states``: the SSM state, fp32 as
+transformers' own prefill leaves it), a ``DynamicLayer`` per attention layer and Falcon-H1's combined
+``LinearAttentionAndFullAttentionLayer``. The sharded prefill fills those layers through their own
+``update_conv_state`` / ``update_recurrent_state`` / ``update`` methods, as the mixers and attention
+layers do in one process. Checked in one process (and by the tests): prefilling ``prompt[:, :-k]`` with
+``use_cache=True`` and then ``model.generate(prompt, cache=cache, ...)`` gives the tokens of a plain
+``generate``.
+
+A cache with no attention layer (Mamba2, an attention-free Nemotron-H) cannot tell transformers its
+length (``get_seq_length`` counts attention K/V), so transformers' ``generate`` either feeds the whole
+prompt again on top of it (all layers linear: Mamba2) or raises (Nemotron-H, whose MLP layers are
+``DummyLayer``s; its plain ``generate`` fails the same way). ``PrefilledCache`` then counts its tokens
+itself (``tokens``, advanced by ``sequence_parallel_generate`` after every forward) and holds one
+trailing ``DummyLayer`` when every layer is linear, so that ``generate`` asks it for its length and feeds
+only the tokens it lacks. With that, the attention-free Nemotron-H generates too.
+
+Every rank decodes the same tokens from the same cache (the state and the gathered K/V are identical
+on every rank): greedy decoding needs nothing more. Sampling draws from each rank's random generator,
+so ``sequence_parallel_generate`` refuses to sample unless every rank's generator is in the same state
+(``torch.manual_seed(s)`` alike on every rank), and it checks at the end that every rank has the same
+tokens (a mismatch raises on every rank).
+
+Padding is refused (Ulysses attention drops the mask); so are caches passed in, ``inputs_embeds``, and
+models this package cannot shard (``integrations.transformers``' checks). A prepared model
+(``prepare_sequence_parallel``) works too: its sharding steps aside while this module drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import hashlib
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds_mamba_spcp import comm
+from ds_mamba_spcp.config import MambaSequenceParallelConfig
+from ds_mamba_spcp.groups import deepspeed_sequence_parallel_group
+from ds_mamba_spcp.inference.prefill import (
+    Prefill,
+    broadcast_from_last,
+    fingerprint,
+    gather_sequence,
+    mixer_prefill,
+    raise_alike,
+    same_on_every_rank,
+)
+from ds_mamba_spcp.integrations import transformers as hf
+
+try:
+    from transformers.cache_utils import CacheLayerMixin, DummyLayer, DynamicCache, LinearAttentionCacheLayerMixin
+except ImportError:  # transformers before the LinearAttentionLayer cache (5.17 keeps Mamba state elsewhere)
+    CacheLayerMixin = DummyLayer = LinearAttentionCacheLayerMixin = None
+    DynamicCache = object
+
+
+class PrefilledCache(DynamicCache):
+    """``DynamicCache(config=...)`` filled by a sharded prefill.
+
+    With an attention layer it is a plain ``DynamicCache``. Without one it answers ``get_seq_length`` and
+    ``get_mask_sizes`` from ``tokens`` (the tokens it holds: set by the prefill, advanced by
+    ``sequence_parallel_generate``; advance it yourself when decoding it another way), and a cache whose
+    every layer is linear gets one trailing ``DummyLayer`` (see the module docstring)."""
+
+    def __init__(self, config, tokens: int = 0) -> None:
+        super().__init__(config=config)
+        self.tokens = tokens
+        self.attention_free = not any(isinstance(layer, CacheLayerMixin) for layer in self.layers)
+        # every layer linear (Mamba2): one DummyLayer more, so that generate slices the prompt by our length;
+        # not compileable then, so that generate builds no 4-D masks (Mamba2's forward takes a 2-D one only)
+        self.padded = self.attention_free and bool(self.layers) and all(self.is_linear)
+        if self.padded:
+            self.layers.append(DummyLayer())
+
+    @property
+    def is_compileable(self) -> bool:
+        return False if self.padded else super().is_compileable
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.tokens if self.attention_free else super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if self.attention_free:
+            return self.tokens + query_length, 0
+        return super().get_mask_sizes(query_length, layer_idx)
+
+
+# ---------------------------------------------------------------------------------------------------
+# checks, on every rank alike
+# ---------------------------------------------------------------------------------------------------
+
+
+def _resolve_group(model: nn.Module, group):
+    """The group: the one given, a prepared model's, DeepSpeed's sequence-parallel group, or the world."""
+    if group is None:
+        state = model.__dict__.get(hf._MODEL_ATTR)
+        if state is not None:
+            group = state.sharding.group()
+    import deepspeed.comm as dist
+
+    if group is None and dist.is_initialized():
+        group = deepspeed_sequence_parallel_group()
+        if group is None:
+            group = dist.get_world_group()
+    rank, cp = comm.group_rank_size(group)
+    return group, rank, cp
+
+
+def _config(model: nn.Module, cp: int) -> MambaSequenceParallelConfig:
+    """The op's options: a prepared model's (backend, tile_length, ...) in the prefill's mode (state passing,
+    contiguous shards), else the defaults."""
+    state = model.__dict__.get(hf._MODEL_ATTR)
+    base = state.sharding.config.model_dump() if state is not None else {}
+    base.update(enabled=True, mode="state_passing", load_balancing="none", input_layout="contiguous")
+    base.update(sequence_parallel_size=cp, recompute_output=False)
+    return MambaSequenceParallelConfig(**base)
+
+
+def _mixers(model: nn.Module) -> list[nn.Module]:
+    classes = hf.mixer_classes()
+    return [m for m in model.modules() if isinstance(m, classes)] if classes else []
+
+
+def _model_problem(model: nn.Module, cfg: MambaSequenceParallelConfig, cp: int) -> Exception | None:
+    """Why this package cannot prefill ``model`` sharded (None: it can)."""
+    name = type(model).__qualname__
+    if CacheLayerMixin is None:
+        import transformers
+
+        return NotImplementedError(
+            f"sequence-parallel prefill fills transformers' DynamicCache with LinearAttentionLayer (transformers "
+            f">= 5.24); found transformers {transformers.__version__}. Upgrade transformers (pip install -U "
+            "'transformers>=5.24')."
+        )
+    if not hasattr(model, "generate") or not hasattr(model, "config"):
+        return TypeError(f"{name} is not a transformers generative model (no generate / config)")
+    mixers = _mixers(model)
+    if not mixers:
+        return ValueError(
+            f"{name} holds no Mamba2 mixer this package can shard (transformers' {', '.join(hf.MIXER_CLASSES)}); "
+            "an attention-only model has nothing for state passing: prefill it with the model's own forward."
+        )
+    try:
+        for m in mixers:
+            hf.check_mixer_supported(m)
+        if cp > 1:
+            for m in hf.attention_modules(model):
+                hf._check_attention(m, cfg, cp)
+    except (ValueError, NotImplementedError) as e:
+        return e
+    return None
+
+
+def _ids_problem(ids: Any, what: str) -> Exception | None:
+    if not torch.is_tensor(ids) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        got = f"{tuple(ids.shape)} {ids.dtype}" if torch.is_tensor(ids) else type(ids).__name__
+        return ValueError(f"{what} must be a (batch, seqlen) tensor of token ids (int64 or int32), got {got}")
+    return None
+
+
+def _check_shards(ids: torch.Tensor, group, device) -> None:
+    _, cp = comm.group_rank_size(group)
+    if cp == 1:
+        return
+    rows = comm.exchange_descriptors([int(ids.shape[0]), int(ids.shape[1])], torch.device(device), group, cp)
+    if any(r != rows[0] for r in rows):
+        raise ValueError(
+            "sequence_parallel_prefill: every rank must pass a shard of the same (batch, local_seqlen), the prompt "
+            f"split into equal contiguous parts; got {[tuple(r) for r in rows]} by rank. Give every rank seqlen/cp "
+            "tokens (sequence_parallel_generate does the split, and takes any length)."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the sharded forward
+# ---------------------------------------------------------------------------------------------------
+
+
+def _mixer_forward(adapter, group, cfg, *args, **kwargs):
+    """A mixer's forward during the prefill: the op on the shard, the cache's layer filled."""
+    hidden, cache, mask, rest = hf._mixer_call(args, kwargs)
+    m = adapter.mixer
+    if mask is not None or rest.get("seq_idx") is not None:
+        raise NotImplementedError(f"{type(m).__qualname__}: a padded or packed prompt reached the sharded prefill")
+    y, state, conv = mixer_prefill(adapter._in_proj(hidden), adapter.core(), group, cfg)
+    cache.update_conv_state(conv, m.layer_idx, conv_kernel_size=conv.shape[-1])
+    cache.update_recurrent_state(state.float(), m.layer_idx)  # fp32, as transformers' own prefill keeps it
+    return m.out_proj(y)
+
+
+def _gathering_update(cache, group, key_states, value_states, layer_idx, *args, **kwargs):
+    """``cache.update`` during the prefill: every rank's K/V into the cache; the shard's own back to the layer
+    (its attention runs through DeepSpeed's Ulysses attention on the shards)."""
+    full_k, full_v = gather_sequence(key_states, -2, group), gather_sequence(value_states, -2, group)
+    type(cache).update(cache, full_k, full_v, layer_idx, *args, **kwargs)
+    return key_states, value_states
+
+
+class _Ulysses:
+    """DeepSpeed's Ulysses attention for one module (one instance per batch size), as in training."""
+
+    def __init__(self, module, implementation, core_fn, group, position_ids) -> None:
+        self.implementation, self.core_fn, self.group, self.position_ids = implementation, core_fn, group, position_ids
+        self.heads = int(module.config.num_attention_heads)
+        self.kv_heads = self.heads // int(module.num_key_value_groups)
+        self.head_dim = int(module.head_dim)
+        self.by_batch: dict = {}
+
+    def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        if kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = self.position_ids
+        batch = query.shape[0]
+        if batch not in self.by_batch:
+            uattn = UlyssesSPAttentionHF(
+                attn=self.core_fn, batch_size=batch, attn_head_count=self.heads, attn_head_size=self.head_dim,
+                kv_head_count=self.kv_heads, num_hidden_layers=1, process_group=self.group,
+                seq_length_is_variable=True,
+            )  # fmt: skip
+            uattn.core_attn_implementation = self.implementation
+            self.by_batch[batch] = uattn
+        groups = module.num_key_value_groups  # DeepSpeed rewrites it when it replicates KV heads
+        try:  # the mask (built for the local length) is dropped: the kernel masks causally, as in training
+            return self.by_batch[batch](module, query, key, value, None, *args, **kwargs)
+        finally:
+            module.num_key_value_groups = groups
+
+
+@contextlib.contextmanager
+def _sharded(model: nn.Module, cache, group, cfg, position_ids):
+    """Inside the block, ``model``'s forward on a shard is the sharded prefill (then everything is put back)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    undo = []
+    try:
+        for m in _mixers(model):
+            adapter = hf._MixerAdapter(m, group, cfg)
+            had, previous = "forward" in m.__dict__, m.__dict__.get("forward")
+            m.forward = functools.partial(_mixer_forward, adapter, group, cfg)
+            undo.append(lambda m=m, had=had, previous=previous: _restore(m, "forward", had, previous))
+        cache.update = functools.partial(_gathering_update, cache, group)
+        undo.append(lambda: cache.__dict__.pop("update", None))
+        handlers, installed = {}, {}
+        for m in hf.attention_modules(model):
+            impl = m.config._attn_implementation
+            current = installed.setdefault(impl, ALL_ATTENTION_FUNCTIONS[impl])
+            handlers[id(m)] = _Ulysses(m, impl, getattr(current, hf._CORE_ATTR, current), group, position_ids)
+        for impl, current in installed.items():
+            ALL_ATTENTION_FUNCTIONS[impl] = _routing(current, handlers)
+            undo.append(lambda impl=impl, current=current: ALL_ATTENTION_FUNCTIONS.__setitem__(impl, current))
+        yield
+    finally:
+        for fn in reversed(undo):
+            fn()
+
+
+def _routing(current, handlers):
+    def attention(module, *args, **kwargs):
+        handler = handlers.get(id(module))
+        return (current if handler is None else handler)(module, *args, **kwargs)
+
+    return attention
+
+
+def _restore(module: nn.Module, name: str, had: bool, previous) -> None:
+    if had:
+        module.__dict__[name] = previous
+    else:
+        module.__dict__.pop(name, None)
+
+
+def _cache_key(model: nn.Module) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _forward_kwargs(model: nn.Module, **values) -> dict:
+    """``values`` restricted to what ``model.forward`` takes by name."""
+    names = inspect.signature(model.forward).parameters
+    return {k: v for k, v in values.items() if k in names and v is not None}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the public functions
+# ---------------------------------------------------------------------------------------------------
+
+
+def sequence_parallel_prefill(model: nn.Module, input_ids_shard: torch.Tensor, group=None) -> Prefill:
+    """Prefills a prompt sharded across ``group``; returns, on every rank, the logits after its last token and
+    the decode cache of the whole prompt.
+
+    input_ids_shard: (batch, seqlen/cp), this rank's contiguous shard of the prompt (rank r holds tokens
+    [r*seqlen/cp, (r+1)*seqlen/cp)); every rank the same shape; no padding. group: the ranks sharing the
+    prompt (None: a prepared model's group, DeepSpeed's sequence-parallel group, or the world). Returns
+    ``Prefill(logits (batch, vocab), cache)``, the cache a ``PrefilledCache`` (a transformers ``DynamicCache``)
+    to pass to ``model.generate(prompt_and_more, cache=cache)`` or to the model's forward, identical on every
+    rank. Runs under ``torch.no_grad``. A group of one is the model's own forward with ``use_cache=True``.
+    Errors (an unsupported model, shards of different shapes) are raised on every rank alike.
+    """
+    group, rank, cp = _resolve_group(model, group)
+    device = input_ids_shard.device if torch.is_tensor(input_ids_shard) else None
+    cfg = _config(model, cp)
+    raise_alike(_model_problem(model, cfg, cp) or _ids_problem(input_ids_shard, "input_ids_shard"), group, device)
+    _check_shards(input_ids_shard, group, device)
+    local = input_ids_shard.shape[1]
+    cache = PrefilledCache(model.config)
+    positions = torch.arange(rank * local, (rank + 1) * local, device=device).expand_as(input_ids_shard)
+    kwargs = _forward_kwargs(model, position_ids=positions, use_cache=True, logits_to_keep=1)
+    kwargs[_cache_key(model)] = cache
+    with torch.no_grad(), hf.sequence_parallel_disabled(model):
+        if cp == 1:  # the model's own prefill
+            logits = model(input_ids=input_ids_shard, **kwargs).logits[:, -1]
+        else:
+            with _sharded(model, cache, group, cfg, positions):
+                logits = model(input_ids=input_ids_shard, **kwargs).logits[:, -1]
+    cache.tokens = local * cp
+    return Prefill(broadcast_from_last(logits, group), cache)
+
+
+_REFUSED = {
+    "cache": "the cache is built by the sharded prefill",
+    "past_key_values": "the cache is built by the sharded prefill",
+    "inputs_embeds": "the prompt is sharded as token ids",
+    "assistant_model": "assisted decoding would run the assistant on the whole prompt in one process",
+    "prefill_chunk_size": "the prefill is sharded instead (chunked prefill on shards is not supported)",
+}
+
+
+def _generate_problem(model, input_ids, kwargs: dict, cp: int) -> Exception | None:
+    problem = _ids_problem(input_ids, "input_ids")
+    if problem is not None:
+        return problem
+    for key, why in _REFUSED.items():
+        if kwargs.get(key) is not None:
+            return ValueError(f"sequence_parallel_generate does not take {key}= ({why}); drop it")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (not torch.is_tensor(mask) or mask.shape != input_ids.shape or bool((mask == 0).any())):
+        return NotImplementedError(
+            "sequence_parallel_generate got an attention_mask that is not all ones (padding, or another shape): "
+            "DeepSpeed's Ulysses attention drops the mask in the sharded prefill, so padded rows would attend to "
+            "their padding. Pass rows of equal length without padding (batch prompts of one length together), or "
+            "no attention_mask."
+        )
+    # the op needs d_conv - 1 tokens per shard (a shard's conv halo comes from the rank before alone)
+    halo = max([int(m.conv1d.weight.shape[-1]) - 1 for m in _mixers(model)] or [0])
+    need = cp * max(1, halo) + 1
+    if cp > 1 and input_ids.shape[1] < need:
+        return ValueError(
+            f"the prompt has {input_ids.shape[1]} tokens; a sharded prefill over {cp} ranks needs at least {need} "
+            f"(d_conv - 1 = {halo} per rank for the conv, and the last one for generate). Generate in one process, "
+            "or use a smaller group."
+        )
+    return None
+
+
+def _sampling(model, kwargs: dict) -> bool:
+    cfg = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    cfg.update(**{k: v for k, v in kwargs.items() if hasattr(cfg, k)})
+    return bool(cfg.do_sample)
+
+
+def _rng_fingerprint(device) -> list[int]:
+    states = [torch.get_rng_state()]
+    if torch.device(device).type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    digest = hashlib.sha256(b"".join(s.numpy().tobytes() for s in states)).digest()
+    return [int.from_bytes(digest[i : i + 7], "little") for i in (0, 7, 14)]
+
+
+def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=None, **generate_kwargs):
+    """``model.generate(input_ids, **generate_kwargs)`` with the prompt prefilled sharded across ``group``.
+
+    Every rank passes the same whole prompt ``input_ids`` (batch, seqlen) (rows of one length, no padding;
+    checked). The first ``n*cp`` tokens (the largest multiple of the group size below seqlen) are prefilled
+    sharded (``sequence_parallel_prefill``); transformers' own ``generate`` then feeds the other 1..cp
+    tokens on top of that cache and decodes, on every rank. Returns on every rank what ``model.generate``
+    returns in one process (the same tokens; checked across ranks, a mismatch raises on every rank).
+    Sampling (``do_sample``) needs every rank's random generator in the same state (``torch.manual_seed``
+    alike on every rank; checked). Errors are raised on every rank alike.
+    """
+    group, rank, cp = _resolve_group(model, group)
+    device = input_ids.device if torch.is_tensor(input_ids) else None
+    raise_alike(_generate_problem(model, input_ids, generate_kwargs, cp), group, device)
+    if not same_on_every_rank(fingerprint(input_ids), group, device):
+        raise ValueError(
+            "sequence_parallel_generate: the ranks passed different prompts (shape or tokens); every rank of the "
+            "group must pass the same whole input_ids (each prefills its own shard of it)."
+        )
+    if _sampling(model, generate_kwargs) and not same_on_every_rank(_rng_fingerprint(input_ids.device), group, device):
+        raise ValueError(
+            "sequence_parallel_generate with do_sample=True: the ranks' random generators are in different states, "
+            "so they would sample different tokens. Seed every rank alike before the call (torch.manual_seed(s) "
+            "with the same s on every rank), or decode greedily (do_sample=False)."
+        )
+    n = (input_ids.shape[1] - 1) // cp
+    cache = sequence_parallel_prefill(model, input_ids[:, rank * n : (rank + 1) * n], group).cache
+    hook = None
+    if cache.attention_free:
+        hook = model.register_forward_hook(functools.partial(_count_tokens, cache), with_kwargs=True)
+    try:
+        with hf.sequence_parallel_disabled(model):
+            out = model.generate(input_ids, **{_cache_key(model): cache}, **generate_kwargs)
+    finally:
+        if hook is not None:
+            hook.remove()
+    tokens = out if torch.is_tensor(out) else out.sequences
+    if not same_on_every_rank(fingerprint(tokens), group, device):
+        raise RuntimeError(
+            "sequence_parallel_generate: the ranks decoded different tokens from the same cache (nondeterministic "
+            "kernels, or a logits processor or stopping criterion that differs by rank). Decode greedily with "
+            "deterministic kernels, or generate on one rank and broadcast."
+        )
+    return out
+
+
+def _count_tokens(cache: PrefilledCache, module, args, kwargs, output) -> None:
+    """Forward hook during ``generate``: an attention-free cache counts the tokens each forward fed it."""
+    if kwargs.get("cache", kwargs.get("past_key_values")) is not cache:
+        return
+    fed = kwargs.get("input_ids")
+    fed = kwargs.get("inputs_embeds") if fed is None else fed
+    if fed is None and args:
+        fed = args[0]
+    if fed is not None:
+        cache.tokens += int(fed.shape[1])

@@ -1,0 +1,405 @@
+"""Sequence-parallel prefill and generation of transformers models (ds_mamba_spcp.inference.transformers)
+against transformers in one process, on 2 and 4 gloo ranks.
+
+Oracle. transformers' own ``model.generate(prompt)`` in one process (its PyTorch path: its chunked SSD, its
+causal conv, its attention; ``test_hf.py::test_transformers_runs_its_pytorch_path`` checks that this is
+what runs) and its own prefill ``model(prompt[:, :n*cp], use_cache=True)`` for the cache. For the
+attention-free Nemotron-H, whose plain ``generate`` raises in transformers 5.24 (checked below), the oracle
+is a greedy loop over the model's forward without any cache (every step recomputes the whole sequence).
+
+Models: ``tests/hf_models.py``'s tiny configs (8 SSM heads in 2 groups, dstate 5, d_conv 4, chunk 8;
+4 attention heads over 2 key/value heads) with slow decays (``sensitive``: per-token decay
+exp(A*dt) ~ 0.995, so the state after the first shard still weighs on the last token; with
+``hf_models.randomize``'s decays of ~0.7 per token a lost state would hardly change a token). Prompt
+lengths: seqlen - 1 a multiple of the group (the prefill takes all but the last token) and not (1..cp-1
+tokens more go through transformers' own continuation); at 4 ranks also shards of 3 tokens (the op's
+least, d_conv - 1), so the conv state takes columns from two ranks.
+
+Checks per case, every rank reporting and the test asserting every rank's verdict:
+- tokens: 12 new greedy tokens equal the oracle's, on every rank. The oracle's smallest top-2 logit
+  margin along its tokens is asserted > 1e-3, so that a pass is not luck and a failure is not a near-tie
+  (the sharded and the plain computation differ by fp32 roundoff, ~1e-6 relative).
+- the cache: every Mamba layer's conv and SSM state and every attention layer's K/V against transformers'
+  own prefill of the same tokens, relative RMS <= 1e-5: both are fp32 computations of the same sums in
+  other orders (another scan, state passing across ranks; measured ~1e-7..1e-6); a state restarting at a
+  shard border is off by > 1e-2 (the negative control below).
+- negative control (every family, 2 ranks): the same prefill with each rank's Mamba layers starting from
+  the zero state (the op on a group of one per rank) gives other tokens, and states off by > 1e-2.
+- bad input raised on every rank alike (padding on one rank only, shards of different lengths, too short
+  a prompt, different prompts, sampling with unlike seeds, a cache passed in, unsupported models); sampling
+  with like seeds gives the same tokens on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+
+import pytest
+import torch
+
+from tests import hf_models
+
+hf_models.import_models()  # before anything loads mamba-ssm's modules: see hf_models.import_models
+
+from tests.dist_utils import agree, rel_err, run_ranks  # noqa: E402
+
+STATE_TOL = 1e-5
+MARGIN = 1e-3
+NEW_TOKENS = 12
+BATCH = 2
+TIMEOUT = 900
+FAMILIES = [("mamba2", True), ("bamba", True), ("falcon_h1", True), ("nemotron_h", True), ("nemotron_h", False)]
+LENGTHS = {2: [27, 30], 4: [13, 15]}  # seqlen; seqlen - 1: 26 and 12 divide by the group, 29 and 14 leave 1 and 2
+
+
+def sensitive(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Slow decays: A in [-0.1, -0.03] and dt ~ softplus(dt_bias) ~ 0.05, so exp(A*dt) ~ 0.995 per token."""
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.03, 0.1, generator=g).log().to(p.dtype))
+            elif name.endswith("dt_bias"):
+                p.copy_((math.log(math.expm1(0.05)) + 0.2 * torch.randn(p.shape, generator=g)).to(p.dtype))
+    model.generation_config.eos_token_id = None  # always NEW_TOKENS new tokens
+    return model.eval()
+
+
+def build(family: str, attention: bool, seed: int, **extra) -> torch.nn.Module:
+    return sensitive(hf_models.build(family, attention=attention, seed=seed, **extra), seed)
+
+
+def prompt(seqlen: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, hf_models.VOCAB, (BATCH, seqlen), generator=g)  # 0 is the pad token
+
+
+GEN = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+
+
+def positions(model, length: int) -> dict:
+    """position_ids for a forward on ``length`` tokens from 0 (Mamba2ForCausalLM takes none)."""
+    return {} if "mamba2" in type(model).__name__.lower() else {"position_ids": torch.arange(length)[None]}
+
+
+def greedy_without_cache(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """The oracle where transformers' generate fails: argmax of the last logits, the whole sequence each step."""
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(input_ids=ids, use_cache=False, **positions(model, ids.shape[1])).logits[:, -1]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+def margin(model, tokens: torch.Tensor, seqlen: int) -> float:
+    """The smallest top-2 gap of the logits that chose the generated tokens (one forward without cache)."""
+    with torch.no_grad():
+        kw = positions(model, tokens.shape[1] - 1)
+        logits = model(input_ids=tokens[:, :-1], use_cache=False, **kw).logits[:, seqlen - 1 :]
+    top = logits.topk(2, dim=-1).values
+    return float((top[..., 0] - top[..., 1]).min())
+
+
+def oracle(model, ids: torch.Tensor, attention: bool, family: str) -> torch.Tensor:
+    if family == "nemotron_h" and not attention:
+        return greedy_without_cache(model, ids, NEW_TOKENS)
+    return model.generate(ids, **GEN)
+
+
+def cache_errors(cache, ref) -> dict:
+    """Relative RMS error of every cached tensor (conv state, SSM state, K, V) against transformers' cache."""
+    errs = {}
+    for i, (layer, want) in enumerate(zip(cache.layers, ref.layers)):
+        pairs = [(kind, getattr(layer, kind, {}).get(0), getattr(want, kind, {}).get(0))
+                 for kind in ("conv_states", "recurrent_states")]  # fmt: skip
+        pairs += [(kind, getattr(layer, kind, None), getattr(want, kind, None)) for kind in ("keys", "values")]
+        for kind, got, expected in pairs:
+            if expected is not None:
+                same_shape = got is not None and got.shape == expected.shape
+                errs[f"{i}.{kind}"] = rel_err(got, expected) if same_shape else float("inf")
+    return errs
+
+
+def own_prefill(model, ids: torch.Tensor, attention: bool, **kw):
+    """transformers' own prefill (``use_cache=True``) and its cache. The attention-free Nemotron-H's forward
+    with a plain DynamicCache raises (the mask asks the cache for a length it cannot give); it gets a
+    ``PrefilledCache``, which only answers that length, filled by the model's own forward."""
+    from ds_mamba_spcp.inference.transformers import PrefilledCache
+
+    extra = {} if attention else {"cache": PrefilledCache(model.config)}
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, **extra, **kw)
+    return out, out.cache
+
+
+# ---------------------------------------------------------------------------------------------------
+# rank functions
+# ---------------------------------------------------------------------------------------------------
+
+
+def _case(rank, world, family, attention, seqlen, seed, bug=False):
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate, sequence_parallel_prefill
+
+    model = build(family, attention, seed)
+    ids = prompt(seqlen, seed)
+    want = oracle(model, ids, attention, family)
+    n = (seqlen - 1) // world
+    _, ref_cache = own_prefill(model, ids[:, : n * world], attention)
+    restore = _restart_states_at_borders(world) if bug else None
+    try:
+        got = sequence_parallel_generate(model, ids, **GEN)
+        logits, cache = sequence_parallel_prefill(model, ids[:, rank * n : (rank + 1) * n])
+    finally:
+        if restore is not None:
+            restore()
+    with torch.no_grad():
+        ref_logits = model(input_ids=ids[:, : n * world], use_cache=False).logits[:, -1]
+    errs = cache_errors(cache, ref_cache)
+    errs["logits"] = rel_err(logits, ref_logits)
+    return {
+        "same_tokens": agree(torch.equal(got, want)),
+        "tokens": got[:, seqlen:].tolist(),
+        "want": want[:, seqlen:].tolist(),
+        "margin": margin(model, want, seqlen),
+        "errs": errs,
+        "length": cache.get_seq_length(),
+    }
+
+
+def _restart_states_at_borders(world):
+    """The negative control: every rank's Mamba layers run the op on a group of one (their own shard from the
+    zero state, and no conv halo from the rank before); the cache gets the last shard's state (on every rank,
+    so that they decode alike) and the conv tail gathered over the group."""
+    import deepspeed.comm as dist
+
+    from ds_mamba_spcp.inference import prefill, transformers
+
+    singles = [dist.new_group([r]) for r in range(world)]
+    own = singles[dist.get_rank()]
+    original = transformers.mixer_prefill
+
+    def restarting(zxbcdt, core, group, cfg):
+        y, state, _ = original(zxbcdt, core, own, cfg)
+        state = prefill.broadcast_from_last(state, group)  # the last shard's state alone, alike on every rank
+        d_inner = core.A.shape[0] * core.headdim
+        conv_dim, d_conv = core.conv1d_weight.shape
+        return y, state, prefill.conv_tail(zxbcdt[..., d_inner : d_inner + conv_dim], d_conv, group)
+
+    transformers.mixer_prefill = restarting
+
+    def restore():
+        transformers.mixer_prefill = original
+
+    return restore
+
+
+def _raises(fn, exc, *needles) -> tuple[bool, str]:
+    try:
+        fn()
+    except exc as e:
+        return all(n in str(e) for n in needles), str(e)[:300]
+    except Exception as e:  # noqa: BLE001 - reported
+        return False, f"raised {type(e).__name__} instead: {traceback.format_exc()[-1500:]}"
+    return False, "did not raise"
+
+
+def _bad_input(rank, world):
+    """Every refusal raised on every rank (the verdicts all-reduced), and sampling with like seeds."""
+    import transformers as tf
+
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate, sequence_parallel_prefill
+
+    out = {}
+    model = build("bamba", True, 3)
+    seqlen = 3 * world + 1
+    ids = prompt(seqlen, 5)
+    mask = torch.ones_like(ids)
+    if rank == world - 1:
+        mask[1, :2] = 0  # left padding on one rank only: every rank must raise
+    out["padding"] = _raises(
+        lambda: sequence_parallel_generate(model, ids, attention_mask=mask, **GEN), NotImplementedError, "padding"
+    )
+    try:
+        sequence_parallel_generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, pad_token_id=0)
+        out["all_ones_mask_accepted"] = (True, "")
+    except Exception as e:  # noqa: BLE001 - reported
+        out["all_ones_mask_accepted"] = (False, repr(e))
+    shard = ids[:, : 3 if rank == 0 else 4]  # rank 0 one token short
+    out["shards_of_different_lengths"] = _raises(
+        lambda: sequence_parallel_prefill(model, shard), ValueError, "same (batch, local_seqlen)"
+    )
+    out["prompt_too_short"] = _raises(
+        lambda: sequence_parallel_generate(model, ids[:, : 3 * world], **GEN), ValueError, f"at least {3 * world + 1}"
+    )
+    other = ids.clone()
+    if rank == 1:
+        other[0, 0] += 1
+    out["different_prompts"] = _raises(lambda: sequence_parallel_generate(model, other, **GEN), ValueError, "different")
+    torch.manual_seed(100 + rank)
+    sample = dict(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=0, pad_token_id=0)
+    out["sampling_unlike_seeds"] = _raises(
+        lambda: sequence_parallel_generate(model, ids, **sample), ValueError, "manual_seed"
+    )
+    torch.manual_seed(7)
+    sampled = sequence_parallel_generate(model, ids, **sample)
+    torch.manual_seed(7)
+    alone = model.generate(ids, **sample)
+    out["sampling_like_seeds_same_tokens"] = (torch.equal(sampled, alone), f"{sampled.tolist()} vs {alone.tolist()}")
+    from transformers import DynamicCache
+
+    out["cache_passed_in"] = _raises(
+        lambda: sequence_parallel_generate(model, ids, cache=DynamicCache(config=model.config), **GEN),
+        ValueError, "cache=",
+    )  # fmt: skip
+    llama = tf.LlamaForCausalLM(
+        tf.LlamaConfig(vocab_size=hf_models.VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2)
+    ).eval()  # fmt: skip
+    out["attention_only_model"] = _raises(
+        lambda: sequence_parallel_generate(llama, ids, **GEN), ValueError, "holds no Mamba2 mixer"
+    )
+    eager = build("bamba", True, 3, attn="eager")
+    out["eager_attention"] = _raises(
+        lambda: sequence_parallel_generate(eager, ids, **GEN), ValueError, "attn_implementation='sdpa'"
+    )
+    relu = build("nemotron_h", True, 3, mamba_hidden_act="relu")
+    out["unsupported_activation"] = _raises(
+        lambda: sequence_parallel_generate(relu, ids, **GEN), NotImplementedError, "mamba_hidden_act"
+    )
+    out["not_token_ids"] = _raises(
+        lambda: sequence_parallel_generate(model, ids.float(), **GEN), ValueError, "tensor of token ids"
+    )
+    return {k: (agree(ok), msg) for k, (ok, msg) in out.items()}
+
+
+def _prepared_model(rank, world):
+    """A model prepared for training (prepare_sequence_parallel) generates too, and keeps its sharding after."""
+    from ds_mamba_spcp.integrations.transformers import prepare_sequence_parallel, sequence_parallel_generate
+
+    model = build("nemotron_h", True, 11)
+    ids = prompt(4 * world + 1, 12)
+    want = model.generate(ids, **GEN)
+    ds_config = {"train_micro_batch_size_per_gpu": BATCH, "sequence_parallel_size": world,
+                 "mamba_sequence_parallel": {"enabled": True}}  # fmt: skip
+    prepare_sequence_parallel(model, ds_config)
+    got = sequence_parallel_generate(model, ids, **GEN)
+    still = _raises(lambda: model.generate(ids, **GEN), NotImplementedError, "sequence_parallel_disabled")
+    return {"same_tokens": agree(torch.equal(got, want)), "sharding_kept": (agree(still[0]), still[1])}
+
+
+def _run_world(rank, world):
+    out = {"cases": {}}
+    for i, (family, attention) in enumerate(FAMILIES):
+        for seqlen in LENGTHS[world]:
+            name = f"{family}{'' if attention else '_noattn'}_L{seqlen}"
+            out["cases"][name] = _case(rank, world, family, attention, seqlen, seed=10 * i + seqlen)
+        if world == 2:
+            seqlen = LENGTHS[world][0]
+            out["cases"][f"bug_{family}{'' if attention else '_noattn'}"] = _case(
+                rank, world, family, attention, seqlen, seed=10 * i + seqlen, bug=True
+            )
+    if world == 2:
+        out["bad_input"] = _bad_input(rank, world)
+    out["prepared"] = _prepared_model(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results2():
+    return run_ranks(_run_world, 2, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def results4():
+    return run_ranks(_run_world, 4, timeout=TIMEOUT)
+
+
+CASES = [
+    (w, f"{fam}{'' if att else '_noattn'}_L{seqlen}") for w in (2, 4) for fam, att in FAMILIES for seqlen in LENGTHS[w]
+]
+
+
+@pytest.mark.parametrize("world,case", CASES, ids=[f"world{w}-{c}" for w, c in CASES])
+def test_tokens_and_cache_match_one_process(request, world, case):
+    results = request.getfixturevalue(f"results{world}")
+    res = results[0]["cases"][case]
+    print(f"world {world} {case}: margin {res['margin']:.2e}, worst cache error {max(res['errs'].values()):.2e}")
+    assert res["margin"] > MARGIN, f"a near-tie in the oracle's tokens ({res['margin']:.1e}): pick another seed"
+    assert res["same_tokens"], f"tokens {res['tokens']} != one process's {res['want']}"
+    for rank, r in enumerate(results):
+        bad = {k: e for k, e in r["cases"][case]["errs"].items() if not e <= STATE_TOL}
+        assert not bad, f"rank {rank}: cached tensors over {STATE_TOL}: {bad}"
+        assert r["cases"][case]["tokens"] == res["tokens"]
+    seqlen = int(case.rsplit("_L", 1)[1])
+    assert res["length"] == (seqlen - 1) // world * world
+    assert len(res["errs"]) >= 3  # the logits and at least one layer's conv and SSM state were compared
+
+
+@pytest.mark.parametrize("family,attention", FAMILIES, ids=[f"{f}{'' if a else '_noattn'}" for f, a in FAMILIES])
+def test_negative_control_state_restarting_at_shard_borders(results2, family, attention):
+    res = results2[0]["cases"][f"bug_{family}{'' if attention else '_noattn'}"]
+    states = [e for k, e in res["errs"].items() if k.endswith("recurrent_states")]
+    assert not res["same_tokens"], "a lost state gave the same tokens: the test models are not sensitive enough"
+    assert max(states) > 1e-2, res["errs"]
+
+
+BAD = [
+    "padding", "all_ones_mask_accepted", "shards_of_different_lengths", "prompt_too_short", "different_prompts",
+    "sampling_unlike_seeds", "sampling_like_seeds_same_tokens", "cache_passed_in", "attention_only_model",
+    "eager_attention", "unsupported_activation", "not_token_ids",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("check", BAD)
+def test_bad_input_raises_on_every_rank(results2, check):
+    for rank, r in enumerate(results2):
+        ok, msg = r["bad_input"][check]
+        assert ok, f"rank {rank}, {check}: {msg}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_prepared_model_generates_and_stays_prepared(request, world):
+    res = request.getfixturevalue(f"results{world}")[0]["prepared"]
+    assert res["same_tokens"]
+    assert res["sharding_kept"][0], res["sharding_kept"][1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# one process: a group of one is the model's own prefill
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,attention", FAMILIES, ids=[f"{f}{'' if a else '_noattn'}" for f, a in FAMILIES])
+def test_group_of_one_is_the_models_own_prefill(family, attention):
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate, sequence_parallel_prefill
+
+    model = build(family, attention, 21)
+    ids = prompt(15, 22)
+    logits, cache = sequence_parallel_prefill(model, ids)
+    own, own_cache = own_prefill(model, ids, attention, logits_to_keep=1)
+    assert torch.equal(logits, own.logits[:, -1])
+    assert all(e == 0 for e in cache_errors(cache, own_cache).values())
+    assert cache.get_seq_length() == 15
+    assert torch.equal(sequence_parallel_generate(model, ids, **GEN), oracle(model, ids, attention, family))
+
+
+def test_attention_free_nemotron_h_plain_generate_fails_in_transformers():
+    """Why the attention-free Nemotron-H needs PrefilledCache: transformers 5.24's own generate raises. If a
+    release fixes it, this fails, and the oracle can become its generate."""
+    model = build("nemotron_h", False, 1)
+    with pytest.raises(ValueError, match="get_seq_length"):
+        model.generate(prompt(9, 1), **GEN)
+
+
+def test_generate_example_in_one_process():
+    """examples/generate.py in a group of one (its 2-rank run: ``deepspeed --num_gpus 2 examples/generate.py``)."""
+    import importlib.util
+    import os
+
+    from tests.dist_utils import REPO
+
+    spec = importlib.util.spec_from_file_location("generate_example", os.path.join(REPO, "examples", "generate.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--prompt-len", "33", "--new-tokens", "4"])
