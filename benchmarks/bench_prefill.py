@@ -250,6 +250,14 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
     import torch
+
+    if args.device == "cuda":
+        # transformers binds mamba-ssm's Triton kernels to Mamba2 only when `import mamba_ssm` works; on a GPU
+        # without mamba-ssm's CUDA extension this package's bare mamba_ssm makes it work (the issue's baseline
+        # is transformers' forward on mamba-ssm's kernels, not its PyTorch path)
+        from ds_mamba_spcp._upstream import expose_mamba_package
+
+        expose_mamba_package()
     import transformers  # noqa: F401 - its Mamba2 module binds mamba-ssm's kernels or its PyTorch path first
     import transformers.models.mamba2.modeling_mamba2  # noqa: F401
 
@@ -260,6 +268,10 @@ def main(argv=None) -> dict:
     chunked = [int(x) for x in args.chunked_lengths.split(",") if x]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     payload = dict(schema=SCHEMA, header=environment(args), records=[], complete=False)
+    # whether transformers' Mamba2 runs mamba-ssm's kernels (its fused path) or its PyTorch path
+    payload["header"]["hf_mamba2_fast_path"] = bool(
+        getattr(transformers.models.mamba2.modeling_mamba2, "is_fast_path_available", False)
+    )
     start = time.monotonic()
     for preset in [x for x in args.presets.split(",") if x]:
         spec = PRESETS[preset]
