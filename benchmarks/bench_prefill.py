@@ -51,6 +51,24 @@ PRESETS = {
 }
 
 
+def _hf_binds_mamba_kernels():
+    """Whether transformers bound mamba-ssm's fused op to its Mamba2 (None: cannot tell on this release)."""
+    import inspect
+
+    import transformers.models.mamba2.modeling_mamba2 as m
+
+    f = getattr(m, "mamba2_split_conv1d_scan_combined", None)
+    while f is not None:
+        try:
+            found = inspect.getclosurevars(f).nonlocals.get("is_new_implementation")
+        except TypeError:
+            found = None
+        if found is not None:
+            return bool(found)
+        f = getattr(f, "__wrapped__", None)
+    return None
+
+
 def _hf_model(p: dict, device, dtype):
     import torch
     import transformers as tf
@@ -269,9 +287,7 @@ def main(argv=None) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     payload = dict(schema=SCHEMA, header=environment(args), records=[], complete=False)
     # whether transformers' Mamba2 runs mamba-ssm's kernels (its fused path) or its PyTorch path
-    payload["header"]["hf_mamba2_fast_path"] = bool(
-        getattr(transformers.models.mamba2.modeling_mamba2, "is_fast_path_available", False)
-    )
+    payload["header"]["hf_mamba2_fast_path"] = _hf_binds_mamba_kernels()
     start = time.monotonic()
     for preset in [x for x in args.presets.split(",") if x]:
         spec = PRESETS[preset]
