@@ -259,9 +259,9 @@ def build_step(mode: str, cell: Cell, ctx: Context):
     if mode == "ulysses":
         ulysses_local_groups(cell.nheads, cell.ngroups, ctx.cp)
         try:
-            from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
+            from ds_mamba_spcp.op import mamba_split_conv1d_scan_ulysses
         except ImportError as e:
-            raise Skip(f"ds_mamba_spcp.ulysses is not importable: {e}") from e
+            raise Skip(f"ds_mamba_spcp.op.mamba_split_conv1d_scan_ulysses is not importable: {e}") from e
         inp = CoreInputs(cell.batch, local, cell.nheads, cell.ngroups, ctx)
         labels = packed_labels(cell, ctx, "contiguous")
         return inp.fwd_bwd(

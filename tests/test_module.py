@@ -540,15 +540,16 @@ def test_sequence_parallel_size_without_distributed_backend():
 @pytest.mark.parametrize("fields", [dict(), dict(recompute_output=True, overlap_comm=False, check_shapes=False)])
 def test_config_options_reach_the_op(monkeypatch, fields):
     """The section's op options are the options of the call the wrapper runs."""
-    from ds_mamba_spcp import DistributedMamba2, module
+    from ds_mamba_spcp import DistributedMamba2, op
 
     seen = {}
 
-    def run(call):
+    def run(call):  # the dispatcher, which applies the adapter's projections around the core
         seen.update(vars(call.options))
-        return call.zxbcdt.new_zeros(*call.zxbcdt.shape[:2], m.d_ssm)
+        hidden = call.projections.hidden
+        return call.projections.out_proj(hidden.new_zeros(*hidden.shape[:2], m.d_ssm))
 
-    monkeypatch.setattr(module.op, "run", run)
+    monkeypatch.setattr(op, "run", run)
     m = make_mixer("gate_g1")
     w = DistributedMamba2(m, None, section(backend="reference", **fields))
     w(torch.randn(BATCH, 6, D_MODEL, dtype=torch.float64))

@@ -58,8 +58,8 @@ CASES = {
 
 # name -> (options, phrase the ValueError must contain on every rank)
 ERROR_CASES = {
-    "nheads_not_divisible": (dict(nheads=5, ngroups=1), "divisible by the sequence-parallel size"),
-    "ngroups_neither_multiple_nor_divisor": (dict(nheads=24, ngroups=3), "multiple or a divisor"),
+    "nheads_not_divisible": (dict(nheads=5, ngroups=1), "is not divisible by cp="),
+    "ngroups_neither_multiple_nor_divisor": (dict(nheads=24, ngroups=3), "to divide one another"),
     "rmsnorm_before_gate_with_replicated_groups": (dict(ngroups=1, rms=True, before=True), "norm_before_gate=False"),
     "zigzag_odd_local_seqlen": (dict(ngroups=1, layout="zigzag", per_rank=5), "even local seqlen"),
     "shapes_differ_across_ranks": (dict(ngroups=1, rank0_extra=2), "variable-length shards"),
@@ -179,7 +179,7 @@ def run_error_case(rank, world, opts, sharded_op):
 
 
 def _ulysses(opts):
-    from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
+    from ds_mamba_spcp.op import mamba_split_conv1d_scan_ulysses
 
     layout_arg = opts.get("claimed_layout", opts.get("layout", "contiguous"))
     return lambda inputs: call_op(mamba_split_conv1d_scan_ulysses, inputs, opts, input_layout=layout_arg)
@@ -260,7 +260,7 @@ def test_negative_control_fails(world_results):
 def test_group_of_one_is_single_device_op(input_layout):
     """Without a distributed backend the op is the reference op, bitwise."""
     from ds_mamba_spcp import mamba_split_conv1d_scan_ref
-    from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
+    from ds_mamba_spcp.op import mamba_split_conv1d_scan_ulysses
 
     opts = dict(dtype="float64", batch=2, ngroups=2, rms=True, init=True, final=True)
     inputs, _ = make_inputs(opts, 12)

@@ -19,7 +19,7 @@ before ``deepspeed.initialize``::
     ds_config ─────────> DeepSpeed's sequence-parallel group (parallel_state_sp, also the returned mpu)
     attention layers ──> DeepSpeed's UlyssesSPAttentionHF (all-to-all [L/cp, heads] -> [L, heads/cp]),
                          per module, behind the model's attention key; contiguous shards
-    Mamba2 mixers ─────> ds_mamba_spcp.module.mixer_forward (the "mamba_sequence_parallel" mode), same group
+    Mamba2 mixers ─────> ds_mamba_spcp.integrations.core.mixer_forward (the section's mode), same group
     model.forward ─────> checked before any collective: no cache, no padding, position_ids given
 
 How a mixer is wrapped, and why. The mixer keeps its class and its place in the model; only its
@@ -96,7 +96,8 @@ if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release
 from ds_mamba_spcp import comm  # noqa: E402
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config  # noqa: E402
 from ds_mamba_spcp.groups import group_size, resolve_sequence_process_group  # noqa: E402
-from ds_mamba_spcp.module import DistributedMamba2, MixerCore, mixer_forward, wrap_mamba2_mixers  # noqa: E402
+from ds_mamba_spcp.integrations.core import MixerCore, mixer_forward  # noqa: E402
+from ds_mamba_spcp.integrations.mamba_ssm import DistributedMamba2, wrap_mamba_ssm_mixers  # noqa: E402
 
 # The Mamba2-style mixer classes of transformers (class name -> modeling module).
 MIXER_CLASSES = {
@@ -273,7 +274,7 @@ class _MixerAdapter:
         self.model_state: _PreparedModel | None = None  # set by prepare_sequence_parallel
 
     def _validate(self, size: int) -> None:
-        self.sharding.config.validate_for_mixer(nheads=self.mixer.num_heads, ngroups=self.mixer.n_groups, sp_size=size)
+        self.sharding.config.validate_for_mixer(nheads=self.mixer.num_heads, ngroups=self.mixer.n_groups, cp=size)
 
     def __call__(self, *args, **kwargs):
         hidden_states, cache, attention_mask, rest = _mixer_call(args, kwargs)
@@ -647,7 +648,8 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     sharding.group()
 
     attention = [(m, _check_attention(m, cfg, sp)) for m in attention_modules(model)]
-    wrap_mamba2_mixers(model, group, cfg)
+    wrap_mamba_ssm_mixers(model, group, cfg)  # as ds_mamba_spcp.module.wrap_mamba2_mixers: both kinds
+    wrap_hf_mamba2_mixers(model, group, cfg)
     if not any(_MIXER_ATTR in m.__dict__ or isinstance(m, DistributedMamba2) for m in model.modules()):
         raise ValueError(
             f"{type(model).__qualname__} holds no Mamba2 mixer this package can shard (transformers' "
