@@ -9,7 +9,7 @@ Launch one process per GPU (the group is the whole world, cp = number of process
 What is timed: the mixer core after in_proj and before out_proj, forward and backward
 (``torch.autograd.grad`` of the output w.r.t. zxbcdt and every parameter, with a fixed random
 upstream gradient): causal conv1d + SiLU, the SSD scan, the D skip and the z gate y * silu(z).
-The gated RMSNorm is left out by default so that ``ideal`` is the op DESIGN.md section 5 timed
+The gated RMSNorm is left out by default so that ``ideal`` is the op docs/benchmarks.md times on one GPU
 (``--rmsnorm`` adds it, as Mamba2's fused path does). Modes, per cell (global seqlen L, batch,
 nheads, ngroups; cp = world size):
 

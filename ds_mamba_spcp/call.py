@@ -405,7 +405,7 @@ def _agree(fields, problem, seq_idx, device, group, rank, cp, seq_layout, what) 
             f"{what}: rank(s) {bad} of the sequence-parallel group rejected this call with a {kind.__name__} (see "
             "their message); every rank raises it so that none is left waiting in a collective"
         )
-    comm.check_same_across_ranks(fields, device, group, cp, what, rows=[r[:nf] for r in host])
+    _compare(fields, [r[:nf] for r in host], what)
     if seq_idx is None:
         return
     if fits:
@@ -416,6 +416,37 @@ def _agree(fields, problem, seq_idx, device, group, rank, cp, seq_layout, what) 
     label_problem = _label_problem(ordered, what)
     if label_problem is not None:
         raise label_problem
+
+
+def _compare(fields: list[tuple[str, int]], rows: list[list[int]], what: str) -> None:
+    """Raises the same error on every rank when the ranks' call descriptors differ (NotImplementedError when
+    only the local seqlen does: variable-length shards; ValueError otherwise).
+
+    ``fields``: this rank's (name, int) pairs (shapes, dtype codes, option indices); ``rows``: every rank's
+    values, exchanged by ``_agree`` on every call. ``what`` names the caller in the message; the message
+    lists the fields that differ, per rank.
+    """
+    if all(r == rows[0] for r in rows):
+        return
+    names = [n for n, _ in fields]
+    if any(len(r) != len(names) for r in rows):
+        differ = names
+    else:
+        differ = [n for i, n in enumerate(names) if len({r[i] for r in rows}) > 1]
+    per_rank = "; ".join(
+        f"rank {k}: " + ", ".join(f"{n}={r[names.index(n)]}" for n in differ if names.index(n) < len(r))
+        for k, r in enumerate(rows)
+    )
+    if differ == ["local_seqlen"]:
+        raise NotImplementedError(
+            f"{what}: variable-length shards are not supported: every rank of the sequence-parallel group must hold "
+            f"the same number of tokens ({per_rank}); pad the sequence to a multiple of the number of chunks (the "
+            "group size for contiguous shards, twice it for zigzag) before sharding it."
+        )
+    raise ValueError(
+        f"{what}: the ranks of the sequence-parallel group called it with different shapes or options; every rank "
+        f"must pass the same batch, local seqlen, sizes, dtype and options. Differing: {per_rank}."
+    )
 
 
 def _always_read(device) -> bool:
