@@ -9,7 +9,7 @@ Launch one process per GPU (the group is the whole world, cp = number of process
 What is timed: the mixer core after in_proj and before out_proj, forward and backward
 (``torch.autograd.grad`` of the output w.r.t. zxbcdt and every parameter, with a fixed random
 upstream gradient): causal conv1d + SiLU, the SSD scan, the D skip and the z gate y * silu(z).
-The gated RMSNorm is left out by default so that ``ideal`` is the op DESIGN.md section 5 timed
+The gated RMSNorm is left out by default so that ``ideal`` is the op docs/benchmarks.md times on one GPU
 (``--rmsnorm`` adds it, as Mamba2's fused path does). Modes, per cell (global seqlen L, batch,
 nheads, ngroups; cp = world size):
 
@@ -259,9 +259,9 @@ def build_step(mode: str, cell: Cell, ctx: Context):
     if mode == "ulysses":
         ulysses_local_groups(cell.nheads, cell.ngroups, ctx.cp)
         try:
-            from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
+            from ds_mamba_spcp.op import mamba_split_conv1d_scan_ulysses
         except ImportError as e:
-            raise Skip(f"ds_mamba_spcp.ulysses is not importable: {e}") from e
+            raise Skip(f"ds_mamba_spcp.op.mamba_split_conv1d_scan_ulysses is not importable: {e}") from e
         inp = CoreInputs(cell.batch, local, cell.nheads, cell.ngroups, ctx)
         labels = packed_labels(cell, ctx, "contiguous")
         return inp.fwd_bwd(

@@ -1,7 +1,7 @@
 """Where do mamba-ssm 2.3.2's Triton kernels stop matching the fp32 reference? (mamba-ssm issue #1015)
 
 For each length, upstream's ``mamba_split_conv1d_scan_combined`` runs forward and backward once
-(bf16, the benchmark shape of DESIGN.md section 5 with the gated RMSNorm, batch 1) and is compared
+(bf16, the benchmark shape of docs/benchmarks.md with the gated RMSNorm, batch 1) and is compared
 with the reference backend in fp32, chained over 16384-token pieces (``tests/gpu_cases.py``):
 the relative error of the worst 1/16 of the sequence for out and dzxbcdt (a wrapped offset
 corrupts a region, which a global norm would dilute) and of every parameter's gradient. Each

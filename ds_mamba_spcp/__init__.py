@@ -3,9 +3,8 @@
 from ds_mamba_spcp.groups import resolve_sequence_process_group
 from ds_mamba_spcp.layout import shard_sequence, unshard_sequence
 from ds_mamba_spcp.module import DistributedMamba2, wrap_mamba2_mixers
-from ds_mamba_spcp.op import mamba_split_conv1d_scan_sp
+from ds_mamba_spcp.op import mamba_split_conv1d_scan_sp, mamba_split_conv1d_scan_ulysses
 from ds_mamba_spcp.ops.reference import mamba_split_conv1d_scan_ref
-from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
 
 __version__ = "0.1.0"
 

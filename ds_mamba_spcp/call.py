@@ -1,8 +1,10 @@
 """One call of the Mamba2 mixer core: its tensors, sizes and options in one object, checked alike on every rank.
 
-Every public entry point (``mamba_split_conv1d_scan_sp``, ``mamba_split_conv1d_scan_ulysses``,
-``mixer_forward``) turns mamba-ssm's long argument list into a ``MixerCall`` with ``prepare`` and
-hands it to a strategy (state passing, permute, ulysses), which reads what it needs from it.
+Every entry point (``mamba_split_conv1d_scan_sp``, ``mamba_split_conv1d_scan_ulysses``, ``mixer_core``, and the
+adapters through ``integrations.core.mixer_forward``) turns its arguments into a ``MixerCall`` with ``prepare``
+and hands it to the one dispatcher, ``op.run``, which picks the strategy the table of modes names
+(``modes.py``). Behind the public op signatures nothing takes mamba-ssm's long argument list: the mixer's
+parameters and static options travel as one ``MixerCore``, the run options as one ``Options``.
 
 ``prepare`` validates the call on each rank without raising, then (``check_shapes``, the default)
 exchanges a fixed-size descriptor of it with the other ranks on *every* call: the shapes, dtypes and
@@ -11,42 +13,108 @@ borders. Every rank then decides alike: all raise the same kind of error, or non
 one small all-gather and a host read per call (two with ``seq_idx``); with ``check_shapes=False``
 it is skipped, and so is the value check of ``seq_idx``. Inside a CUDA-graph capture nothing is
 exchanged (a host read cannot be captured): the shapes of a captured call are those of the eager
-warm-up call before the capture, which was checked.
+warm-up call before the capture, which was checked. See docs/design.md, "Every rank decides alike".
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ds_mamba_spcp import comm, layout
+from ds_mamba_spcp import comm, layout, modes
 from ds_mamba_spcp.ops import BACKENDS, get_backend
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
 from ds_mamba_spcp.ops.spec import CoreSpec
 
-MODES = ("state_passing", "ulysses")
-LOAD_BALANCING = ("none", "permute_p2p", "permute_a2a", "virtual")
-PERMUTE = ("permute_p2p", "permute_a2a")
 _ERROR_CODES = {ValueError: 1, NotImplementedError: 2, TypeError: 3}
 _ERRORS = {v: k for k, v in _ERROR_CODES.items()}
+
+
+@dataclass(frozen=True)
+class MixerCore:
+    """The mixer core's parameters and static options: mamba-ssm's op arguments after ``zxbcdt``.
+
+    The adapters read one off their host mixer at every forward (ZeRO-3 and ``load_state_dict(assign=True)``
+    swap parameters); the public ops build one from their arguments. Field names and meanings are those of
+    ``mamba_split_conv1d_scan_sp``'s arguments.
+    """
+
+    conv1d_weight: torch.Tensor  # (conv_dim, d_conv)
+    conv1d_bias: torch.Tensor | None  # (conv_dim,)
+    dt_bias: torch.Tensor  # (nheads,)
+    A: torch.Tensor  # (nheads,), negative: -exp(A_log)
+    D: torch.Tensor  # (nheads,) or (nheads, headdim)
+    chunk_size: int
+    headdim: int | None = None  # None: read off D (or zxbcdt)
+    ngroups: int = 1
+    dt_limit: tuple = (0.0, float("inf"))
+    activation: str | None = "silu"
+    rmsnorm_weight: torch.Tensor | None = None  # (nheads*headdim,), or None for y * silu(z)
+    rmsnorm_eps: float = 1e-6
+    norm_before_gate: bool = False
+
+    @property
+    def d_in_proj(self) -> int:
+        """Width of in_proj's output (z, xBC, dt): d_inner + conv_dim + nheads."""
+        nheads = self.A.shape[0]
+        return nheads * self.headdim + self.conv1d_weight.shape[0] + nheads
+
+    def op_arguments(self) -> tuple[tuple, dict]:
+        """(positional, keyword) arguments of this core for the public ops (``op.mixer_core`` and the forward-only
+        ``inference.forward.mixer_core_prefill``), after ``zxbcdt``."""
+        args = (self.conv1d_weight, self.conv1d_bias, self.dt_bias, self.A, self.D, self.chunk_size)
+        kwargs = dict(
+            dt_limit=tuple(self.dt_limit), headdim=self.headdim, ngroups=self.ngroups, activation=self.activation,
+            rmsnorm_weight=self.rmsnorm_weight, rmsnorm_eps=self.rmsnorm_eps, norm_before_gate=self.norm_before_gate,
+        )  # fmt: skip
+        return args, kwargs
+
+    def spec(self, zxbcdt) -> CoreSpec:
+        """The sizes of a call of this core on ``zxbcdt``; raises a sentence for any that do not fit."""
+        return CoreSpec.infer(
+            zxbcdt, self.conv1d_weight, self.D, self.chunk_size, headdim=self.headdim, ngroups=self.ngroups,
+            dt_limit=self.dt_limit, activation=self.activation, rmsnorm_eps=self.rmsnorm_eps,
+            norm_before_gate=self.norm_before_gate,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Options:
     """How a call is run (the ds_config section's op keys)."""
 
-    mode: str = "state_passing"  # MODES
-    load_balancing: str = "none"  # LOAD_BALANCING; "none" under ulysses
-    input_layout: str = "contiguous"  # layout of zxbcdt and seq_idx: layout.LAYOUTS
+    mode: str = modes.STATE_PASSING  # modes.MODES
+    load_balancing: str = modes.NONE  # modes.LOAD_BALANCING
+    input_layout: str = modes.CONTIGUOUS  # layout of zxbcdt and seq_idx: layout.LAYOUTS
     return_final_states: bool = False
     recompute_output: bool = False
     overlap_comm: bool = True
     backend: str = "auto"  # ops.BACKENDS
     check_shapes: bool = True
     tile_length: int | None = None  # run each segment in tiles of this many tokens (None: only past the kernels' cap)
+
+    @property
+    def entry(self) -> modes.Entry:
+        """This call's entry of the table of modes (raises for a combination the table lacks)."""
+        return modes.entry(self.mode, self.load_balancing, self.input_layout, recompute_output=self.recompute_output,
+                           overlap_comm=self.overlap_comm)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Projections:
+    """An adapter's projections around the core: ``zxbcdt = in_proj(hidden)``, ``out = out_proj(y)``.
+
+    A call that carries them has a ``zxbcdt`` that only stands for in_proj's output (a "meta" tensor of its
+    shape) until the dispatcher applies in_proj, after any move of the input between layouts: hidden
+    (d_model wide) is narrower than zxbcdt, so a permute moves hidden, not zxbcdt.
+    """
+
+    hidden: torch.Tensor  # (batch, local_seqlen, d_model)
+    in_proj: Callable[[torch.Tensor], torch.Tensor]
+    out_proj: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -55,7 +123,8 @@ class MixerCall:
 
     zxbcdt: (batch, local_seqlen, d_in_proj), this rank's shard in ``options.input_layout``;
     seq_idx: (batch, local_seqlen) int32 document labels of the shard as the caller numbered them
-    (non-decreasing along the global row), or None. The rest as in mamba-ssm's op.
+    (non-decreasing along the global row), or None. The rest as in mamba-ssm's op. cp: the size of the
+    sequence-parallel group (the one name for it across the package).
     """
 
     zxbcdt: torch.Tensor
@@ -72,11 +141,16 @@ class MixerCall:
     group: Any
     rank: int
     cp: int
+    projections: Projections | None = None
 
     @property
     def params(self) -> tuple:
         """(conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight): the backends' order."""
         return (self.conv1d_weight, self.conv1d_bias, self.dt_bias, self.A, self.D, self.rmsnorm_weight)
+
+    @property
+    def entry(self) -> modes.Entry:
+        return self.options.entry
 
     def replace(self, **changes) -> MixerCall:
         return dataclasses.replace(self, **changes)
@@ -88,24 +162,45 @@ class MixerCall:
     def backend(self):
         return get_backend(self.options.backend, self.zxbcdt.device)
 
-    def single_device(self, zxbcdt=None, seq_idx=None, **changes):
-        """The backend's single-device op on ``zxbcdt`` (default: this call's) with this call's options.
+    def single_device(self):
+        """The backend's single-device op on this call's zxbcdt with its options.
 
         seq_idx is renumbered from 0 per row first (``canonical_seq_idx``), which the kernels need for
         initial_states to reach the row's first document whatever its label.
         """
-        zxbcdt = self.zxbcdt if zxbcdt is None else zxbcdt
-        seq_idx = self.seq_idx if seq_idx is None else seq_idx
         kwargs = dict(
             initial_states=self.initial_states, return_final_states=self.options.return_final_states,
             dt_limit=self.spec.dt_limit, headdim=self.spec.headdim, ngroups=self.spec.ngroups,
             activation=self.spec.activation, rmsnorm_weight=self.rmsnorm_weight, rmsnorm_eps=self.spec.rmsnorm_eps,
             norm_before_gate=self.spec.norm_before_gate,
-            seq_idx=None if seq_idx is None else canonical_seq_idx(seq_idx),
+            seq_idx=None if self.seq_idx is None else canonical_seq_idx(self.seq_idx),
         )  # fmt: skip
-        kwargs.update(changes)
         params = (self.conv1d_weight, self.conv1d_bias, self.dt_bias, self.A, self.D)
-        return self.backend.single_device_op(zxbcdt, *params, self.spec.chunk_size, **kwargs)
+        return self.backend.single_device_op(self.zxbcdt, *params, self.spec.chunk_size, **kwargs)
+
+
+_CORE_FIELDS = tuple(f.name for f in dataclasses.fields(MixerCore))
+_OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(Options))
+_DATA = ("initial_states", "seq_idx", "cu_seqlens")
+
+
+def from_arguments(arguments: dict, *, what: str) -> MixerCall:
+    """A public op's arguments (its ``locals()``: mamba-ssm's names plus this package's options) as a
+    prepared ``MixerCall``. input_layout left unset (None or absent) is the one the table of modes gives."""
+    args = dict(arguments)
+    zxbcdt, group = args.pop("zxbcdt"), args.pop("process_group", None)
+    core = MixerCore(**{k: args.pop(k) for k in _CORE_FIELDS if k in args})
+    data = {k: args.pop(k) for k in _DATA if k in args}
+    unknown = [k for k in args if k not in _OPTION_FIELDS]
+    if unknown:
+        raise TypeError(f"{what} got unexpected keyword argument(s) {unknown}")
+    if args.get("input_layout") is None:
+        args["input_layout"] = modes.default_layout(args.get("mode", modes.STATE_PASSING),
+                                                    args.get("load_balancing", modes.NONE))  # fmt: skip
+    for key in ("return_final_states", "recompute_output", "overlap_comm", "check_shapes"):
+        if key in args:
+            args[key] = bool(args[key])
+    return prepare(zxbcdt, core, process_group=group, options=Options(**args), what=what, **data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,12 +209,7 @@ class MixerCall:
 
 
 def _check_options(options: Options, spec: CoreSpec, cp: int, local_seqlen: int) -> None:
-    if options.mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {options.mode!r}")
-    if options.load_balancing not in LOAD_BALANCING:
-        raise ValueError(f"load_balancing must be one of {LOAD_BALANCING}, got {options.load_balancing!r}")
-    if options.input_layout not in layout.LAYOUTS:
-        raise ValueError(f"input_layout must be one of {layout.LAYOUTS}, got {options.input_layout!r}")
+    entry = options.entry  # mode, load balancing, layout and the flags that go with them (modes.py)
     if options.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {options.backend!r}")
     if options.tile_length is not None and (
@@ -131,66 +221,10 @@ def _check_options(options: Options, spec: CoreSpec, cp: int, local_seqlen: int)
             f"chunk_size={spec.chunk_size} runs fastest), or None to tile only past the kernels' limit; got "
             f"{options.tile_length!r}"
         )
-    if options.mode == "ulysses":
-        if options.load_balancing != "none":
-            raise ValueError(f"the ulysses mode takes no load_balancing, got {options.load_balancing!r}")
-        if options.recompute_output:
-            raise ValueError(
-                "recompute_output=True is not available in the ulysses mode: it runs mamba-ssm's own op, which "
-                "keeps the pre-gate output for backward; use the state_passing mode, or recompute_output=False"
-            )
-        if not options.overlap_comm:
-            raise ValueError(
-                "overlap_comm=False has no meaning in the ulysses mode (its two all-to-alls are on the critical "
-                "path, nothing overlaps them); leave overlap_comm at True or use the state_passing mode"
-            )
-    if options.mode == "state_passing":
-        expected = "contiguous" if options.load_balancing == "none" else "zigzag"
-        if options.input_layout != expected:
-            raise ValueError(
-                f"load_balancing={options.load_balancing!r} takes {expected} shards, but input_layout is "
-                f"{options.input_layout!r}"
-            )
-    if cp == 1:
-        return
-    if options.mode == "ulysses":
-        _ulysses_head_layout(spec, cp)
-        if options.input_layout == "zigzag" and local_seqlen % 2:
-            raise ValueError(
-                f"input_layout='zigzag' needs an even local seqlen (two equal chunks; the global seqlen must be a "
-                f"multiple of 2*cp = {2 * cp}), got local seqlen {local_seqlen}"
-            )
-        return
-    if options.load_balancing in ("virtual", *PERMUTE) and local_seqlen % 2:
-        raise ValueError(
-            f"load_balancing={options.load_balancing!r} needs an even local seqlen (two zigzag chunks of equal "
-            f"length; the global seqlen must be a multiple of 2*cp = {2 * cp}), got local seqlen {local_seqlen}"
-        )
-    nlocal = 2 if options.load_balancing == "virtual" else 1
-    seg_len = local_seqlen // nlocal
-    if seg_len < max(spec.d_conv - 1, 1):
-        raise ValueError(
-            f"each causal segment must hold at least d_conv-1 = {spec.d_conv - 1} tokens (and at least 1) "
-            f"so that its conv halo comes from the previous segment alone; got {seg_len} tokens per segment "
-            f"(local seqlen {local_seqlen}, {nlocal} segment(s) per rank). Use fewer ranks or longer sequences."
-        )
-
-
-def _ulysses_head_layout(spec: CoreSpec, cp: int):
-    """(heads per rank, groups per rank, ranks per group) of the ulysses mode, or a ValueError."""
-    if spec.nheads % cp != 0:
-        raise ValueError(
-            f"the ulysses mode shards heads over the sequence-parallel group: nheads={spec.nheads} must be "
-            f"divisible by the sequence-parallel size {cp}"
-        )
-    if spec.ngroups % cp == 0:
-        return spec.nheads // cp, spec.ngroups // cp, 1
-    if cp % spec.ngroups == 0:
-        return spec.nheads // cp, 1, cp // spec.ngroups
-    raise ValueError(
-        f"the ulysses mode needs ngroups={spec.ngroups} to be a multiple or a divisor of the sequence-parallel "
-        f"size {cp} (B and C are sharded by group, or each group is replicated on the ranks of its heads)"
-    )
+    modes.check_shapes(
+        entry, nheads=spec.nheads, ngroups=spec.ngroups, cp=cp, local_seqlen=local_seqlen,
+        input_layout=options.input_layout, d_conv=spec.d_conv,
+    )  # fmt: skip
 
 
 def _check_params(zxbcdt, conv1d_bias, dt_bias, A, rmsnorm_weight, initial_states, spec: CoreSpec) -> None:
@@ -253,10 +287,7 @@ def _float_code(value) -> int:
     return hash(value) & 0x3FFF_FFFF_FFFF
 
 
-def _descriptor(
-    zxbcdt, conv1d_weight, conv1d_bias, D, chunk_size, headdim, ngroups, rmsnorm_weight, initial_states, seq_idx,
-    cu_seqlens, options, dt_limit, activation, rmsnorm_eps, norm_before_gate, problem,
-):  # fmt: skip
+def _descriptor(zxbcdt, core: MixerCore, options: Options, initial_states, seq_idx, cu_seqlens, problem):
     def dims(t, n):
         shape = list(t.shape)[:n] if t.dim() <= n else [-2] * n
         return shape + [-1] * (n - len(shape))
@@ -269,24 +300,24 @@ def _descriptor(
         ("problem", 0 if problem is None else _ERROR_CODES.get(type(problem), 1)),
         ("zxbcdt.dim", zxbcdt.dim()),
         *zip(("batch", "local_seqlen", "d_in_proj"), dims(zxbcdt, 3)),
-        *zip(("conv_dim", "d_conv"), dims(conv1d_weight, 2)),
-        ("D.dim", D.dim()),
-        *zip(("D.shape0", "D.shape1"), dims(D, 2)),
+        *zip(("conv_dim", "d_conv"), dims(core.conv1d_weight, 2)),
+        ("D.dim", core.D.dim()),
+        *zip(("D.shape0", "D.shape1"), dims(core.D, 2)),
         ("dtype", comm.DTYPE_CODES.get(zxbcdt.dtype, 99)),
-        ("chunk_size", int(chunk_size)),
-        ("headdim", -1 if headdim is None else int(headdim)),
-        ("ngroups", int(ngroups)),
+        ("chunk_size", int(core.chunk_size)),
+        ("headdim", -1 if core.headdim is None else int(core.headdim)),
+        ("ngroups", int(core.ngroups)),
         ("initial_states", initial_states is not None),
         ("return_final_states", options.return_final_states),
-        ("rmsnorm_weight", rmsnorm_weight is not None),
-        ("conv1d_bias", conv1d_bias is not None),
-        ("norm_before_gate", bool(norm_before_gate)),
-        ("activation", {None: 0, "silu": 1, "swish": 2}.get(activation, 9)),
-        ("dt_limit", _float_code(tuple(float(v) for v in dt_limit))),
-        ("rmsnorm_eps", _float_code(float(rmsnorm_eps))),
-        ("mode", MODES.index(options.mode) if options.mode in MODES else 9),
-        ("load_balancing", LOAD_BALANCING.index(options.load_balancing) if options.load_balancing in LOAD_BALANCING
-         else 9),
+        ("rmsnorm_weight", core.rmsnorm_weight is not None),
+        ("conv1d_bias", core.conv1d_bias is not None),
+        ("norm_before_gate", bool(core.norm_before_gate)),
+        ("activation", {None: 0, "silu": 1, "swish": 2}.get(core.activation, 9)),
+        ("dt_limit", _float_code(tuple(float(v) for v in core.dt_limit))),
+        ("rmsnorm_eps", _float_code(float(core.rmsnorm_eps))),
+        ("mode", modes.MODES.index(options.mode) if options.mode in modes.MODES else 9),
+        ("load_balancing", modes.LOAD_BALANCING.index(options.load_balancing)
+         if options.load_balancing in modes.LOAD_BALANCING else 9),
         ("input_layout", layout.LAYOUTS.index(options.input_layout) if options.input_layout in layout.LAYOUTS else 9),
         ("recompute_output", options.recompute_output),
         ("overlap_comm", options.overlap_comm),
@@ -384,7 +415,7 @@ def _agree(fields, problem, seq_idx, device, group, rank, cp, seq_layout, what) 
             f"{what}: rank(s) {bad} of the sequence-parallel group rejected this call with a {kind.__name__} (see "
             "their message); every rank raises it so that none is left waiting in a collective"
         )
-    comm.check_same_across_ranks(fields, device, group, cp, what, rows=[r[:nf] for r in host])
+    _compare(fields, [r[:nf] for r in host], what)
     if seq_idx is None:
         return
     if fits:
@@ -397,6 +428,37 @@ def _agree(fields, problem, seq_idx, device, group, rank, cp, seq_layout, what) 
         raise label_problem
 
 
+def _compare(fields: list[tuple[str, int]], rows: list[list[int]], what: str) -> None:
+    """Raises the same error on every rank when the ranks' call descriptors differ (NotImplementedError when
+    only the local seqlen does: variable-length shards; ValueError otherwise).
+
+    ``fields``: this rank's (name, int) pairs (shapes, dtype codes, option indices); ``rows``: every rank's
+    values, exchanged by ``_agree`` on every call. ``what`` names the caller in the message; the message
+    lists the fields that differ, per rank.
+    """
+    if all(r == rows[0] for r in rows):
+        return
+    names = [n for n, _ in fields]
+    if any(len(r) != len(names) for r in rows):
+        differ = names
+    else:
+        differ = [n for i, n in enumerate(names) if len({r[i] for r in rows}) > 1]
+    per_rank = "; ".join(
+        f"rank {k}: " + ", ".join(f"{n}={r[names.index(n)]}" for n in differ if names.index(n) < len(r))
+        for k, r in enumerate(rows)
+    )
+    if differ == ["local_seqlen"]:
+        raise NotImplementedError(
+            f"{what}: variable-length shards are not supported: every rank of the sequence-parallel group must hold "
+            f"the same number of tokens ({per_rank}); pad the sequence to a multiple of the number of chunks (the "
+            "group size for contiguous shards, twice it for zigzag) before sharding it."
+        )
+    raise ValueError(
+        f"{what}: the ranks of the sequence-parallel group called it with different shapes or options; every rank "
+        f"must pass the same batch, local seqlen, sizes, dtype and options. Differing: {per_rank}."
+    )
+
+
 def _always_read(device) -> bool:
     """A host read costs nothing where there is no device queue to drain: CPU tensors."""
     return device.type != "cuda"
@@ -407,34 +469,13 @@ def _capturing(device) -> bool:
 
 
 def prepare(
-    zxbcdt,
-    conv1d_weight,
-    conv1d_bias,
-    dt_bias,
-    A,
-    D,
-    chunk_size,
-    *,
-    process_group,
-    options: Options,
-    initial_states=None,
-    dt_limit=(0.0, float("inf")),
-    headdim=None,
-    ngroups=1,
-    activation="silu",
-    rmsnorm_weight=None,
-    rmsnorm_eps=1e-6,
-    norm_before_gate=False,
-    seq_idx=None,
-    cu_seqlens=None,
-    what="mamba_split_conv1d_scan_sp",
-    device=None,
-    problem=None,
-) -> MixerCall:
+    zxbcdt, core: MixerCore, *, process_group, options: Options, initial_states=None, seq_idx=None, cu_seqlens=None,
+    what="mamba_split_conv1d_scan_sp", device=None, problem=None, projections: Projections | None = None,
+) -> MixerCall:  # fmt: skip
     """Validates one call on every rank alike and returns it as a ``MixerCall``; see the module docstring.
 
     device: where the activations live, when zxbcdt is only a shape (a "meta" tensor standing for the
-    in_proj output a caller has not computed yet, e.g. before moving hidden states between ranks).
+    in_proj output of ``projections``, applied by the dispatcher).
     problem: an exception the caller already found on this rank, to be raised on every rank alike.
     """
     device = zxbcdt.device if device is None else torch.device(device)
@@ -443,11 +484,8 @@ def prepare(
     try:
         if problem is not None:
             raise problem
-        spec = CoreSpec.infer(
-            zxbcdt, conv1d_weight, D, chunk_size, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit,
-            activation=activation, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
-        )  # fmt: skip
-        _check_params(zxbcdt, conv1d_bias, dt_bias, A, rmsnorm_weight, initial_states, spec)
+        spec = core.spec(zxbcdt)
+        _check_params(zxbcdt, core.conv1d_bias, core.dt_bias, core.A, core.rmsnorm_weight, initial_states, spec)
         _check_options(options, spec, cp, zxbcdt.shape[1])
         if seq_idx is not None and cu_seqlens is not None:
             raise ValueError("pass seq_idx or cu_seqlens, not both (they describe the same documents)")
@@ -458,16 +496,13 @@ def prepare(
     except (ValueError, NotImplementedError, TypeError) as e:
         problem = e
     if options.check_shapes and (cp > 1 or seq_idx is not None) and not _capturing(device):
-        fields = _descriptor(
-            zxbcdt, conv1d_weight, conv1d_bias, D, chunk_size, headdim, ngroups, rmsnorm_weight, initial_states,
-            seq_idx, cu_seqlens, options, dt_limit, activation, rmsnorm_eps, norm_before_gate, problem,
-        )  # fmt: skip
+        fields = _descriptor(zxbcdt, core, options, initial_states, seq_idx, cu_seqlens, problem)
         # (zigzag chunks are the segments whose label borders are checked, whatever the strategy)
         _agree(fields, problem, seq_idx, device, process_group, rank, cp, options.input_layout, what)
     if problem is not None:
         raise problem
     return MixerCall(
-        zxbcdt=zxbcdt, conv1d_weight=conv1d_weight, conv1d_bias=conv1d_bias, dt_bias=dt_bias, A=A, D=D,
-        rmsnorm_weight=rmsnorm_weight, initial_states=initial_states, seq_idx=seq_idx, spec=spec, options=options,
-        group=process_group, rank=rank, cp=cp,
+        zxbcdt=zxbcdt, conv1d_weight=core.conv1d_weight, conv1d_bias=core.conv1d_bias, dt_bias=core.dt_bias, A=core.A,
+        D=core.D, rmsnorm_weight=core.rmsnorm_weight, initial_states=initial_states, seq_idx=seq_idx, spec=spec,
+        options=options, group=process_group, rank=rank, cp=cp, projections=projections,
     )  # fmt: skip

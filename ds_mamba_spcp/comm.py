@@ -118,6 +118,21 @@ def all_gather_many(tensors, group, world: int, async_op: bool = True) -> Gather
     return GatheredMany(all_gather(torch.cat(chunks), group, world, async_op), parts)
 
 
+def gather_ints(values: list[int], device, group, cp: int, width: int = 16) -> list[list[int]]:
+    """Every rank's list of at most ``width - 1`` ints, in group rank order (one small all-gather, a host read).
+
+    The buffer has a fixed size, so the collective itself can never be mismatched, whatever lists the ranks
+    pass: a caller compares the rows and raises alike on every rank.
+    """
+    if len(values) > width - 1:
+        raise AssertionError(f"{len(values)} values do not fit a buffer of {width}")
+    buf = torch.full((width,), -7, dtype=torch.long)
+    buf[0] = len(values)
+    buf[1 : 1 + len(values)] = torch.tensor([int(v) for v in values], dtype=torch.long)
+    rows = all_gather(buf.to(device), group, cp, async_op=False).wait().tolist()
+    return [r[1 : 1 + r[0]] if 0 <= r[0] < width else r for r in rows]
+
+
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
     """deepspeed.comm.all_to_all_single over ``group``: equal splits along dim 0."""
     return _dist().all_to_all_single(output, tensor, group=group, async_op=async_op)
@@ -158,60 +173,6 @@ def all_to_all_uneven(
 
 # dtype -> small int, for the call descriptors compared across ranks
 DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4, torch.int64: 5}
-
-DESCRIPTOR_WIDTH = 64  # fixed, so that every rank's descriptor has the same size whatever it holds
-
-
-def exchange_descriptors(values: list[int], device, group, world: int) -> list[list[int]]:
-    """All-gathers a list of ints from every rank (one small collective and a host read).
-
-    The buffer has a fixed size (``DESCRIPTOR_WIDTH`` entries), so the collective itself can never be
-    mismatched, whatever the ranks put in it. Returns every rank's list, in group rank order.
-    """
-    if len(values) > DESCRIPTOR_WIDTH - 1:
-        raise AssertionError(f"call descriptor of {len(values)} entries is longer than {DESCRIPTOR_WIDTH - 1}")
-    desc = torch.full((DESCRIPTOR_WIDTH,), -7, dtype=torch.long)
-    desc[0] = len(values)
-    desc[1 : 1 + len(values)] = torch.tensor([int(v) for v in values], dtype=torch.long)
-    rows = all_gather(desc.to(device), group, world, async_op=False).wait().tolist()
-    return [r[1 : 1 + r[0]] if 0 <= r[0] < DESCRIPTOR_WIDTH else r for r in rows]
-
-
-def check_same_across_ranks(fields: list[tuple[str, int]], device, group, world: int, what: str, rows=None) -> None:
-    """Raises the same error on every rank when the ranks' call descriptors differ (NotImplementedError when
-    only the local seqlen does: variable-length shards; ValueError otherwise).
-
-    ``fields``: (name, int) pairs (shapes, dtype codes, option indices). Exchanged on *every* call
-    (``exchange_descriptors``): whether to check is never a per-rank decision, so a rank whose shapes
-    changed makes every rank raise instead of leaving the others blocked in a mismatched collective.
-    ``what`` names the caller in the message; the message lists the fields that differ, per rank.
-    ``rows``: every rank's values when the caller has exchanged them already (nothing is exchanged then).
-    """
-    if world == 1:
-        return
-    if rows is None:
-        rows = exchange_descriptors([v for _, v in fields], device, group, world)
-    if all(r == rows[0] for r in rows):
-        return
-    names = [n for n, _ in fields]
-    if any(len(r) != len(names) for r in rows):
-        differ = names
-    else:
-        differ = [n for i, n in enumerate(names) if len({r[i] for r in rows}) > 1]
-    per_rank = "; ".join(
-        f"rank {k}: " + ", ".join(f"{n}={r[names.index(n)]}" for n in differ if names.index(n) < len(r))
-        for k, r in enumerate(rows)
-    )
-    if differ == ["local_seqlen"]:
-        raise NotImplementedError(
-            f"{what}: variable-length shards are not supported: every rank of the sequence-parallel group must hold "
-            f"the same number of tokens ({per_rank}); pad the sequence to a multiple of the number of chunks (the "
-            "group size for contiguous shards, twice it for zigzag) before sharding it."
-        )
-    raise ValueError(
-        f"{what}: the ranks of the sequence-parallel group called it with different shapes or options; every rank "
-        f"must pass the same batch, local seqlen, sizes, dtype and options. Differing: {per_rank}."
-    )
 
 
 def remove_deepspeed_shm_buffers(port: int, addr: str = "127.0.0.1", shm_dir: str = "/dev/shm") -> int:

@@ -30,14 +30,13 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, model_validator
 
+from ds_mamba_spcp import modes
+from ds_mamba_spcp.ops import BACKENDS
+
 SECTION = "mamba_sequence_parallel"
 """Name of the ds_config section read by :func:`load_mamba_sp_config`."""
 
 _TOP_LEVEL_SP_SIZE = "sequence_parallel_size"
-
-# Load balancing schemes that consume the zigzag layout. "none" runs the segments in the order the
-# ranks hold them, which is causal only for the contiguous layout.
-_ZIGZAG_SCHEMES = ("virtual", "permute_p2p", "permute_a2a")
 
 
 class MambaSequenceParallelConfig(DeepSpeedConfigModel):
@@ -56,20 +55,20 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     enabled: bool = False
     """Turn the Mamba2 sequence-parallel path on. When False the wrapper runs the plain local mixer."""
 
-    mode: Literal["state_passing", "ulysses"] = "state_passing"
+    mode: Literal[modes.MODES] = modes.STATE_PASSING
     """How ranks cooperate. ``"state_passing"`` keeps each rank's sequence shard in place and exchanges
     only the conv halo and an fp32 SSM state summary. ``"ulysses"`` re-shards with all-to-all
     (``[L/cp, heads] -> [L, heads/cp]``), runs the full-length scan on a head slice and re-shards back;
     it is the baseline the benchmarks compare to."""
 
-    load_balancing: Literal["none", "permute_p2p", "permute_a2a", "virtual"] = "none"
+    load_balancing: Literal[modes.LOAD_BALANCING] = modes.NONE
     """How the causal chain is balanced across ranks (``"state_passing"`` mode only; ``"ulysses"``
     needs ``"none"``). ``"none"``: segments follow rank order (contiguous input). ``"virtual"``: each
     rank's two zigzag chunks become two causal segments packed on the batch dim, no activation moves.
     ``"permute_p2p"`` / ``"permute_a2a"``: zigzag input is permuted to contiguous and back with
     point-to-point sends or one all-to-all."""
 
-    input_layout: Literal["contiguous", "zigzag"] = "contiguous"
+    input_layout: Literal[modes.LAYOUTS] = modes.CONTIGUOUS
     """Which tokens each rank holds. ``"contiguous"``: rank r holds tokens ``[r*L/cp, (r+1)*L/cp)``,
     what DeepSpeed-Ulysses and its data-loader adapter produce. ``"zigzag"``: the sequence is cut into
     ``2*cp`` chunks and rank r holds chunk r followed by chunk ``2*cp-1-r``."""
@@ -85,7 +84,7 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     no incoming state (the chunk products C·Bᵀ). ``"state_passing"`` mode only (``"ulysses"`` has nothing
     to overlap and refuses ``false``)."""
 
-    backend: Literal["auto", "reference", "triton"] = "auto"
+    backend: Literal[BACKENDS] = "auto"
     """Compute backend. ``"auto"``: Triton (mamba-ssm kernels) for CUDA tensors, the plain-PyTorch
     reference otherwise. ``"reference"``: always the plain-PyTorch twin. ``"triton"``: always Triton."""
 
@@ -127,67 +126,32 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _check_combination(self) -> MambaSequenceParallelConfig:
-        lb, layout = self.load_balancing, self.input_layout
-        if self.mode == "ulysses":
-            if lb != "none":
-                raise ValueError(
-                    f'mode "ulysses" does not take load_balancing "{lb}": its all-to-all already gives '
-                    'every rank the full sequence; set load_balancing to "none" (any input_layout works) '
-                    'or use mode "state_passing".'
-                )
-            if self.recompute_output:
-                raise ValueError(
-                    'mode "ulysses" cannot honour "recompute_output": true: it runs mamba-ssm\'s own op, which '
-                    'keeps the pre-gate output for backward; set it to false, or use mode "state_passing".'
-                )
-            if not self.overlap_comm:
-                raise ValueError(
-                    'mode "ulysses" has nothing for "overlap_comm" to overlap (its two all-to-alls are on the '
-                    'critical path); leave it at true, or use mode "state_passing".'
-                )
-        elif lb == "none" and layout != "contiguous":
-            raise ValueError(
-                f'load_balancing "none" with input_layout "{layout}" would chain the segments out of causal '
-                'order; set input_layout to "contiguous", or keep "zigzag" and choose load_balancing '
-                '"virtual", "permute_p2p" or "permute_a2a".'
-            )
-        elif lb in _ZIGZAG_SCHEMES and layout != "zigzag":
-            raise ValueError(
-                f'load_balancing "{lb}" expects input_layout "zigzag" but got "{layout}"; set input_layout '
-                'to "zigzag" (and shard the data that way), or use load_balancing "none" for contiguous '
-                "input."
-            )
+        self.entry()  # the table of modes raises for a combination it lacks (key, value, fix)
         return self
+
+    def entry(self) -> modes.Entry:
+        """This section's entry of the table of modes (``ds_mamba_spcp.modes``)."""
+        return modes.entry(self.mode, self.load_balancing, self.input_layout, recompute_output=self.recompute_output,
+                           overlap_comm=self.overlap_comm)  # fmt: skip
 
     @property
     def resolved_sequence_parallel_size(self) -> int:
         """The configured ``sequence_parallel_size``, or 1 when it is unset."""
         return 1 if self.sequence_parallel_size is None else self.sequence_parallel_size
 
-    def validate_for_mixer(self, *, nheads: int, ngroups: int, sp_size: int) -> None:
+    def validate_for_mixer(self, *, nheads: int, ngroups: int, cp: int) -> None:
         """Check that this config can shard a mixer with ``nheads`` heads and ``ngroups`` B/C groups
-        over a sequence-parallel group of ``sp_size`` ranks. Raises ValueError with the fix."""
-        for name, value in (("nheads", nheads), ("ngroups", ngroups), ("sp_size", sp_size)):
+        over a sequence-parallel group of ``cp`` ranks. Raises ValueError with the fix."""
+        for name, value in (("nheads", nheads), ("ngroups", ngroups), ("cp", cp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
-        if self.sequence_parallel_size is not None and sp_size != self.sequence_parallel_size:
+        if self.sequence_parallel_size is not None and cp != self.sequence_parallel_size:
             raise ValueError(
-                f"the sequence-parallel group has {sp_size} ranks but the config sets sequence_parallel_size "
+                f"the sequence-parallel group has {cp} ranks but the config sets sequence_parallel_size "
                 f"{self.sequence_parallel_size}; pass a process group of that size or change "
                 f'"{SECTION}.sequence_parallel_size" (or the top-level "{_TOP_LEVEL_SP_SIZE}").'
             )
-        if self.mode != "ulysses":
-            return
-        if nheads % sp_size != 0:
-            raise ValueError(
-                f'mode "ulysses" shards heads, but nheads={nheads} is not divisible by sp_size={sp_size}; '
-                'use a sequence-parallel size that divides nheads, or mode "state_passing".'
-            )
-        if ngroups % sp_size != 0 and sp_size % ngroups != 0:
-            raise ValueError(
-                f'mode "ulysses" shards (or replicates) the B/C groups, which needs one of ngroups={ngroups} '
-                f'and sp_size={sp_size} to divide the other; change one of them or use mode "state_passing".'
-            )
+        modes.check_shapes(self.entry(), nheads=nheads, ngroups=ngroups, cp=cp)
 
 
 def _check_keys(section: Mapping) -> None:

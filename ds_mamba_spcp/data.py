@@ -13,7 +13,7 @@ The loss: each rank scores only its own tokens, so the loss to back-propagate on
 share of the global mean, ``sum of its token losses / tokens of the whole group``. DeepSpeed then
 reduces parameter gradients over the sequence-data-parallel group, and how it does so depends on
 the ZeRO stage (DeepSpeed 0.19): stages 0, 1 and 2 *sum* the gradients of the ranks of one
-sequence-parallel group (they divide by ``dp_world / sp_size``), stage 3 with its default
+sequence-parallel group (they divide by ``dp_world / cp``), stage 3 with its default
 ``reduce_scatter`` *averages* them (``reduce_scatter_coalesced`` divides by the whole group).
 ``grad_scale_for_engine`` returns the factor that makes both give the single-rank gradient, and
 ``sequence_parallel_cross_entropy`` applies it.
@@ -162,17 +162,17 @@ def grad_scale_for_engine(engine) -> float:
     """Factor on each rank's loss share that makes DeepSpeed's reduced gradient the single-rank one.
 
     ``engine`` is a DeepSpeed engine. Returns 1.0 when DeepSpeed sums gradients over the ranks of a
-    sequence-parallel group (ZeRO stages 0-2) and ``sp_size`` when it averages them (ZeRO stage 3
+    sequence-parallel group (ZeRO stages 0-2) and ``cp`` when it averages them (ZeRO stage 3
     with ``reduce_scatter``, the default). DeepSpeed only knows about the group when it was given
     one (``deepspeed.initialize(..., mpu=parallel_state_sp)`` after
-    ``parallel_state_sp.initialize_sequence_parallel(sp_size)``); without it the sequence-parallel
+    ``parallel_state_sp.initialize_sequence_parallel(cp)``); without it the sequence-parallel
     ranks count as data-parallel ranks and every stage averages over them, so this raises.
     """
-    sp_size = int(getattr(engine, "sequence_parallel_size", 1) or 1)
+    cp = int(getattr(engine, "sequence_parallel_size", 1) or 1)
     check_engine_settings(engine)
     stage = int(engine.zero_optimization_stage())
     reduce_scatter = bool(engine.zero_reduce_scatter()) if stage == 3 else True
-    return grad_scale(stage, sp_size, reduce_scatter=reduce_scatter)
+    return grad_scale(stage, cp, reduce_scatter=reduce_scatter)
 
 
 def selects_bf16_optimizer(ds_config: Mapping) -> bool:
@@ -221,18 +221,18 @@ def check_engine_settings(engine) -> None:
     """
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    sp_size = int(getattr(engine, "sequence_parallel_size", 1) or 1)
-    if sp_size > 1 and getattr(engine, "mpu", None) is not None and isinstance(engine.optimizer, BF16_Optimizer):
+    cp = int(getattr(engine, "sequence_parallel_size", 1) or 1)
+    if cp > 1 and getattr(engine, "mpu", None) is not None and isinstance(engine.optimizer, BF16_Optimizer):
         raise bf16_optimizer_error()
 
 
-def grad_scale(zero_stage: int, sp_size: int, *, reduce_scatter: bool = True) -> float:
+def grad_scale(zero_stage: int, cp: int, *, reduce_scatter: bool = True) -> float:
     """The factor of ``grad_scale_for_engine`` from the ZeRO stage and the sequence-parallel size."""
-    if sp_size < 1:
-        raise ValueError(f"sp_size must be >= 1, got {sp_size}")
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    if sp_size == 1 or zero_stage < 3:
+    if cp == 1 or zero_stage < 3:
         return 1.0
     if not reduce_scatter:
         # Stage 3 without reduce_scatter sums the gradients of buckets that fit reduce_bucket_size
@@ -241,7 +241,7 @@ def grad_scale(zero_stage: int, sp_size: int, *, reduce_scatter: bool = True) ->
             'ZeRO stage 3 with "reduce_scatter": false sums some gradient buckets over the sequence-parallel '
             'ranks and averages others; set "zero_optimization.reduce_scatter" to true (the default).'
         )
-    return float(sp_size)
+    return float(cp)
 
 
 def sequence_parallel_cross_entropy(

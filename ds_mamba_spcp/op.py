@@ -1,84 +1,58 @@
-"""The public mixer-core op: one call in, one strategy picked.
+"""The public mixer-core ops and the one dispatcher every entry point goes through.
 
-    mamba_split_conv1d_scan_sp / mixer_core
-        -> call.prepare        (the arguments as one MixerCall, checked alike on every rank)
-        -> run(call)           group of one: the backend's single-device op
-                               mode "ulysses": ulysses.run
-                               load_balancing "permute_*": permute.run (-> state_passing.run)
-                               otherwise: state_passing.run
+    mamba_split_conv1d_scan_sp / mamba_split_conv1d_scan_ulysses / mixer_core    (mamba-ssm's argument list)
+    integrations.core.mixer_forward (the adapters: in_proj -> core -> out_proj)  (a MixerCore, read off a mixer)
+        -> call.prepare   the arguments as one MixerCall, checked alike on every rank
+        -> run(call)      the call's entry of the table of modes (modes.py) says what runs:
+                              the entry's move, zigzag -> contiguous   (permute.move_in; permute_* entries)
+                              in_proj, when the call carries projections
+                              the strategy, autocast off:  group of one   group_of_one.run   (cp == 1)
+                                                           state passing  state_passing.run
+                                                           ulysses        ulysses.run
+                              out_proj; the move back                  (permute.move_out)
 
-The strategies import nothing above them; this module is the only one that knows them all.
+The strategies import nothing above them; this module is the only one that knows them all. See
+docs/design.md, "One dispatch path".
 """
 
 from __future__ import annotations
 
 import torch
 
-from ds_mamba_spcp import permute, state_passing, ulysses
-from ds_mamba_spcp.call import PERMUTE, MixerCall, Options, prepare
+from ds_mamba_spcp import group_of_one, modes, permute, state_passing, ulysses
+from ds_mamba_spcp.call import MixerCall, from_arguments
+
+STRATEGIES = {modes.STATE_PASSING: state_passing.run, modes.ULYSSES: ulysses.run}
 
 
 def run(call: MixerCall):
-    """Runs a prepared call with the strategy its options name. Autocast does not reach inside: the op
-    computes as its inputs' dtypes say, with every cross-rank quantity in fp32 (as mamba-ssm's op)."""
+    """Runs a prepared call as its entry of the table of modes says. Autocast does not reach the core: it
+    computes as its inputs' dtypes say, with every cross-rank quantity in fp32 (as mamba-ssm's op); the
+    projections of an adapter's call run under the caller's autocast, as the host mixer's own do."""
+    move = call.entry.move if call.cp > 1 else None
+    if move is not None:
+        call = permute.move_in(call, move)
+    projections = call.projections
+    if projections is not None:
+        call = call.replace(zxbcdt=projections.in_proj(projections.hidden), projections=None)
+    strategy = group_of_one.run if call.cp == 1 else STRATEGIES[call.entry.strategy]
     with torch.autocast(device_type=call.zxbcdt.device.type, enabled=False):
-        if call.cp == 1:  # the plain single-device op, or, past the kernels' cap, the row in tiles
-            return state_passing.run(call) if state_passing.needs_tiles(call) else call.single_device()
-        if call.options.mode == "ulysses":
-            return ulysses.run(call)
-        if call.options.load_balancing in PERMUTE:
-            return permute.run(call)
-        return state_passing.run(call)
+        res = strategy(call)
+    out, final_states = res if call.options.return_final_states else (res, None)
+    if projections is not None:
+        out = projections.out_proj(out)
+    if move is not None:
+        out = permute.move_out(out, call.group, move)
+    return (out, final_states) if call.options.return_final_states else out
 
 
-def mixer_core(
-    zxbcdt,
-    conv1d_weight,
-    conv1d_bias,
-    dt_bias,
-    A,
-    D,
-    chunk_size,
-    *,
-    process_group=None,
-    mode="state_passing",
-    load_balancing="none",
-    input_layout=None,
-    initial_states=None,
-    return_final_states=False,
-    dt_limit=(0.0, float("inf")),
-    headdim=None,
-    ngroups=1,
-    activation="silu",
-    rmsnorm_weight=None,
-    rmsnorm_eps=1e-6,
-    norm_before_gate=False,
-    seq_idx=None,
-    cu_seqlens=None,
-    backend="auto",
-    overlap_comm=True,
-    check_shapes=True,
-    recompute_output=False,
-    tile_length=None,
-    what="mamba_split_conv1d_scan_sp",
-):
-    """The mixer core in any mode: ``mamba_split_conv1d_scan_sp``'s arguments plus ``mode``
-    ("state_passing" or "ulysses") and ``input_layout`` (default: what load_balancing implies; under
-    ulysses "contiguous" or "zigzag")."""
-    if input_layout is None:
-        input_layout = "contiguous" if mode == "ulysses" or load_balancing == "none" else "zigzag"
-    options = Options(
-        mode=mode, load_balancing=load_balancing, input_layout=input_layout,
-        return_final_states=bool(return_final_states), recompute_output=bool(recompute_output),
-        overlap_comm=bool(overlap_comm), backend=backend, check_shapes=bool(check_shapes), tile_length=tile_length,
-    )  # fmt: skip
-    call = prepare(
-        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group, options=options,
-        initial_states=initial_states, dt_limit=dt_limit, headdim=headdim, ngroups=ngroups, activation=activation,
-        rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate, seq_idx=seq_idx,
-        cu_seqlens=cu_seqlens, what=what,
-    )  # fmt: skip
-    return run(call)
+def mixer_core(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, *,
+               what="mamba_split_conv1d_scan_sp", **kwargs):  # fmt: skip
+    """The mixer core in any mode: ``mamba_split_conv1d_scan_sp``'s keyword arguments plus ``mode``
+    ("state_passing" or "ulysses") and ``input_layout`` (default: the one the table of modes gives)."""
+    arguments = dict(locals(), **kwargs)
+    del arguments["what"], arguments["kwargs"]
+    return run(from_arguments(arguments, what=what))
 
 
 def mamba_split_conv1d_scan_sp(
@@ -91,7 +65,7 @@ def mamba_split_conv1d_scan_sp(
     chunk_size,
     *,
     process_group=None,
-    load_balancing="none",
+    load_balancing=modes.NONE,
     initial_states=None,
     return_final_states=False,
     dt_limit=(0.0, float("inf")),
@@ -158,12 +132,60 @@ def mamba_split_conv1d_scan_sp(
     segment holds more tokens than one call of mamba-ssm's kernels can index (int32 offsets), so that
     no shard length is refused; a group of one then runs the whole row in tiles.
     """
-    return mixer_core(
-        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group,
-        mode="state_passing", load_balancing=load_balancing, initial_states=initial_states,
-        return_final_states=return_final_states, dt_limit=dt_limit, headdim=headdim, ngroups=ngroups,
-        activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
-        norm_before_gate=norm_before_gate, seq_idx=seq_idx, cu_seqlens=cu_seqlens, backend=backend,
-        overlap_comm=overlap_comm, check_shapes=check_shapes, recompute_output=recompute_output,
-        tile_length=tile_length,
-    )  # fmt: skip
+    return run(from_arguments(locals(), what="mamba_split_conv1d_scan_sp"))
+
+
+def mamba_split_conv1d_scan_ulysses(
+    zxbcdt,
+    conv1d_weight,
+    conv1d_bias,
+    dt_bias,
+    A,
+    D,
+    chunk_size,
+    *,
+    process_group=None,
+    input_layout="contiguous",
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, float("inf")),
+    headdim,
+    ngroups,
+    activation="silu",
+    rmsnorm_weight=None,
+    rmsnorm_eps=1e-6,
+    norm_before_gate=False,
+    seq_idx=None,
+    cu_seqlens=None,
+    backend="auto",
+    check_shapes=True,
+    tile_length=None,
+):
+    """Mamba2 mixer core on this rank's shard of a sequence, by all-to-all head sharding.
+
+    Arguments and output contract are those of ``mamba_split_conv1d_scan_sp``:
+        zxbcdt: (batch, local_seqlen, 2*nheads*headdim + 2*ngroups*dstate + nheads), this rank's
+            shard of in_proj's output in ``input_layout`` ("contiguous", or "zigzag": chunks r and
+            2*cp-1-r of 2*cp equal chunks; the output comes back in the same layout).
+        conv1d_weight (conv_dim, d_conv), conv1d_bias (conv_dim,) or None, dt_bias (nheads,),
+        A (nheads,), D (nheads,) or (nheads, headdim), rmsnorm_weight (nheads*headdim,) or None,
+        initial_states (batch, nheads, headdim, dstate) or None.
+        seq_idx (batch, local_seqlen) int32 document labels of a packed row's shard, or cu_seqlens
+        (the row's cumulative document lengths, batch 1): the labels are all-gathered with the
+        tokens, so that each rank scans whole rows with them.
+    Returns this rank's shard of the output, (batch, local_seqlen, nheads*headdim), and with
+    ``return_final_states`` the state after the whole sequence, (batch, nheads, headdim, dstate) in
+    fp32 (fp64 for fp64 input), identical on every rank.
+
+    Gradients: each rank's parameter gradients are its local contribution (its heads' rows),
+    summing to the full gradient over the group; the gradient of ``initial_states`` lands whole on
+    group rank 0 (zeros elsewhere); the gradients reaching the copies of final_states add up.
+
+    Needs nheads % cp == 0 and ngroups a multiple or a divisor of cp; with rmsnorm and cp > ngroups,
+    norm_before_gate must be False. A group of size 1 runs the backend's single-device op. The scan
+    is mamba-ssm's own op (Triton) or its plain-PyTorch twin, which keeps the pre-gate output for
+    backward: there is no recompute_output here, and nothing to overlap the all-to-alls with. Where the
+    gathered row holds more tokens than one kernel call can index (or with ``tile_length``), it runs as
+    tiles (``ops/tiles.py``).
+    """
+    return run(from_arguments(dict(locals(), mode=modes.ULYSSES), what="mamba_split_conv1d_scan_ulysses"))

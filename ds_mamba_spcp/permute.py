@@ -1,5 +1,5 @@
-"""Zigzag <-> contiguous by moving activations, and the op behind load_balancing="permute_p2p" /
-"permute_a2a".
+"""Zigzag <-> contiguous by moving activations: the move of the table entries that have one (``modes.py``),
+applied by the dispatcher around the state-passing strategy (``move_in`` / ``move_out``).
 
 The sequence is cut into 2*cp equal chunks. zigzag: rank r holds chunks (r, 2*cp-1-r);
 contiguous: rank r holds chunks (2r, 2r+1) (layout.py). A conversion moves every chunk once, from
@@ -22,15 +22,15 @@ directions are exact.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 
-from ds_mamba_spcp import comm, layout, state_passing
+from ds_mamba_spcp import comm, layout, modes
 
 METHODS = ("p2p", "a2a")
-_LOAD_BALANCING_METHOD = {"permute_p2p": "p2p", "permute_a2a": "a2a"}
 
 
 def _held(kind: str, rank: int, cp: int) -> list[int]:
@@ -158,17 +158,21 @@ def contiguous_to_zigzag(x: torch.Tensor, group=None, method: str = "p2p", dim: 
     return _convert(x, group, method, dim, "contiguous", "zigzag")
 
 
-def run(call):
-    """``load_balancing="permute_p2p"`` / ``"permute_a2a"`` on a prepared ``MixerCall`` (cp > 1): zxbcdt and
-    seq_idx zigzag -> contiguous, the state-passing strategy with load_balancing "none", the output
-    contiguous -> zigzag. final_states is global, so it needs no move."""
-    method = _LOAD_BALANCING_METHOD[call.options.load_balancing]
-    contiguous = call.replace(
-        zxbcdt=zigzag_to_contiguous(call.zxbcdt, call.group, method),
-        seq_idx=None if call.seq_idx is None else zigzag_to_contiguous(call.seq_idx, call.group, method),
-    ).with_options(load_balancing="none", input_layout="contiguous")
-    res = state_passing.run(contiguous)
-    if call.options.return_final_states:
-        out, final_states = res
-        return contiguous_to_zigzag(out, call.group, method), final_states
-    return contiguous_to_zigzag(res, call.group, method)
+def move_in(call, method: str):
+    """The call with its input moved zigzag -> contiguous (cp > 1): hidden when it carries projections
+    (d_model wide, narrower than zxbcdt), else zxbcdt; seq_idx with it. Its options then name the
+    contiguous chain (load_balancing "none"), which the state-passing strategy runs."""
+    group = call.group
+    seq_idx = None if call.seq_idx is None else zigzag_to_contiguous(call.seq_idx, group, method)
+    if call.projections is not None:
+        p = call.projections
+        moved = call.replace(projections=dataclasses.replace(p, hidden=zigzag_to_contiguous(p.hidden, group, method)),
+                             seq_idx=seq_idx)  # fmt: skip
+    else:
+        moved = call.replace(zxbcdt=zigzag_to_contiguous(call.zxbcdt, group, method), seq_idx=seq_idx)
+    return moved.with_options(load_balancing=modes.NONE, input_layout=modes.CONTIGUOUS)
+
+
+def move_out(out: torch.Tensor, group, method: str) -> torch.Tensor:
+    """This rank's output back to its zigzag shard (final_states is global: it needs no move)."""
+    return contiguous_to_zigzag(out, group, method)

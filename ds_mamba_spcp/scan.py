@@ -1,4 +1,4 @@
-"""The affine summary algebra across causal segments (DESIGN.md section 2), in fp32 or wider.
+"""The affine summary algebra across causal segments (docs/design.md, "The algebra"), in fp32 or wider.
 
 A segment maps its incoming state as S_out = a * S_in + S_ext, with a = exp(log_a) per
 (batch, head); a segment that holds a document start (packed rows) has log_a = -inf, a = 0.

@@ -1,6 +1,6 @@
-"""State-passing sequence parallelism for the Mamba2 mixer core: the "state_passing" mode with
-load balancing "none" (contiguous shards, one causal segment per rank) and "virtual" (zigzag
-shards, two causal segments per rank packed on the batch axis).
+"""State-passing sequence parallelism for the Mamba2 mixer core: the strategy of the table's state-passing
+entries (``modes.py``), whose chain is contiguous (one causal segment per rank) or zigzag (two causal
+segments per rank packed on the batch axis). See docs/design.md, "The algebra" and "State passing".
 
 Each rank keeps its shard of the sequence. Forward, per layer:
 
@@ -22,7 +22,7 @@ mamba-ssm's op keeps it. Without saved-tensor hooks y is freed as soon as the ga
 used it; when hooks are active (activation checkpointing, ``save_on_cpu``, activation offloading) it
 is a saved tensor like the others, so that the hooks see it.
 
-Packed rows (``seq_idx``, DESIGN.md section 7): each segment runs on its labels renumbered from 0
+Packed rows (``seq_idx``, docs/design.md, "Packed rows"): each segment runs on its labels renumbered from 0
 (``canonical_seq_idx``), so that its incoming state reaches only the tokens before its first document
 start. The labels of the previous segment's last d_conv-1 tokens travel with the halo: halo rows of
 another document are zeroed (and so is their gradient on the way back), and a segment that begins on
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_mamba_spcp import comm, layout, scan
+from ds_mamba_spcp import comm, layout, modes, scan
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops import tiles as tiling
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
@@ -381,25 +381,13 @@ class _StatePassingFn(torch.autograd.Function):
         return (dzxbcdt, *dparams, dinitial, None, None)
 
 
-def needs_tiles(call) -> bool:
-    """Whether a group of one must run its row as tiles: a configured tile length, or more tokens than one
-    call of the backend takes (mamba-ssm's int32 offsets)."""
-    limit = call.backend.max_tokens_per_call(call.spec)
-    tokens = call.zxbcdt.shape[0] * call.zxbcdt.shape[1]
-    return call.options.tile_length is not None or (limit is not None and tokens > limit)
-
-
 def run(call):
-    """The state-passing strategy on a prepared ``MixerCall`` (load_balancing "none" or "virtual"). With a
-    group of one it runs the row as one segment, in tiles (``needs_tiles``): the single-device op with no
-    length cap."""
+    """The state-passing strategy on a prepared ``MixerCall``: the causal chain of the call's entry of the table
+    of modes (one contiguous segment per rank, or two zigzag segments per rank under "virtual"). A call with
+    cp 1 is the one segment of a group of one (``group_of_one.py``)."""
     o = call.options
-    if call.cp == 1:  # (labels: each segment renumbers its own below)
-        call = call.replace(rank=0).with_options(load_balancing="none", input_layout="contiguous")
-    seq_layout = "zigzag" if o.load_balancing == "virtual" and call.cp > 1 else "contiguous"
-    plan = SegmentPlan(call.group if call.cp > 1 else None, call.rank, call.cp, seq_layout, async_op=o.overlap_comm)
+    chain = call.entry.chain if call.cp > 1 else modes.CONTIGUOUS
+    plan = SegmentPlan(call.group if call.cp > 1 else None, call.rank, call.cp, chain, async_op=o.overlap_comm)
     st = _Static(call.spec, plan, call.backend, bool(o.return_final_states), bool(o.recompute_output),
                  o.tile_length)  # fmt: skip
-    return _StatePassingFn.apply(
-        call.zxbcdt, *call.params, call.initial_states, call.seq_idx, st
-    )  # fmt: skip
+    return _StatePassingFn.apply(call.zxbcdt, *call.params, call.initial_states, call.seq_idx, st)

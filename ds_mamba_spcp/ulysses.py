@@ -1,4 +1,4 @@
-"""The all-to-all ("ulysses") path of the Mamba2 mixer core: DeepSpeed-Ulysses applied to heads.
+"""The all-to-all strategy of the table's "ulysses" entry (``modes.py``): DeepSpeed-Ulysses applied to heads.
 
     zxbcdt [b, L/cp, z|x|B|C|dt of every head] --all-to-all--> [b, L, z|x|B|C|dt of nheads/cp heads]
     conv1d + SSD scan + gate (+ norm) over the full sequence: the backend's single-device op
@@ -34,9 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_mamba_spcp import comm, layout, state_passing
+from ds_mamba_spcp import comm, group_of_one, layout, modes
 from ds_mamba_spcp.autograd import first_order_only
-from ds_mamba_spcp.call import Options, _ulysses_head_layout, prepare
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 # ---------------------------------------------------------------------------------------------
@@ -227,7 +226,7 @@ def _group_rmsnorm(y: torch.Tensor, weight: torch.Tensor, eps: float, group_size
 
 
 # ---------------------------------------------------------------------------------------------
-# the public op
+# the strategy (the public op is ``op.mamba_split_conv1d_scan_ulysses``)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -245,91 +244,17 @@ def _shardings(spec: CoreSpec, h_loc: int, g_loc: int, nrep: int):
     return zxbcdt, y
 
 
-def mamba_split_conv1d_scan_ulysses(
-    zxbcdt,
-    conv1d_weight,
-    conv1d_bias,
-    dt_bias,
-    A,
-    D,
-    chunk_size,
-    *,
-    process_group=None,
-    input_layout="contiguous",
-    initial_states=None,
-    return_final_states=False,
-    dt_limit=(0.0, float("inf")),
-    headdim,
-    ngroups,
-    activation="silu",
-    rmsnorm_weight=None,
-    rmsnorm_eps=1e-6,
-    norm_before_gate=False,
-    seq_idx=None,
-    cu_seqlens=None,
-    backend="auto",
-    check_shapes=True,
-    tile_length=None,
-):
-    """Mamba2 mixer core on this rank's shard of a sequence, by all-to-all head sharding.
-
-    Arguments and output contract are those of ``mamba_split_conv1d_scan_sp``:
-        zxbcdt: (batch, local_seqlen, 2*nheads*headdim + 2*ngroups*dstate + nheads), this rank's
-            shard of in_proj's output in ``input_layout`` ("contiguous", or "zigzag": chunks r and
-            2*cp-1-r of 2*cp equal chunks; the output comes back in the same layout).
-        conv1d_weight (conv_dim, d_conv), conv1d_bias (conv_dim,) or None, dt_bias (nheads,),
-        A (nheads,), D (nheads,) or (nheads, headdim), rmsnorm_weight (nheads*headdim,) or None,
-        initial_states (batch, nheads, headdim, dstate) or None.
-        seq_idx (batch, local_seqlen) int32 document labels of a packed row's shard, or cu_seqlens
-        (the row's cumulative document lengths, batch 1): the labels are all-gathered with the
-        tokens, so that each rank scans whole rows with them.
-    Returns this rank's shard of the output, (batch, local_seqlen, nheads*headdim), and with
-    ``return_final_states`` the state after the whole sequence, (batch, nheads, headdim, dstate) in
-    fp32 (fp64 for fp64 input), identical on every rank.
-
-    Gradients: each rank's parameter gradients are its local contribution (its heads' rows),
-    summing to the full gradient over the group; the gradient of ``initial_states`` lands whole on
-    group rank 0 (zeros elsewhere); the gradients reaching the copies of final_states add up.
-
-    Needs nheads % cp == 0 and ngroups a multiple or a divisor of cp; with rmsnorm and cp > ngroups,
-    norm_before_gate must be False. A group of size 1 runs the backend's single-device op. The scan
-    is mamba-ssm's own op (Triton) or its plain-PyTorch twin, which keeps the pre-gate output for
-    backward: there is no recompute_output here, and nothing to overlap the all-to-alls with. Where the
-    gathered row holds more tokens than one kernel call can index (or with ``tile_length``), it runs as
-    tiles (``ops/tiles.py``).
-    """
-    call = prepare(
-        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group,
-        options=Options(mode="ulysses", input_layout=input_layout, return_final_states=bool(return_final_states),
-                        backend=backend, check_shapes=check_shapes, tile_length=tile_length),
-        initial_states=initial_states, dt_limit=dt_limit, headdim=headdim, ngroups=ngroups, activation=activation,
-        rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate, seq_idx=seq_idx,
-        cu_seqlens=cu_seqlens, what="mamba_split_conv1d_scan_ulysses",
-    )  # fmt: skip
-    with torch.autocast(device_type=zxbcdt.device.type, enabled=False):
-        return run(call)
-
-
 def _full_row_labels(seq_idx, plan: _Plan):
     """Every rank's shard of the labels -> the whole rows in causal order (the scan renumbers them)."""
     shards = comm.all_gather(seq_idx, plan.group, plan.cp, async_op=False).wait()  # [cp, b, L/cp]
     return layout.unshard_sequence(list(shards.unbind(0)), plan.seq_layout)
 
 
-def _scan(call):
-    """The single-device scan of a call, in tiles where it needs them."""
-    if state_passing.needs_tiles(call):
-        return state_passing.run(call.replace(cp=1, rank=0, group=None))
-    return call.single_device()
-
-
 def run(call):
-    """The all-to-all strategy on a prepared ``MixerCall``."""
-    if call.cp == 1:
-        return _scan(call)
+    """The all-to-all strategy on a prepared ``MixerCall`` (cp > 1; its sizes checked by the table of modes)."""
     spec, o = call.spec, call.options
     rank, cp = call.rank, call.cp
-    h_loc, g_loc, nrep = _ulysses_head_layout(spec, cp)
+    h_loc, g_loc, nrep = modes.ulysses_heads(spec.nheads, spec.ngroups, cp)
     norm_after = call.rmsnorm_weight is not None and nrep > 1
     if norm_after and spec.norm_before_gate:
         raise ValueError(
@@ -363,7 +288,7 @@ def run(call):
         initial_states=local_initial_states, seq_idx=labels,
         spec=dataclasses.replace(spec, nheads=h_loc, ngroups=g_loc),
     )  # fmt: skip
-    res = _scan(local)
+    res = group_of_one.run(local.replace(cp=1, rank=0, group=None))  # the full-length scan, in tiles if need be
     y_loc, final_loc = res if o.return_final_states else (res, None)
     out = _HeadsToSeq.apply(y_loc, shard_y, plan)  # [b, L, d_inner/cp] -> [b, L/cp, d_inner]
     if norm_after:

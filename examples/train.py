@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--grad-scale",
         default="auto",
         help="factor on each rank's loss share: 'auto' reads it off the engine (1 for ZeRO 0-2, "
-        "sp_size for ZeRO 3); a number overrides it (the tests' negative control)",
+        "cp for ZeRO 3); a number overrides it (the tests' negative control)",
     )
     p.add_argument(
         "--packed",
@@ -115,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--shared-gpu",
         action="store_true",
         help="every rank on GPU 0 through gloo: a correctness run of the GPU path on one GPU (timings mean "
-        "nothing; DESIGN.md section 6)",
+        "nothing; docs/design.md, 'Traps')",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logs")

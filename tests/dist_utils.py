@@ -3,7 +3,7 @@
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes, initialises
 deepspeed.comm in each and returns the list of what ``fn(rank, world_size, *args)`` returned.
 ``backend="nccl"`` gives each rank its own GPU (cuda:rank) and NCCL instead of gloo;
-``backend="gloo-cuda"`` puts every rank on GPU 0 with gloo (DESIGN.md section 6: correctness runs
+``backend="gloo-cuda"`` puts every rank on GPU 0 with gloo (docs/design.md, "Traps": correctness runs
 at cp > 1 on one GPU; gloo moves CUDA tensors for collectives but not for point-to-point).
 If any rank raises, the others are killed (they may be waiting in a collective) and the error is
 re-raised here with that rank's traceback; a run that outlives ``timeout`` fails the same way.

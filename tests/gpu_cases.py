@@ -10,7 +10,7 @@ import math
 
 import torch
 
-# nheads, headdim, ngroups, dstate, d_conv, chunk_size of the benchmark (DESIGN.md section 5)
+# nheads, headdim, ngroups, dstate, d_conv, chunk_size of the benchmark (docs/benchmarks.md)
 BENCH = dict(nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4, chunk=128)
 # small and odd: headdim and dstate not powers of two, d_in_proj = 454 not a multiple of 8 (causal-conv1d
 # then reads a contiguous copy of xBC), ngroups 2 for 6 heads, width-3 conv, 64-token chunks

@@ -294,39 +294,39 @@ def test_errors_in_a_file_are_reported(tmp_path):
 class TestValidateForMixer:
     def test_state_passing_takes_any_head_count(self):
         cfg = MambaSequenceParallelConfig()
-        cfg.validate_for_mixer(nheads=3, ngroups=3, sp_size=4)
-        cfg.validate_for_mixer(nheads=24, ngroups=1, sp_size=1)
+        cfg.validate_for_mixer(nheads=3, ngroups=3, cp=4)
+        cfg.validate_for_mixer(nheads=24, ngroups=1, cp=1)
 
     def test_configured_size_must_match_group(self):
         cfg = MambaSequenceParallelConfig(sequence_parallel_size=4)
-        cfg.validate_for_mixer(nheads=8, ngroups=1, sp_size=4)
+        cfg.validate_for_mixer(nheads=8, ngroups=1, cp=4)
         with pytest.raises(ValueError, match="group has 2 ranks but the config sets sequence_parallel_size 4"):
-            cfg.validate_for_mixer(nheads=8, ngroups=1, sp_size=2)
+            cfg.validate_for_mixer(nheads=8, ngroups=1, cp=2)
 
     def test_fallback_size_must_match_group(self):
         cfg = load_mamba_sp_config(ds_config({"enabled": True}, sequence_parallel_size=2))
         with pytest.raises(ValueError, match="group has 4 ranks .* sequence_parallel_size 2"):
-            cfg.validate_for_mixer(nheads=8, ngroups=1, sp_size=4)
+            cfg.validate_for_mixer(nheads=8, ngroups=1, cp=4)
 
-    @pytest.mark.parametrize("ngroups, sp_size", [(8, 2), (8, 8), (2, 8), (1, 4), (4, 4)])
-    def test_ulysses_accepts(self, ngroups, sp_size):
-        MambaSequenceParallelConfig(mode="ulysses").validate_for_mixer(nheads=16, ngroups=ngroups, sp_size=sp_size)
+    @pytest.mark.parametrize("ngroups, cp", [(8, 2), (8, 8), (2, 8), (1, 4), (4, 4)])
+    def test_ulysses_accepts(self, ngroups, cp):
+        MambaSequenceParallelConfig(mode="ulysses").validate_for_mixer(nheads=16, ngroups=ngroups, cp=cp)
 
     def test_ulysses_needs_heads_divisible(self):
         cfg = MambaSequenceParallelConfig(mode="ulysses")
-        with pytest.raises(ValueError, match="nheads=6 is not divisible by sp_size=4"):
-            cfg.validate_for_mixer(nheads=6, ngroups=1, sp_size=4)
+        with pytest.raises(ValueError, match="nheads=6 is not divisible by cp=4"):
+            cfg.validate_for_mixer(nheads=6, ngroups=1, cp=4)
 
-    @pytest.mark.parametrize("ngroups, sp_size", [(3, 2), (6, 4), (4, 6)])
-    def test_ulysses_needs_groups_and_size_to_divide(self, ngroups, sp_size):
+    @pytest.mark.parametrize("ngroups, cp", [(3, 2), (6, 4), (4, 6)])
+    def test_ulysses_needs_groups_and_size_to_divide(self, ngroups, cp):
         cfg = MambaSequenceParallelConfig(mode="ulysses")
-        with pytest.raises(ValueError, match=rf"ngroups={ngroups} and sp_size={sp_size} to divide the other"):
-            cfg.validate_for_mixer(nheads=12 * sp_size, ngroups=ngroups, sp_size=sp_size)
+        with pytest.raises(ValueError, match=rf"ngroups={ngroups} and cp={cp} to divide one another"):
+            cfg.validate_for_mixer(nheads=12 * cp, ngroups=ngroups, cp=cp)
 
-    @pytest.mark.parametrize("name", ["nheads", "ngroups", "sp_size"])
+    @pytest.mark.parametrize("name", ["nheads", "ngroups", "cp"])
     @pytest.mark.parametrize("bad", [0, -1, 2.0, True])
     def test_rejects_non_positive_ints(self, name, bad):
-        kwargs = {"nheads": 8, "ngroups": 2, "sp_size": 2, name: bad}
+        kwargs = {"nheads": 8, "ngroups": 2, "cp": 2, name: bad}
         with pytest.raises(ValueError, match=rf"{name} must be a positive int, got {bad!r}"):
             MambaSequenceParallelConfig().validate_for_mixer(**kwargs)
 

@@ -32,8 +32,8 @@ import copy
 import pytest
 import torch
 
+from tests.conftest import ground_truth, make_mixer
 from tests.dist_utils import agree, rel_err, run_ranks
-from tests.test_module import ground_truth, make_mixer
 
 LR = 0.1
 SEQLEN = 16  # global tokens

@@ -152,8 +152,8 @@ def _run_case(rank, world, case):
     import deepspeed.comm as dist
 
     from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp, scan
+    from ds_mamba_spcp.op import mamba_split_conv1d_scan_ulysses
     from ds_mamba_spcp.ops import triton as triton_backend
-    from ds_mamba_spcp.ulysses import mamba_split_conv1d_scan_ulysses
 
     shape, opts = SHAPES[case["shape"]]
     dev = _dev(rank)

@@ -1,6 +1,6 @@
 """The Triton backend at cp = 2 and 4 with every rank on one GPU through gloo (marker ``gpu``; needs 1 GPU).
 
-DESIGN.md section 6: gloo moves CUDA tensors for collectives, so the sharded op's Triton path runs at
+docs/design.md, "Traps": gloo moves CUDA tensors for collectives, so the sharded op's Triton path runs at
 cp > 1 on a single GPU for correctness (point-to-point does not work that way, so ``permute_p2p`` is
 left to the NCCL suite, ``tests/test_gpu.py``). Timings from these runs mean nothing.
 

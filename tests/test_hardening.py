@@ -20,28 +20,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import make_inputs as shared_inputs
 from tests.dist_utils import agree, run_ranks
 
 NHEADS, HEADDIM, NGROUPS, DSTATE, D_CONV, CHUNK, PER_RANK, BATCH = 4, 4, 2, 8, 4, 8, 16, 2
 
 
 def make_inputs(seqlen, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    d_inner = NHEADS * HEADDIM
-    conv_dim = d_inner + 2 * NGROUPS * DSTATE
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
-
-    return dict(
-        zxbcdt=rnd(BATCH, seqlen, 2 * d_inner + 2 * NGROUPS * DSTATE + NHEADS),
-        conv1d_weight=rnd(conv_dim, D_CONV, scale=0.5),
-        conv1d_bias=rnd(conv_dim, scale=0.5),
-        dt_bias=rnd(NHEADS, scale=0.5),
-        A=-torch.rand(NHEADS, generator=g, dtype=torch.float64).add(0.5).to(dtype),
-        D=rnd(NHEADS),
-        rmsnorm_weight=rnd(d_inner, scale=0.3).add(1.0),
-    )
+    return shared_inputs(
+        batch=BATCH, seqlen=seqlen, nheads=NHEADS, headdim=HEADDIM, ngroups=NGROUPS, dstate=DSTATE, d_conv=D_CONV,
+        dtype=dtype, seed=seed, rms=True,
+    )[0]  # fmt: skip
 
 
 def call(fn, t, zxbcdt=None, **extra):

@@ -67,7 +67,6 @@ MODES = {
     "ulysses": dict(mode="ulysses", input_layout="contiguous"),
     "ulysses_zigzag": dict(mode="ulysses", input_layout="zigzag"),
 }
-NEEDS = {"sp_permute_p2p": "permute", "sp_permute_a2a": "permute", "ulysses": "ulysses", "ulysses_zigzag": "ulysses"}
 FAMILIES = list(hf_models.MODULES)
 
 
@@ -122,11 +121,6 @@ PACKED = {
     },
     4: {"mamba2_sp_virtual": dict(family="mamba2", mode="sp_virtual")},
 }
-
-
-def _available(mode: str) -> bool:
-    need = NEEDS.get(mode)
-    return need is None or importlib.util.find_spec(f"ds_mamba_spcp.{need}") is not None
 
 
 def ds_config(world: int, mode: str, **fields) -> dict:
@@ -352,9 +346,6 @@ def _checks(rank, world):
 def _run_world(rank, world):
     out = {"cases": {}}
     for i, (name, opts) in enumerate(CASES[world].items()):
-        if not _available(opts["mode"]):
-            out["cases"][name] = {"skipped": f"ds_mamba_spcp.{NEEDS[opts['mode']]} has not landed"}
-            continue
         run = _mixer_case if opts.get("level") == "mixer" else _model_case
         out["cases"][name] = run(world, opts, seed=10 * i)
     out["checks"] = _checks(rank, world)
@@ -450,8 +441,6 @@ def _assert_close(res: dict, where: str) -> None:
 @pytest.mark.parametrize("world,case", _MODEL_CASES, ids=_MODEL_IDS)
 def test_matches_unwrapped_model(request, world, case):
     res = request.getfixturevalue(f"results{world}")[0]["cases"][case]
-    if "skipped" in res:
-        pytest.skip(res["skipped"])
     _assert_close(res, f"world {world} {case}")
     assert len(res["grads"]) > 10 or CASES[world][case].get("level") == "mixer"
 
@@ -501,8 +490,6 @@ _PACKED_CASES, _PACKED_IDS = _ids(PACKED)
 @pytest.mark.packed
 @pytest.mark.parametrize("world,case", _PACKED_CASES, ids=_PACKED_IDS)
 def test_packed_rows_match_documents_run_separately(request, world, case):
-    if not _available(PACKED[world][case]["mode"]):
-        pytest.skip(f"ds_mamba_spcp.{NEEDS[PACKED[world][case]['mode']]} has not landed")
     res = request.getfixturevalue(f"packed{world}")[0][case]
     assert "error" not in res, res.get("error")
     _assert_close(res, f"world {world} packed {case}")

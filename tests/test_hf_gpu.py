@@ -6,7 +6,7 @@ Run on a machine with one CUDA GPU, the packages of pyproject.toml and transform
 
     python -m pytest -m gpu -q -s tests/test_hf_gpu.py
 
-The two ranks share the GPU through gloo (``run_ranks(..., backend="gloo-cuda")``, DESIGN.md section 6): this is a
+The two ranks share the GPU through gloo (``run_ranks(..., backend="gloo-cuda")``, docs/design.md, "Traps"): this is a
 correctness check, timings mean nothing. Every rank loads mamba-ssm's Triton modules before transformers'
 models (as ``import mamba_ssm`` does where its CUDA extension is built), so that the unwrapped model takes
 transformers' GPU training path: mamba-ssm's fused ``mamba_split_conv1d_scan_combined`` and causal-conv1d

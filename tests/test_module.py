@@ -25,27 +25,20 @@ batch*seqlen*headdim terms that nearly cancel for one head; the fp32 single-proc
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 
 import pytest
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 
+from tests.conftest import MIXER_BATCH as BATCH
+from tests.conftest import MIXER_D_MODEL as D_MODEL
+from tests.conftest import MIXER_PER_RANK as PER_RANK
+from tests.conftest import ground_truth, make_mixer
 from tests.dist_utils import agree, rel_err, run_ranks
 
 FP64_TOL = 1e-10
 FP32_TOL = 1e-5
-
-D_MODEL, D_STATE, D_CONV, EXPAND, HEADDIM, CHUNK = 8, 4, 4, 2, 4, 4  # nheads = 4
-BATCH, PER_RANK = 2, 8  # per-rank tokens: two zigzag chunks of 4 >= d_conv - 1
-
-MIXERS = {
-    "rms_Dh_g2_bias_dtlim": dict(ngroups=2, rmsnorm=True, D_has_hdim=True, bias=True, dt_limit=(0.05, 5.0)),
-    "gate_g1": dict(ngroups=1, rmsnorm=False),
-    "rmsbefore_g4": dict(ngroups=4, rmsnorm=True, norm_before_gate=True),
-}
 
 MODES = {
     "sp_none": dict(mode="state_passing", load_balancing="none", input_layout="contiguous"),
@@ -55,8 +48,6 @@ MODES = {
     "ulysses_contiguous": dict(mode="ulysses", input_layout="contiguous"),
     "ulysses_zigzag": dict(mode="ulysses", input_layout="zigzag"),
 }
-NEEDS = {"sp_permute_p2p": "permute", "sp_permute_a2a": "permute", "ulysses_contiguous": "ulysses",
-         "ulysses_zigzag": "ulysses"}  # fmt: skip
 
 
 def _cases():
@@ -79,54 +70,9 @@ def _cases():
 CASES = _cases()
 
 
-def _available(mode: str) -> bool:
-    need = NEEDS.get(mode)
-    return need is None or importlib.util.find_spec(f"ds_mamba_spcp.{need}") is not None
-
-
 # ---------------------------------------------------------------------------------------------
 # shared helpers (run in the test process and in the ranks)
 # ---------------------------------------------------------------------------------------------
-
-
-def make_mixer(variant: str, dtype=torch.float64, seed: int = 0, **overrides):
-    """A small Mamba2 with every parameter randomised (decays of order one per shard, so the state
-    passed between ranks matters)."""
-    from ds_mamba_spcp._upstream import mamba2_class
-
-    opts = {**MIXERS[variant], **overrides}
-    torch.manual_seed(seed)
-    m = mamba2_class()(
-        d_model=opts.pop("d_model", D_MODEL), d_state=D_STATE, d_conv=D_CONV, expand=EXPAND,
-        headdim=opts.pop("headdim", HEADDIM), chunk_size=CHUNK, **opts,
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        m.A_log.copy_(torch.rand(m.nheads, generator=g).add(0.5).log())  # A in [-1.5, -0.5]
-        m.dt_bias.copy_(torch.randn(m.nheads, generator=g) * 0.5 - 1.0)  # dt ~ softplus(-1) ~ 0.3
-        m.D.copy_(torch.randn(m.D.shape, generator=g))
-        m.conv1d.bias.copy_(torch.randn(m.conv1d.bias.shape, generator=g) * 0.3)
-        if m.rmsnorm:
-            m.norm.weight.copy_(1.0 + 0.3 * torch.randn(m.norm.weight.shape, generator=g))
-        for lin in (m.in_proj, m.out_proj):
-            if lin.bias is not None:
-                lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.3)
-    return m.to(dtype)
-
-
-def ground_truth(m, u):
-    """Mamba2.forward's memory-efficient path on one device, on the reference core."""
-    from ds_mamba_spcp import mamba_split_conv1d_scan_ref
-
-    A = -torch.exp(m.A_log.to(torch.promote_types(m.A_log.dtype, torch.float32)))
-    D = rearrange(m.D, "(h p) -> h p", p=m.headdim) if m.D_has_hdim else m.D
-    y = mamba_split_conv1d_scan_ref(
-        m.in_proj(u), rearrange(m.conv1d.weight, "d 1 w -> d w"), m.conv1d.bias, m.dt_bias, A, D, m.chunk_size,
-        dt_limit=m.dt_limit, headdim=m.headdim, ngroups=m.ngroups, activation=m.activation,
-        rmsnorm_weight=m.norm.weight if m.rmsnorm else None, rmsnorm_eps=m.norm.eps if m.rmsnorm else 1e-6,
-        norm_before_gate=m.norm_before_gate,
-    )  # fmt: skip
-    return F.linear(y, m.out_proj.weight, m.out_proj.bias)
 
 
 def section(**fields):
@@ -304,9 +250,6 @@ def _shard_rejections(rank, world):
 def _run_all(rank, world):
     out = {"cases": {}}
     for i, (name, opts) in enumerate(CASES.items()):
-        if not _available(opts["mode"]):
-            out["cases"][name] = {"skipped": f"ds_mamba_spcp.{NEEDS[opts['mode']]} has not landed"}
-            continue
         nheads = make_mixer(opts["mixer"]).nheads
         sp = 2 if opts.get("pairs") else world
         if MODES[opts["mode"]]["mode"] == "ulysses" and nheads % sp != 0:
@@ -320,7 +263,9 @@ def _run_all(rank, world):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda w: f"world{w}")
+# 2 and 4 ranks: 4 holds two groups of 2 ("pairs"); the op under the adapter runs at 8 ranks in
+# test_state_passing, test_permute and test_ulysses, and nothing the adapter adds depends on the rank count
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def world_results(request):
     world = request.param
     return world, run_ranks(_run_all, world, timeout=900)
@@ -540,15 +485,16 @@ def test_sequence_parallel_size_without_distributed_backend():
 @pytest.mark.parametrize("fields", [dict(), dict(recompute_output=True, overlap_comm=False, check_shapes=False)])
 def test_config_options_reach_the_op(monkeypatch, fields):
     """The section's op options are the options of the call the wrapper runs."""
-    from ds_mamba_spcp import DistributedMamba2, module
+    from ds_mamba_spcp import DistributedMamba2, op
 
     seen = {}
 
-    def run(call):
+    def run(call):  # the dispatcher, which applies the adapter's projections around the core
         seen.update(vars(call.options))
-        return call.zxbcdt.new_zeros(*call.zxbcdt.shape[:2], m.d_ssm)
+        hidden = call.projections.hidden
+        return call.projections.out_proj(hidden.new_zeros(*hidden.shape[:2], m.d_ssm))
 
-    monkeypatch.setattr(module.op, "run", run)
+    monkeypatch.setattr(op, "run", run)
     m = make_mixer("gate_g1")
     w = DistributedMamba2(m, None, section(backend="reference", **fields))
     w(torch.randn(BATCH, 6, D_MODEL, dtype=torch.float64))

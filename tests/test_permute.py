@@ -4,7 +4,7 @@
 Permutations only move bytes, so they are checked bitwise: against ``layout.shard_sequence`` of
 the same global tensor, round trips, the backward of each direction (it must be the inverse
 permutation of the gradient), non-contiguous inputs, any sequence dim, and one large payload. The
-op is checked like the other sharded ops (see test_ulysses.py for the tolerances: the permuted op
+op is checked like the other sharded ops (see tests/conftest.py for the tolerances: the permuted op
 is the load_balancing="none" op on a contiguous shard, so the same bounds hold): outputs and every
 gradient against the single-process reference.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import call_op, case_inputs, check_case, run_case, run_error_case
 from tests.dist_utils import agree, run_ranks
-from tests.test_ulysses import call_op, check_case, make_inputs, run_case, run_error_case
 
 CASES = {
     "fp64_p2p_b2_g2_rms_init_final_D2": dict(
@@ -190,7 +190,7 @@ def test_group_of_one_is_single_device_op(lb):
     from ds_mamba_spcp.permute import zigzag_to_contiguous
 
     opts = dict(dtype="float64", batch=2, ngroups=2, per_rank=12, rms=True, init=True, final=True)
-    inputs, _ = make_inputs(opts, 12)
+    inputs, _ = case_inputs(opts, 12)
     x = inputs["zxbcdt"]
     assert zigzag_to_contiguous(x, method="a2a") is x
     got = call_op(mamba_split_conv1d_scan_sp, inputs, opts, load_balancing=lb)

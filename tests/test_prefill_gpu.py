@@ -104,7 +104,7 @@ def _hf_case(rank, world):
 
     if inference.CacheLayerMixin is None:
         return {"skipped": "transformers without LinearAttentionLayer (< 5.24)"}
-    sizes = dict(vocab=512, hidden=256, ssm=dict(heads=8, headdim=32, ngroups=2, dstate=32, d_conv=4, chunk=64),
+    sizes = dict(vocab=512, hidden=256, ssm=dict(heads=16, headdim=32, ngroups=2, dstate=32, d_conv=4, chunk=64),
                  attn=dict(heads=4, kv_heads=2))  # fmt: skip
     ids = torch.randint(1, 512, (BATCH, SEQLEN), generator=torch.Generator().manual_seed(2)).cuda()
     n = (SEQLEN - 1) // world

@@ -54,8 +54,8 @@ import torch
 from ds_mamba_spcp import checkpoint
 from ds_mamba_spcp.checkpoint import Topology
 from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
+from tests.conftest import TINY, load_train
 from tests.dist_utils import REPO, free_port, run_ranks
-from tests.test_train import TINY, load_train
 
 STEPS = 12
 SAVE_EVERY = 3

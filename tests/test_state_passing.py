@@ -17,6 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import call_op
+from tests.conftest import make_inputs as shared_inputs
 from tests.dist_utils import agree, rel_err, run_ranks, sharded_rel_err, summed_rel_err
 
 FP64_TOL = 1e-10
@@ -50,38 +52,11 @@ NHEADS, HEADDIM, DSTATE = 4, 3, 5
 
 
 def make_inputs(opts, seqlen, seed=0):
-    """Global inputs and upstream gradients, identical on every rank (one seed)."""
-    g = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, opts["dtype"])
-    b, ng, K = opts["batch"], opts["ngroups"], opts["d_conv"]
-    d_inner = NHEADS * HEADDIM
-    conv_dim = d_inner + 2 * ng * DSTATE
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
-
-    t = dict(
-        zxbcdt=rnd(b, seqlen, 2 * d_inner + 2 * ng * DSTATE + NHEADS),
-        conv1d_weight=rnd(conv_dim, K, scale=0.5),
-        conv1d_bias=rnd(conv_dim, scale=0.5),
-        dt_bias=rnd(NHEADS, scale=0.5),
-        A=-torch.rand(NHEADS, generator=g, dtype=torch.float64).add(0.5).to(dtype),
-        D=rnd(NHEADS, HEADDIM) if opts.get("D2") else rnd(NHEADS),
-    )
-    if opts.get("rms"):
-        t["rmsnorm_weight"] = rnd(d_inner, scale=0.3).add(1.0)
-    if opts.get("init"):
-        t["initial_states"] = rnd(b, NHEADS, HEADDIM, DSTATE)
-    grads = dict(out=rnd(b, seqlen, d_inner))
-    if opts.get("final"):
-        grads["final"] = rnd(b, NHEADS, HEADDIM, DSTATE)
-    return t, grads
-
-
-def op_kwargs(opts):
-    return dict(
-        headdim=HEADDIM, ngroups=opts["ngroups"], dt_limit=opts.get("dt_limit", (0.0, float("inf"))),
-        rmsnorm_weight=None, norm_before_gate=opts.get("before", False), return_final_states=opts.get("final", False),
+    """Global inputs and upstream gradients of a case, identical on every rank (one seed)."""
+    return shared_inputs(
+        batch=opts["batch"], seqlen=seqlen, nheads=NHEADS, headdim=HEADDIM, ngroups=opts["ngroups"], dstate=DSTATE,
+        d_conv=opts["d_conv"], dtype=getattr(torch, opts["dtype"]), seed=seed, D2=bool(opts.get("D2")),
+        rms=bool(opts.get("rms")), init=bool(opts.get("init")), final=bool(opts.get("final")),
     )  # fmt: skip
 
 
@@ -97,11 +72,7 @@ def _run_case(rank, world, opts):
     names = list(tensors)
 
     def call(fn, inputs, **extra):
-        kw = op_kwargs(opts)
-        kw["rmsnorm_weight"] = inputs.get("rmsnorm_weight")
-        kw["initial_states"] = inputs.get("initial_states")
-        return fn(inputs["zxbcdt"], inputs["conv1d_weight"], inputs["conv1d_bias"], inputs["dt_bias"],
-                  inputs["A"], inputs["D"], opts["chunk"], **kw, **extra)  # fmt: skip
+        return call_op(fn, inputs, opts, headdim=HEADDIM, **extra)
 
     def loss_of(res, gout, weight):
         out, final = res if isinstance(res, tuple) else (res, None)

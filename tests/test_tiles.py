@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import make_inputs as shared_inputs
 from tests.dist_utils import agree, run_ranks, sharded_rel_err, summed_rel_err
 
 TOL = 1e-10
@@ -25,25 +26,10 @@ F64 = torch.float64
 
 
 def make_inputs(batch, seqlen, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    d_inner = NHEADS * HEADDIM
-    conv_dim = d_inner + 2 * NGROUPS * DSTATE
-
-    def rnd(*shape, scale=1.0):
-        return torch.randn(*shape, generator=g, dtype=F64) * scale
-
-    t = dict(
-        zxbcdt=rnd(batch, seqlen, 2 * d_inner + 2 * NGROUPS * DSTATE + NHEADS),
-        conv1d_weight=rnd(conv_dim, D_CONV, scale=0.5),
-        conv1d_bias=rnd(conv_dim, scale=0.5),
-        dt_bias=rnd(NHEADS, scale=0.5),
-        A=-torch.rand(NHEADS, generator=g, dtype=F64).add(0.3),
-        D=rnd(NHEADS),
-        rmsnorm_weight=rnd(d_inner, scale=0.3).add(1.0),
-        initial_states=rnd(batch, NHEADS, HEADDIM, DSTATE),
-    )
-    grads = dict(out=rnd(batch, seqlen, d_inner), final=rnd(batch, NHEADS, HEADDIM, DSTATE))
-    return t, grads
+    return shared_inputs(
+        batch=batch, seqlen=seqlen, nheads=NHEADS, headdim=HEADDIM, ngroups=NGROUPS, dstate=DSTATE, d_conv=D_CONV,
+        seed=seed, rms=True, init=True, final=True, a_offset=0.3,
+    )  # fmt: skip
 
 
 def labels(batch, seqlen, starts):

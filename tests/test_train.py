@@ -20,7 +20,6 @@ fresh model and ``deepspeed.initialize``; the launcher test starts ``deepspeed -
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
@@ -29,43 +28,16 @@ import sys
 import pytest
 
 from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
+from tests.conftest import TINY, TRAIN_STEPS, load_train
 from tests.dist_utils import REPO, free_port, run_ranks
 
 TOL = 1e-4
-STEPS = 20
+STEPS = TRAIN_STEPS
 CP = 2
 CONFIGS = os.path.join(REPO, "configs")
 
 
-def load_train():
-    """examples/train.py as a module (examples/ is not a package)."""
-    name = "ds_mamba_spcp_examples_train"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "examples", "train.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# A model small enough for 20 steps x a dozen cases in well under a minute on 2 shared cores, with
-# every piece present: several chunks per shard, a conv halo, 8 SSM heads (4 per rank under
-# ulysses), attention heads divisible by cp, 4 zigzag chunks of 8 tokens.
-TINY = [
-    "--seq-len", "32", "--vocab-size", "32", "--d-model", "32", "--d-state", "8", "--headdim", "8",
-    "--expand", "2", "--ngroups", "1", "--chunk-size", "8", "--attn-heads", "2", "--attn-every", "2",
-    "--steps", str(STEPS), "--no-progress",
-]  # fmt: skip
 MODELS = {"mamba": ["--model", "mamba", "--n-layers", "2"], "hybrid": ["--model", "hybrid", "--n-layers", "3"]}
-
-
-def ulysses_available() -> bool:
-    return os.path.exists(os.path.join(REPO, "ds_mamba_spcp", "ulysses.py"))
-
-
-def permute_available() -> bool:
-    return os.path.exists(os.path.join(REPO, "ds_mamba_spcp", "permute.py"))
 
 
 def sgd_config(name: str, stage: int) -> dict:
@@ -110,15 +82,6 @@ CASES.update({
 })  # fmt: skip
 
 
-def _needs(name: str) -> str | None:
-    """Why a case cannot run yet, or None."""
-    if "ulysses" in name and not ulysses_available():
-        return "ds_mamba_spcp/ulysses.py (the all-to-all mode) has not landed yet"
-    if "permute" in name and not permute_available():
-        return "ds_mamba_spcp/permute.py (load_balancing permute_*) has not landed yet"
-    return None
-
-
 def _argv(model: str, grad_scale: str = "auto", extra=()) -> list[str]:
     return TINY + MODELS[model] + ["--grad-scale", grad_scale, *extra]
 
@@ -153,9 +116,8 @@ def reference():
 def distributed():
     """Losses of every runnable case, from one spawn of 2 gloo ranks (rank 0's log; every rank logs
     the same all-reduced number)."""
-    runnable = {name: case for name, case in CASES.items() if _needs(name) is None}
-    results = run_ranks(_run_cases, CP, runnable, timeout=900)
-    for name in runnable:
+    results = run_ranks(_run_cases, CP, CASES, timeout=900)
+    for name in CASES:
         assert results[0][name] == results[1][name], f"{name}: the ranks logged different losses"
     return results[0]
 
@@ -167,9 +129,6 @@ def max_rel_diff(losses, ref) -> float:
 
 @pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("control")])
 def test_parity_with_single_process(name, reference, distributed):
-    reason = _needs(name)
-    if reason:
-        pytest.skip(reason)
     ref = reference[_reference_key(CASES[name])]
     first, last = sum(ref[:5]) / 5, sum(ref[-5:]) / 5
     assert last < 0.95 * first, f"the reference did not learn (mean loss {first:.4f} -> {last:.4f}): a weak test"

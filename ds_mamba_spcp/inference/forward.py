@@ -21,10 +21,12 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ds_mamba_spcp import comm, layout, op
+from ds_mamba_spcp import comm, layout, modes, op
 
 
-def conv_tail(xBC: torch.Tensor, d_conv: int, group, input_layout: str = "contiguous", seq_idx=None) -> torch.Tensor:
+def conv_tail(
+    xBC: torch.Tensor, d_conv: int, group, input_layout: str = modes.CONTIGUOUS, seq_idx=None
+) -> torch.Tensor:
     """The conv state after the global sequence, on every rank: (batch, conv_dim, d_conv), zeros on the left of
     a sequence shorter than d_conv and, with ``seq_idx`` (batch, local_seqlen), before the last document.
 
@@ -48,7 +50,7 @@ def conv_tail(xBC: torch.Tensor, d_conv: int, group, input_layout: str = "contig
 
 
 def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups=1,
-                       process_group=None, mode="state_passing", load_balancing="none", input_layout=None,
+                       process_group=None, mode=modes.STATE_PASSING, load_balancing=modes.NONE, input_layout=None,
                        seq_idx=None, **kwargs):  # fmt: skip
     """The mixer core on this rank's shard, forward only: ``op.mixer_core``'s arguments (any mode, layout,
     packed rows, ``tile_length``, ``initial_states``) without ``return_final_states``.
@@ -58,7 +60,7 @@ def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_
     in fp32 (fp64 for fp64 input) and the conv state (batch, conv_dim, d_conv) in zxbcdt's dtype, the last
     two identical on every rank. Nothing requires grad and no graph is recorded."""
     if input_layout is None:
-        input_layout = "contiguous" if mode == "ulysses" or load_balancing == "none" else "zigzag"
+        input_layout = modes.default_layout(mode, load_balancing)
     with torch.no_grad():
         out, final = op.mixer_core(
             zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group, mode=mode,

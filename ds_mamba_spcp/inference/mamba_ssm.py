@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_mamba_spcp import comm
+from ds_mamba_spcp import comm, modes
 from ds_mamba_spcp._upstream import mamba2_class, mamba_module
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
 from ds_mamba_spcp.inference.prefill import (
@@ -40,7 +40,7 @@ from ds_mamba_spcp.inference.prefill import (
     raise_alike,
     same_on_every_rank,
 )
-from ds_mamba_spcp.module import DistributedMamba2
+from ds_mamba_spcp.integrations.mamba_ssm import DistributedMamba2
 
 
 def _mixers(model: nn.Module) -> list[nn.Module]:
@@ -146,7 +146,7 @@ def sequence_parallel_prefill_mamba(model: nn.Module, input_ids_shard: torch.Ten
             "prompt split into equal contiguous parts."
         )
     base = {} if config is None else load_mamba_sp_config(config).model_dump()
-    base.update(enabled=True, mode="state_passing", load_balancing="none", input_layout="contiguous")
+    base.update(enabled=True, mode=modes.STATE_PASSING, load_balancing=modes.NONE, input_layout=modes.CONTIGUOUS)
     cfg = MambaSequenceParallelConfig(**{**base, "sequence_parallel_size": cp, "recompute_output": False})
     batch, local = shape
     params = _inference_params(max_seqlen or local * cp, batch)

@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ds_mamba_spcp import comm
+from ds_mamba_spcp import comm, modes
+from ds_mamba_spcp.call import MixerCore
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
 from ds_mamba_spcp.inference.forward import conv_tail, mixer_core_prefill  # noqa: F401 - conv_tail re-exported
-from ds_mamba_spcp.module import MixerCore
 
 
 class Prefill(NamedTuple):
@@ -78,7 +78,7 @@ def same_on_every_rank(values: list[int], group, device=None) -> bool:
     _, cp = comm.group_rank_size(group)
     if cp == 1:
         return True
-    rows = comm.exchange_descriptors(values, torch.device(device or "cpu"), group, cp)
+    rows = comm.gather_ints(values, torch.device(device or "cpu"), group, cp)
     return all(r == rows[0] for r in rows)
 
 
@@ -112,7 +112,8 @@ def mixer_prefill(zxbcdt: torch.Tensor, core: MixerCore, group, config: MambaSeq
     conv state (batch, conv_dim, d_conv) in zxbcdt's dtype, both identical on every rank."""
     args, kwargs = core.op_arguments()
     return mixer_core_prefill(
-        zxbcdt, *args, process_group=group, mode="state_passing", load_balancing="none", input_layout="contiguous",
+        zxbcdt, *args, process_group=group, mode=modes.STATE_PASSING, load_balancing=modes.NONE,
+        input_layout=modes.CONTIGUOUS,
         backend=config.backend, overlap_comm=config.overlap_comm, check_shapes=config.check_shapes,
         tile_length=config.tile_length, **kwargs,
     )  # fmt: skip

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_mamba_spcp import comm
+from ds_mamba_spcp import comm, modes
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
 from ds_mamba_spcp.groups import deepspeed_sequence_parallel_group
 from ds_mamba_spcp.inference.prefill import (
@@ -134,7 +134,7 @@ def _config(model: nn.Module, cp: int) -> MambaSequenceParallelConfig:
     contiguous shards), else the defaults."""
     state = model.__dict__.get(hf._MODEL_ATTR)
     base = state.sharding.config.model_dump() if state is not None else {}
-    base.update(enabled=True, mode="state_passing", load_balancing="none", input_layout="contiguous")
+    base.update(enabled=True, mode=modes.STATE_PASSING, load_balancing=modes.NONE, input_layout=modes.CONTIGUOUS)
     base.update(sequence_parallel_size=cp, recompute_output=False)
     return MambaSequenceParallelConfig(**base)
 
@@ -185,7 +185,7 @@ def _check_shards(ids: torch.Tensor, group, device) -> None:
     _, cp = comm.group_rank_size(group)
     if cp == 1:
         return
-    rows = comm.exchange_descriptors([int(ids.shape[0]), int(ids.shape[1])], torch.device(device), group, cp)
+    rows = comm.gather_ints([int(ids.shape[0]), int(ids.shape[1])], torch.device(device), group, cp)
     if any(r != rows[0] for r in rows):
         raise ValueError(
             "sequence_parallel_prefill: every rank must pass a shard of the same (batch, local_seqlen), the prompt "

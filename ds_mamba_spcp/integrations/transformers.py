@@ -1,62 +1,21 @@
-"""Hugging Face transformers: sequence-parallel Mamba2 mixers and DeepSpeed's Ulysses attention, in one call.
+"""The transformers adapter: sequence-parallel Mamba2 mixers and DeepSpeed's Ulysses attention, in one call.
 
 transformers' Mamba2-style models (Mamba2, Bamba, Nemotron-H, GraniteMoeHybrid = Granite-4.0-H, Falcon-H1,
-Zamba2) run their Mamba layers through six mixer classes (``MIXER_CLASSES``) that share attribute names
-(``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``, ``head_dim``, ``n_groups``,
-``chunk_size``, ``time_step_limit``, ``activation``) but no base class. A training script adds one call
-before ``deepspeed.initialize``::
+Zamba2) run their Mamba layers through six mixer classes (``MIXER_CLASSES``) that share attribute names but
+no base class. ``prepare_sequence_parallel(model, ds_config)``, called once before ``deepspeed.initialize``,
+creates DeepSpeed's sequence-parallel group, puts DeepSpeed's ``UlyssesSPAttentionHF`` in front of the
+attention layers (per module, behind the model's attention key), makes every Mamba2 mixer sequence-parallel
+through the shared adapter core (``integrations/core.py``) and checks every model call before any collective.
 
-    deepspeed.init_distributed()
-    mpu = prepare_sequence_parallel(model, ds_config)       # model built with attn_implementation="sdpa"
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config, mpu=mpu)
-    group = mpu.get_sequence_parallel_group()
-    batch = shard_batch(full_batch, group)                   # this rank's input_ids, position_ids, shift_labels
-    logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-    loss, mean_loss = sequence_parallel_cross_entropy(logits, batch["shift_labels"], group, grad_scale=...)
+A wrapped mixer keeps its class and its place in the model; only its instance ``forward`` is replaced (the
+previous one runs every call that is not sharded), so state_dict keys, isinstance checks, PEFT and
+``generate`` see the unwrapped model; it is a ZeRO-3 leaf (the core reads ``conv1d.weight`` and
+``norm.weight`` without calling those submodules). A call is sharded when the config is enabled, the group
+has more than one rank and no ``sequence_parallel_disabled(model)`` block is open.
 
-``prepare_sequence_parallel``:
-
-    ds_config ─────────> DeepSpeed's sequence-parallel group (parallel_state_sp, also the returned mpu)
-    attention layers ──> DeepSpeed's UlyssesSPAttentionHF (all-to-all [L/cp, heads] -> [L, heads/cp]),
-                         per module, behind the model's attention key; contiguous shards
-    Mamba2 mixers ─────> ds_mamba_spcp.module.mixer_forward (the "mamba_sequence_parallel" mode), same group
-    model.forward ─────> checked before any collective: no cache, no padding, position_ids given
-
-How a mixer is wrapped, and why. The mixer keeps its class and its place in the model; only its
-instance ``forward`` is replaced, and the previous one is kept for the calls that are not sharded. So
-``state_dict`` keys, ``named_modules``, the ``isinstance`` checks inside transformers (weight init,
-output recording), PEFT's replacement of ``in_proj``/``out_proj`` (called through the mixer) and
-``model.generate`` all see the unwrapped model, and checkpoints load both ways. The mixer is made a
-ZeRO-3 leaf: the sequence-parallel core reads ``conv1d.weight`` and ``norm.weight`` without calling
-those submodules (so does transformers' own fused path), so ZeRO-3 must gather the mixer's whole
-subtree in the mixer's pre-forward hook. Wrap before ``deepspeed.initialize``, which installs the hooks.
-
-When a call is sharded: the config is enabled, the group has more than one rank and no
-``sequence_parallel_disabled(model)`` block is open. Every other call runs the mixer's (and the
-attention's) own forward, unchanged; a group of one is the unwrapped model. A sharded call with a
-cache (generation) or padding raises an error naming the way out; for a prepared model the
-model-level check raises it on every rank before the first collective, and it turns ``use_cache`` off
-when the caller left it unset (an evaluation forward on shards).
-
-What is followed exactly, per mixer: ``A = -exp(A_log)``, ``D``, ``dt_bias``, ``time_step_limit`` (Zamba2
-and Nemotron-H: ``(time_step_min, inf)``), the conv ``activation`` (Nemotron-H: ``mamba_hidden_act``), the
-gated RMSNorm's weight, eps (Zamba2: 1e-5) and group size (``intermediate_size // n_groups``), and
-Falcon-H1's ``ssm_in_multiplier`` before ``in_proj``, ``mup_vector`` after it, its ``norm_before_gate``
-and its optional norm (``nn.Identity``: ``y * silu(z)``). Where transformers' own paths disagree:
-- its fused training path (mamba-ssm's kernel) always gates before the norm; Falcon-H1's
-  ``mamba_norm_before_gate=True`` (the config default) is followed here, as in its PyTorch and decoding
-  paths;
-- transformers 5.17's PyTorch path of Mamba2, Bamba and GraniteMoeHybrid normalises the whole width at
-  once (its norm has no group size), which disagrees with its own fused path when ``n_groups > 1``; this
-  adapter follows the fused path (mamba-ssm's grouping, what later releases also do in PyTorch).
-
-Padding. The mixers zero padded tokens (``attention_mask``), but DeepSpeed's Ulysses attention drops the
-mask and masks causally only, so a padded batch cannot be honoured across the model: it is rejected;
-pack documents into full rows (``seq_idx``) instead.
-
-Import order does not matter: the mamba-ssm modules this package loads stay out of ``sys.modules`` where
-``import mamba_ssm`` fails (see ``ds_mamba_spcp._upstream``), so transformers' own availability checks see
-what they would see without this package.
+docs/huggingface.md is the user's page: the API, what is followed exactly per mixer, what is refused and the
+way out, where transformers' own paths disagree, the import order on CPU, and the tests. docs/design.md,
+"Adapters", places this module beside the mamba-ssm adapter.
 """
 
 from __future__ import annotations
@@ -93,7 +52,8 @@ if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release
 from ds_mamba_spcp import comm  # noqa: E402
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config  # noqa: E402
 from ds_mamba_spcp.groups import group_size, resolve_sequence_process_group  # noqa: E402
-from ds_mamba_spcp.module import DistributedMamba2, MixerCore, mixer_forward, wrap_mamba2_mixers  # noqa: E402
+from ds_mamba_spcp.integrations.core import MixerCore, mixer_forward  # noqa: E402
+from ds_mamba_spcp.integrations.mamba_ssm import DistributedMamba2, wrap_mamba_ssm_mixers  # noqa: E402
 
 # The Mamba2-style mixer classes of transformers (class name -> modeling module).
 MIXER_CLASSES = {
@@ -270,7 +230,7 @@ class _MixerAdapter:
         self.model_state: _PreparedModel | None = None  # set by prepare_sequence_parallel
 
     def _validate(self, size: int) -> None:
-        self.sharding.config.validate_for_mixer(nheads=self.mixer.num_heads, ngroups=self.mixer.n_groups, sp_size=size)
+        self.sharding.config.validate_for_mixer(nheads=self.mixer.num_heads, ngroups=self.mixer.n_groups, cp=size)
 
     def __call__(self, *args, **kwargs):
         hidden_states, cache, attention_mask, rest = _mixer_call(args, kwargs)
@@ -429,7 +389,7 @@ class _UlyssesAttention:
         # As DeepSpeed's own registration does: the mask (built for the local length) is dropped and the
         # kernel masks causally on the gathered sequence; flex_attention's BlockMask is rebuilt by DeepSpeed.
         keep = self.implementation == "flex_attention" and not torch.is_tensor(attention_mask)
-        # UlyssesSPAttentionHF rewrites num_key_value_groups when it replicates KV heads (sp > kv heads);
+        # UlyssesSPAttentionHF rewrites num_key_value_groups when it replicates KV heads (cp > kv heads);
         # restore it so that unsharded calls (sequence_parallel_disabled) see the model's own value
         groups = module.num_key_value_groups
         try:
@@ -481,7 +441,7 @@ def _install_dispatcher(implementation: str):
     return current
 
 
-def _check_attention(module: nn.Module, config: MambaSequenceParallelConfig, sp: int) -> str:
+def _check_attention(module: nn.Module, config: MambaSequenceParallelConfig, cp: int) -> str:
     """The attention implementation of ``module``; raises when DeepSpeed's Ulysses attention cannot shard it."""
     name = type(module).__qualname__
     implementation = getattr(module.config, "_attn_implementation", None)
@@ -494,10 +454,10 @@ def _check_attention(module: nn.Module, config: MambaSequenceParallelConfig, sp:
         )
     heads = int(module.config.num_attention_heads)
     kv_heads = heads // int(module.num_key_value_groups)
-    if heads % sp or (kv_heads % sp and sp % kv_heads):
+    if heads % cp or (kv_heads % cp and cp % kv_heads):
         raise ValueError(
             f"{name} has {heads} query and {kv_heads} key/value heads; DeepSpeed's Ulysses attention shards heads "
-            f"over the {sp} ranks of the sequence-parallel group, which needs the query heads divisible by {sp} and "
+            f"over the {cp} ranks of the sequence-parallel group, which needs the query heads divisible by {cp} and "
             "the key/value heads divisible by it (or dividing it). Choose a sequence_parallel_size that fits."
         )
     if config.input_layout != "contiguous":
@@ -607,21 +567,21 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     the config leaves sequence parallelism off (``enabled`` false or a size of 1), the model then untouched.
 
     The prepared model takes this rank's shard of every sequence (``ds_mamba_spcp.data.shard_batch``):
-    ``input_ids`` (batch, seqlen/sp), ``position_ids`` (the global positions, needed with attention), no
+    ``input_ids`` (batch, seqlen/cp), ``position_ids`` (the global positions, needed with attention), no
     labels, no cache, no padding; it returns this rank's shard of the logits. ``sequence_parallel_disabled``
     gives back the unwrapped behaviour (generation).
     """
     cfg = load_mamba_sp_config(ds_config)
-    sp = cfg.resolved_sequence_parallel_size
+    cp = cfg.resolved_sequence_parallel_size
     if not cfg.enabled:
-        if sp > 1:
+        if cp > 1:
             raise ValueError(
-                f'the ds_config sets sequence_parallel_size {sp} but "{SECTION}.enabled" is false: sharding the '
+                f'the ds_config sets sequence_parallel_size {cp} but "{SECTION}.enabled" is false: sharding the '
                 "sequence with the Mamba2 layers unwrapped would restart their state at every shard (right-looking "
                 'losses, wrong gradients). Set "enabled": true, or drop sequence_parallel_size.'
             )
         return None
-    if sp == 1:
+    if cp == 1:
         return None
     import deepspeed.comm as dist
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
@@ -640,17 +600,18 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     if _MODEL_ATTR in model.__dict__:
         raise ValueError(f"{type(model).__qualname__} was already prepared for sequence parallelism")
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:
-        parallel_state_sp.initialize_sequence_parallel(sp)
-    elif (have := parallel_state_sp.get_sequence_parallel_world_size()) != sp:
+        parallel_state_sp.initialize_sequence_parallel(cp)
+    elif (have := parallel_state_sp.get_sequence_parallel_world_size()) != cp:
         raise ValueError(
-            f"DeepSpeed's sequence-parallel group of this process has {have} ranks but the ds_config asks for {sp}."
+            f"DeepSpeed's sequence-parallel group of this process has {have} ranks but the ds_config asks for {cp}."
         )
     group = parallel_state_sp.get_sequence_parallel_group()
     sharding = _Sharding(group, cfg)
     sharding.group()
 
-    attention = [(m, _check_attention(m, cfg, sp)) for m in attention_modules(model)]
-    wrap_mamba2_mixers(model, group, cfg)
+    attention = [(m, _check_attention(m, cfg, cp)) for m in attention_modules(model)]
+    wrap_mamba_ssm_mixers(model, group, cfg)  # as ds_mamba_spcp.module.wrap_mamba2_mixers: both kinds
+    wrap_hf_mamba2_mixers(model, group, cfg)
     if not any(_MIXER_ATTR in m.__dict__ or isinstance(m, DistributedMamba2) for m in model.modules()):
         raise ValueError(
             f"{type(model).__qualname__} holds no Mamba2 mixer this package can shard (transformers' "

@@ -4,7 +4,7 @@ mamba-ssm's kernels index with int32 offsets, so one call can take at most ``max
 tokens (batch x seqlen); a longer segment (a long shard, the whole row of a group of one, the
 gathered row of the ulysses mode) runs here as tiles: row groups, and within a row consecutive
 stretches of the sequence, each a segment of its own for the backend. The tiles of a row form a
-chain with the algebra the ranks use (DESIGN.md section 2), only local:
+chain with the algebra the ranks use (docs/design.md, "The algebra"), only local:
 
     forward   every tile's summary (S_ext_k, log_a_k) from a zero state (the backend's first phase)
               -> the segment's summary, folded: S_ext = sum_k (prod_{j>k} a_j) S_ext_k, log_a = sum_k log_a_k

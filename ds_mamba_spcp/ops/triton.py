@@ -444,40 +444,22 @@ def _first_order_only(*tensors):
     return tuple(out)
 
 
-def single_device_op(
-    zxbcdt,
-    conv1d_weight,
-    conv1d_bias,
-    dt_bias,
-    A,
-    D,
-    chunk_size,
-    *,
-    initial_states=None,
-    return_final_states=False,
-    dt_limit=(0.0, float("inf")),
-    headdim,
-    ngroups,
-    activation="silu",
-    rmsnorm_weight=None,
-    rmsnorm_eps=1e-6,
-    norm_before_gate=False,
-    seq_idx=None,
-):
+def single_device_op(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, **kwargs):
     """mamba-ssm's ``mamba_split_conv1d_scan_combined`` itself (after the int32 length guard), with
-    the arguments of ``reference.mamba_split_conv1d_scan_ref``. seq_idx: canonical labels
-    (``reference.canonical_seq_idx``; the kernels apply initial_states to label 0 only) or None."""
-    spec = CoreSpec.infer(
-        zxbcdt, conv1d_weight, D, chunk_size, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit,
-        activation=activation, rmsnorm_eps=rmsnorm_eps, norm_before_gate=norm_before_gate,
-    )  # fmt: skip
+    the arguments of ``reference.mamba_split_conv1d_scan_ref`` (``kwargs``: its keyword arguments, passed
+    on as they are). seq_idx: canonical labels (``reference.canonical_seq_idx``; the kernels apply
+    initial_states to label 0 only) or None."""
+    spec_keys = ("headdim", "ngroups", "dt_limit", "activation", "rmsnorm_eps", "norm_before_gate")
+    spec = CoreSpec.infer(zxbcdt, conv1d_weight, D, chunk_size, **{k: kwargs[k] for k in spec_keys if k in kwargs})
     check_lengths(zxbcdt.shape[0], zxbcdt.shape[1], spec, sharded=False)
+    initial_states, rmsnorm_weight, seq_idx = (kwargs.get(k) for k in ("initial_states", "rmsnorm_weight", "seq_idx"))
     zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight = _first_order_only(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight
     )
-    return _combined.mamba_split_conv1d_scan_combined(
-        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=initial_states,
-        seq_idx=None if seq_idx is None else seq_idx.to(torch.int32).contiguous(), dt_limit=dt_limit,
-        return_final_states=return_final_states, activation=activation, rmsnorm_weight=rmsnorm_weight,
-        rmsnorm_eps=rmsnorm_eps, headdim=headdim, ngroups=ngroups, norm_before_gate=norm_before_gate,
+    kwargs.update(
+        initial_states=initial_states, rmsnorm_weight=rmsnorm_weight,
+        seq_idx=None if seq_idx is None else seq_idx.to(torch.int32).contiguous(),
     )  # fmt: skip
+    return _combined.mamba_split_conv1d_scan_combined(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, **kwargs
+    )

@@ -1,0 +1,72 @@
+"""The adapter core both adapters share: a host mixer's projections around the sharded mixer core.
+
+    hidden (batch, local_seqlen, d_model) --in_proj--> zxbcdt --the sharded core--> y --out_proj--> out
+
+An adapter (``integrations/mamba_ssm.py`` for mamba-ssm's ``Mamba2``, ``integrations/transformers.py`` for
+transformers' Mamba2-style mixers) reads its host's parameters into a ``MixerCore`` at every forward and calls
+``mixer_forward`` with its own in_proj and out_proj; neither adapter owns this module, and it imports neither.
+The call goes through the one dispatcher (``op.run``) like every other entry point: the projections ride in
+the ``MixerCall``, so that a mode that moves activations between layouts moves hidden (d_model wide) rather
+than zxbcdt (several times wider). See docs/design.md, "Adapters".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ds_mamba_spcp import op
+from ds_mamba_spcp.call import MixerCore, Options, Projections, prepare
+from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig
+
+__all__ = ["MixerCore", "mixer_forward", "options_of"]
+
+
+def options_of(config: MambaSequenceParallelConfig) -> Options:
+    """The op options a ds_config section sets (final states are never returned to a host mixer)."""
+    c = config
+    return Options(
+        mode=c.mode, load_balancing=c.load_balancing, input_layout=c.input_layout,
+        recompute_output=c.recompute_output, overlap_comm=c.overlap_comm, backend=c.backend,
+        check_shapes=c.check_shapes, tile_length=c.tile_length,
+    )  # fmt: skip
+
+
+def mixer_forward(
+    hidden: torch.Tensor,
+    in_proj: Callable[[torch.Tensor], torch.Tensor],
+    out_proj: Callable[[torch.Tensor], torch.Tensor],
+    core: MixerCore,
+    config: MambaSequenceParallelConfig,
+    group,
+    seq_idx: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    d_model: int | None = None,
+) -> torch.Tensor:
+    """in_proj -> the sequence-parallel mixer core chosen by ``config`` -> out_proj, on this rank's shard.
+
+    hidden: (batch, local_seqlen, d_model), this rank's shard in ``config.input_layout``; in_proj maps it
+    to zxbcdt (batch, local_seqlen, 2*d_inner + 2*ngroups*dstate + nheads) and out_proj maps the core's
+    (batch, local_seqlen, d_inner) output back (any host-specific scaling goes inside these callables).
+    seq_idx: (batch, local_seqlen) int32 document labels of the shard's tokens (packed rows), or
+    cu_seqlens: the row's cumulative document lengths (batch 1); or neither. d_model: checked against
+    hidden's last dim when given. Returns this rank's shard of the output, in the same layout.
+
+    The call is validated before anything moves or is projected (one descriptor exchange with the other
+    ranks, see ``ds_mamba_spcp.call``), then run by ``op.run``.
+    """
+    c = config
+    problem = None
+    if hidden.dim() != 3 or (d_model is not None and hidden.shape[-1] != d_model):
+        problem = ValueError(
+            f"the mixer expects hidden states (batch, local_seqlen, d_model={d_model}), got {tuple(hidden.shape)}"
+        )
+    shape = tuple(hidden.shape[:2]) if hidden.dim() == 3 else (1, 1)
+    probe = torch.empty(*shape, core.d_in_proj, dtype=hidden.dtype, device="meta")  # in_proj's output, to come
+    call = prepare(
+        probe, core, process_group=group, options=options_of(c), seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+        device=hidden.device, what=f"{SECTION} ({c.mode}, load_balancing {c.load_balancing})", problem=problem,
+        projections=Projections(hidden, in_proj, out_proj),
+    )  # fmt: skip
+    return op.run(call)

@@ -1,0 +1,255 @@
+"""The mamba-ssm adapter: ``DistributedMamba2``, mamba-ssm's ``Mamba2`` mixer on a sequence shard, shaped like
+DeepSpeed's ``DistributedAttention``.
+
+The wrapper runs the math of ``Mamba2.forward`` (its memory-efficient path: in_proj, the mixer core,
+out_proj) with the wrapped module's own parameters, through the adapter core both adapters share
+(``integrations/core.py``): the mixer core is the sequence-parallel op that the
+``"mamba_sequence_parallel"`` section's entry of the table of modes names (``ds_mamba_spcp.modes``).
+
+The wrapper is transparent to checkpoints: it shares the wrapped module's parameter, buffer and
+submodule registries (the same dict objects), so ``state_dict()``, ``named_parameters()``,
+``load_state_dict()`` and ``.to()`` see exactly the unwrapped module's names and tensors, and a
+checkpoint of the unwrapped model loads unchanged (and vice versa). Wrapping can therefore happen
+before or after ``deepspeed.initialize`` (the parameters stay the same objects).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from ds_mamba_spcp._upstream import mamba2_class
+from ds_mamba_spcp.config import SECTION, load_mamba_sp_config
+from ds_mamba_spcp.groups import group_size, resolve_sequence_process_group
+from ds_mamba_spcp.integrations.core import MixerCore, mixer_forward
+from ds_mamba_spcp.ops import get_backend, reference
+from ds_mamba_spcp.ops.spec import CoreSpec
+
+# The registries of nn.Module that hold what state_dict / parameters / .to() walk.
+_SHARED_REGISTRIES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
+_UNRESOLVED = object()
+
+
+def _check_mixer_supported(mixer) -> None:
+    """Raises NotImplementedError for Mamba2 configurations the sequence-parallel path cannot run."""
+    if mixer.d_ssm != mixer.d_inner:
+        raise NotImplementedError(
+            f"Mamba2 with d_ssm={mixer.d_ssm} < d_inner={mixer.d_inner} (a gated-MLP part beside the SSM) is not "
+            "supported by DistributedMamba2: the sequence-parallel mixer core handles only z, xBC and dt. Build "
+            "the mixer with d_ssm=None."
+        )
+    if mixer.process_group is not None:
+        raise NotImplementedError(
+            "Mamba2 built with a tensor-parallel process_group (and its own sequence_parallel flag, which "
+            "splits batch*seqlen across the tensor-parallel ranks) is not supported by DistributedMamba2; build "
+            "the mixer with process_group=None and shard the sequence through the DeepSpeed "
+            f'"{SECTION}" section instead.'
+        )
+
+
+def _reject_call(inference_params) -> None:
+    if inference_params is not None:
+        raise NotImplementedError(
+            "decoding with an inference cache (inference_params) is not supported by DistributedMamba2: the "
+            "cache would hold one rank's conv and SSM state while the sequence is split across ranks. Generate "
+            f'with the unwrapped mixer, or with "{SECTION}.enabled" set to false (the wrapper then runs the '
+            "mixer's own forward)."
+        )
+
+
+class DistributedMamba2(nn.Module):
+    """mamba-ssm's ``Mamba2`` mixer run on this rank's shard of the sequence.
+
+    Arguments:
+        local_mixer: a ``mamba_ssm.modules.mamba2.Mamba2``; its parameters are used (and stay its
+            own): the wrapper adds none.
+        sequence_process_group: the ranks that share one sequence, or None to look it up at the
+            first forward (DeepSpeed's sequence-parallel group, else the world group when its size
+            equals the configured ``sequence_parallel_size``; see :mod:`ds_mamba_spcp.groups`), so the
+            wrapper may be built before ``deepspeed.initialize`` creates DeepSpeed's groups.
+        config: a ds_config holding the ``"mamba_sequence_parallel"`` section (a dict, a path to a JSON
+            file, a DeepSpeed engine or DeepSpeedConfig) or a :class:`MambaSequenceParallelConfig`.
+
+    ``forward(u)``: u (batch, local_seqlen, d_model), this rank's shard in the configured
+    ``input_layout``, or (batch*local_seqlen, d_model) with ``seqlen=local_seqlen`` as in Mamba2.
+    Returns the shard of the output in the same layout and shape.
+
+    With ``enabled`` false the wrapper is the mixer: ``forward`` calls the mixer's own forward with
+    the same arguments. With a group of one rank it is the single-device computation: the mixer's
+    own forward when the backend is Triton, the same math on the plain-PyTorch reference op
+    otherwise (mamba-ssm's forward cannot run on CPU). Parameter gradients are each rank's local
+    contribution; DeepSpeed's gradient reduction over the ranks adds them up.
+
+    Packed rows: ``seq_idx`` (this rank's shard of the document labels) or ``cu_seqlens`` (the row's
+    document lengths, batch 1), as ``Mamba2.forward`` takes them.
+
+    Not supported (NotImplementedError): Mamba2's gated-MLP part (d_ssm < d_inner), Mamba2's own
+    tensor-parallel process_group, decoding with ``inference_params``, and shards of different lengths
+    on different ranks.
+    """
+
+    def __init__(self, local_mixer: nn.Module, sequence_process_group: Any, config: Any) -> None:
+        super().__init__()
+        mamba2 = mamba2_class()
+        if not isinstance(local_mixer, mamba2):
+            raise TypeError(
+                f"DistributedMamba2 wraps a mamba_ssm.modules.mamba2.Mamba2, got {type(local_mixer).__qualname__}."
+            )
+        self.config = load_mamba_sp_config(config)
+        if self.config.enabled:
+            _check_mixer_supported(local_mixer)
+        # Transparency: share the mixer's registries instead of registering it as a child, so that
+        # the parameter names are the unwrapped ones (no "local_mixer." prefix) for state_dict,
+        # named_parameters (ZeRO's checkpoint name maps) and load_state_dict, with no key remapping;
+        # and a parameter swap through either module (.to(), load_state_dict(assign=True)) is seen by
+        # both. (ZeRO-3 later replaces this module's _parameters with its own dict holding the same
+        # Parameter objects; forward reads parameters through the wrapper, so that stays correct.)
+        for name in _SHARED_REGISTRIES:
+            self.__dict__[name] = local_mixer.__dict__[name]
+        self.__dict__["local_mixer"] = local_mixer  # a plain attribute, not a child
+        # ZeRO-3 gathers a module's parameters in its forward pre-hook. The mixer core reads the conv1d
+        # and norm weights without calling those submodules, and the disabled / group-of-one paths call
+        # the mixer, which DeepSpeed never sees (it is not a child); as a ZeRO-3 leaf, the wrapper's
+        # pre-hook gathers every parameter below it.
+        self._z3_leaf = True
+        self._group_arg = sequence_process_group
+        self._group = _UNRESOLVED
+        self._group_size = 1
+        self._checked_shards: set = set()
+        if self.config.enabled and sequence_process_group is not None:
+            self._resolve_group()  # an explicit group is checked at once
+
+    # -- the process group --------------------------------------------------------------------------
+
+    def _resolve_group(self):
+        if self._group is _UNRESOLVED:
+            group = resolve_sequence_process_group(self._group_arg, self.config)
+            size = group_size(group)
+            m = self.local_mixer
+            self.config.validate_for_mixer(nheads=m.nheads, ngroups=m.ngroups, cp=size)
+            self._group, self._group_size = group, size
+        return self._group
+
+    @property
+    def process_group(self):
+        """The sequence-parallel group (resolved on first use; None: a process without deepspeed.comm)."""
+        return self._resolve_group()
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Number of ranks sharing the sequence (1 when the wrapper is disabled)."""
+        if not self.config.enabled:
+            return 1
+        self._resolve_group()
+        return self._group_size
+
+    # -- nn.Module plumbing ---------------------------------------------------------------------------
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # Drop-in: public attributes and methods of the mixer (d_model, layer_idx,
+            # allocate_inference_cache, ...) read through; private ones and DeepSpeed's ds_* markers do not.
+            mixer = self.__dict__.get("local_mixer")
+            if mixer is None or name.startswith(("_", "ds_")):
+                raise
+            return getattr(mixer, name)
+
+    def step(self, hidden_states, conv_state, ssm_state):
+        """Decoding one token with the mixer's cache: only without sequence parallelism."""
+        if self.config.enabled:
+            raise NotImplementedError(
+                "decoding (Mamba2.step with a conv/SSM state cache) is not supported by DistributedMamba2 while "
+                f'sequence parallelism is enabled: the cache would hold one rank\'s state. Set "{SECTION}.enabled" '
+                "to false for generation (the wrapper then runs the mixer itself)."
+            )
+        return self.local_mixer.step(hidden_states, conv_state, ssm_state)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.local_mixer.training = mode  # not a child, so nn.Module.train does not reach it
+        return self
+
+    def extra_repr(self) -> str:
+        c = self.config
+        if not c.enabled:
+            return "enabled=False"
+        size = "unresolved" if self._group is _UNRESOLVED else self._group_size
+        return f"mode={c.mode}, load_balancing={c.load_balancing}, input_layout={c.input_layout}, cp={size}"
+
+    # -- forward --------------------------------------------------------------------------------------
+
+    def forward(self, u, seqlen=None, seq_idx=None, cu_seqlens=None, inference_params=None):
+        """Same signature as ``Mamba2.forward``; ``u`` is this rank's shard of the sequence, ``seq_idx`` its
+        shard of the packed row's document labels (or ``cu_seqlens`` the row's document lengths)."""
+        if not self.config.enabled:
+            return self.local_mixer(
+                u, seqlen=seqlen, seq_idx=seq_idx, cu_seqlens=cu_seqlens, inference_params=inference_params
+            )
+        _reject_call(inference_params)
+        group = self._resolve_group()
+        backend = get_backend(self.config.backend, u.device)
+        if self._group_size == 1 and backend is not reference and self._fits_one_call(backend, u):
+            return self.local_mixer(u, seqlen=seqlen, seq_idx=seq_idx, cu_seqlens=cu_seqlens)  # the unwrapped module
+        hidden = u if seqlen is None else rearrange(u, "(b l) d -> b l d", l=seqlen)
+        out = mixer_forward(
+            hidden, self.in_proj, self.out_proj, self._core(), self.config, group, seq_idx=seq_idx,
+            cu_seqlens=cu_seqlens, d_model=self.local_mixer.d_model,
+        )  # fmt: skip
+        return out if seqlen is None else rearrange(out, "b l d -> (b l) d")
+
+    def _fits_one_call(self, backend, u) -> bool:
+        """Whether mamba-ssm's own op can take these tokens in one call (else the op runs them in tiles)."""
+        m = self.local_mixer
+        spec = CoreSpec(m.nheads, m.headdim, m.ngroups, m.d_state, m.d_conv, m.chunk_size)
+        limit = backend.max_tokens_per_call(spec)
+        tokens = u.numel() // u.shape[-1]
+        return self.config.tile_length is None and (limit is None or tokens <= limit)
+
+    def _core(self) -> MixerCore:
+        """The mixer core's parameters and options, read off the wrapped Mamba2 as its forward does."""
+        m = self.local_mixer
+        # Mamba2 takes A_log.float() so that fp16 weights cannot overflow to A = -inf; promoting (instead
+        # of casting) is the same for fp16/bf16/fp32 and keeps an fp64 model in fp64.
+        A = -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))
+        return MixerCore(
+            conv1d_weight=rearrange(self.conv1d.weight, "d 1 w -> d w"), conv1d_bias=self.conv1d.bias,
+            dt_bias=self.dt_bias, A=A, D=rearrange(self.D, "(h p) -> h p", p=m.headdim) if m.D_has_hdim else self.D,
+            chunk_size=m.chunk_size, headdim=m.headdim, ngroups=m.ngroups, dt_limit=m.dt_limit,
+            activation=m.activation, rmsnorm_weight=self.norm.weight if m.rmsnorm else None,
+            rmsnorm_eps=self.norm.eps if m.rmsnorm else 1e-6, norm_before_gate=m.norm_before_gate,
+        )  # fmt: skip
+
+
+def wrap_mamba_ssm_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
+    """Replaces every mamba-ssm ``Mamba2`` submodule of ``model`` with a :class:`DistributedMamba2`, in place.
+
+    The config is read once and shared. A mixer registered at several places is wrapped once and the
+    same wrapper put at each; mixers already wrapped are left alone. Returns the number of mixers
+    wrapped. State_dict keys do not change, so this can run before or after loading a checkpoint, and
+    before or after ``deepspeed.initialize`` (the parameters stay the same objects).
+    ``ds_mamba_spcp.module.wrap_mamba2_mixers`` calls this and the transformers adapter's twin.
+    """
+    mamba2 = mamba2_class()
+    if isinstance(model, mamba2):
+        raise ValueError(
+            "wrap_mamba2_mixers replaces Mamba2 submodules inside a model; the model itself is a Mamba2, so wrap it "
+            "directly: DistributedMamba2(mixer, sequence_process_group, config)."
+        )
+    cfg = load_mamba_sp_config(config)
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, mamba2)
+    ]
+    wrappers: dict[int, DistributedMamba2] = {}
+    for parent, name, child in targets:
+        if id(child) not in wrappers:
+            wrappers[id(child)] = DistributedMamba2(child, sequence_process_group, cfg)
+        setattr(parent, name, wrappers[id(child)])
+    return len(wrappers)
