@@ -21,8 +21,8 @@ sequence parallelism; for a model that holds none of transformers' Mamba2 mixers
       UlyssesSPAttentionHF.register_with_transformers(model, ...)  ──> prepare_sequence_parallel(model, section):
             DeepSpeed's sequence-parallel group (the mpu handed to deepspeed.initialize), DeepSpeed's Ulysses
             attention per attention module (one all-to-all in, one out, per layer), this package's mixers
-      UlyssesSPDataLoaderAdapter(loader)  ──> the same, fed by a loader that checks every row's length on every
-            rank and drops whole-row varlen metadata (cu_seq_lens_*, max_length_*, seq_idx)
+      UlyssesSPDataLoaderAdapter(loader)  ──> the same, gathering rows of different lengths on any backend
+            (gloo too), checking every row's length on every rank, dropping whole-row varlen metadata
     transformers  Trainer.compute_loss under sequence parallelism
       deepspeed_sp_compute_loss  ──> the same global mean, its gradient scaled for the ZeRO stage
 
@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config
-from ds_mamba_spcp.data import IGNORE_INDEX, grad_scale, grad_scale_for_engine
+from ds_mamba_spcp.data import IGNORE_INDEX, grad_scale, grad_scale_for_engine, shift_labels
 from ds_mamba_spcp.integrations.transformers import (
     MIXER_CLASSES,
     mixer_classes,
@@ -394,54 +394,82 @@ def _compute_loss(accelerator, model, inputs, return_outputs, pc):
 
 
 # ---------------------------------------------------------------------------------------------------
-# the data: rows checked on every rank before DeepSpeed's adapter cuts them
+# the data: DeepSpeed's adapter, with rows of any length on any backend, checked on every rank
 # ---------------------------------------------------------------------------------------------------
 
 
-class _CheckedLoader:
-    """Iterates ``loader``; every batch's row length is exchanged over the sequence-parallel group and a length
-    the group cannot divide raises on every rank (DeepSpeed's adapter would raise without naming the fix), and
-    the whole-row varlen keys are dropped. Other attributes are the loader's."""
-
-    def __init__(self, loader, group, sp: int) -> None:
-        self.loader, self.group, self.sp = loader, group, sp
-
-    def __len__(self):
-        return len(self.loader)
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-    def __iter__(self):
-        import deepspeed.comm as dist
-
-        for batch in self.loader:
-            if isinstance(batch, dict):
-                batch = {k: v for k, v in batch.items() if k not in _WHOLE_ROW_KEYS}
-                ids = batch.get("input_ids")
-                if torch.is_tensor(ids) and ids.dim() == 2:
-                    length = torch.tensor([ids.shape[1]], dtype=torch.int64, device=ids.device)
-                    lengths = [torch.empty_like(length) for _ in range(self.sp)]
-                    dist.all_gather(lengths, length, group=self.group)
-                    lengths = [int(x.item()) for x in lengths]
-                    bad = [n for n in lengths if n % self.sp]
-                    if bad:
-                        raise ValueError(
-                            f"rows of {bad[0]} tokens cannot be cut into {self.sp} equal sequence shards (the rows "
-                            f"of the group's ranks have {lengths} tokens). Make every row's length a multiple of "
-                            f"sp_size={self.sp}: pad_to_multiple_of={self.sp} in the data collator (TRL's "
-                            "SFTConfig(pad_to_multiple_of=...)), with labels -100 on the padding and no "
-                            "attention_mask (padding-free rows), or crop the rows."
-                        )
-            yield batch
-
-
 def _adapter_class(base: type) -> type:
+    """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` with its own ``refill``. The adapter collects one batch from
+    every rank of the group and hands each rank its contiguous shard of every one of them in turn, labels
+    shifted before the cut (``shift_labels``). DeepSpeed's refill all-gathers each rank's tensors at that rank's
+    own length, which gloo refuses (its all-gather needs equal sizes: CPU runs, or ranks sharing a GPU, break
+    as soon as two ranks' rows differ in length); this one pads to the group's longest row and batch, gathers,
+    and crops. It also raises, on every rank, for a row the group cannot cut evenly (naming the fix), and drops
+    the whole-row varlen keys (``_WHOLE_ROW_KEYS``), which no shard can use: the documents of a packed row
+    travel in ``position_ids``, from which DeepSpeed's attention and this package's ``seq_idx`` are derived."""
+
     class UlyssesSPDataLoaderAdapter(base):
         __doc__ = base.__doc__
 
-        def __init__(self, dl, sp_rank, sp_group, sp_world_size, device):
-            super().__init__(_CheckedLoader(dl, sp_group, sp_world_size), sp_rank, sp_group, sp_world_size, device)
+        def refill(self):
+            import deepspeed.comm as dist
+
+            try:
+                batch = next(self.iter)
+            except StopIteration:
+                self.iter = iter(self.dl)  # as DeepSpeed's: the next epoch starts afresh
+                raise
+            batch = {k: v for k, v in batch.items() if k not in _WHOLE_ROW_KEYS}
+            for key in ("input_ids", "position_ids"):
+                if not torch.is_tensor(batch.get(key)) or batch[key].dim() != 2:
+                    raise ValueError(
+                        f"sequence parallelism needs {key!r} (batch, seqlen) in every batch (position_ids: each "
+                        "token's position in its row, restarting at 0 per packed document) so that every token "
+                        "keeps its position after the row is cut; add it in the data collator."
+                    )
+            rows, length = batch["input_ids"].shape
+            sp, group = self.sp_world_size, self.sp_group
+            shape = torch.tensor([rows, length], dtype=torch.int64, device=self.device)
+            shapes = [torch.empty_like(shape) for _ in range(sp)]
+            dist.all_gather(shapes, shape, group=group)
+            shapes = [tuple(int(v) for v in s.tolist()) for s in shapes]
+            bad = [n for _, n in shapes if n % sp]
+            if bad:
+                raise ValueError(
+                    f"rows of {bad[0]} tokens cannot be cut into {sp} equal sequence shards (the group's ranks hold "
+                    f"rows of {[n for _, n in shapes]} tokens). Make every row's length a multiple of sp_size={sp}: "
+                    f"pad_to_multiple_of={sp} in the data collator (TRL: SFTConfig(pad_to_multiple_of={sp})) with "
+                    "labels -100 on the padding and no attention_mask (padding-free rows), or crop the rows."
+                )
+            most_rows, longest = max(r for r, _ in shapes), max(n for _, n in shapes)
+            per_rank: list[dict] = [{} for _ in range(sp)]
+            for key, value in batch.items():
+                if not torch.is_tensor(value):
+                    objects = [None] * sp
+                    dist.all_gather_object(objects, value, group=group)
+                    for r in range(sp):
+                        per_rank[r][key] = objects[r]
+                    continue
+                if value.dim() < 2 or tuple(value.shape[:2]) != (rows, length):
+                    raise ValueError(
+                        f"{key!r} has shape {tuple(value.shape)} but input_ids is {(rows, length)}: every tensor of "
+                        "a batch is cut along dim 1, so it must be (batch, seqlen, ...)."
+                    )
+                padded = value.new_zeros((most_rows, longest, *value.shape[2:]), device=self.device)
+                padded[:rows, :length] = value.to(self.device)
+                gathered = [torch.empty_like(padded) for _ in range(sp)]
+                with torch.no_grad():
+                    dist.all_gather(gathered, padded, group=group)
+                for r, (n_rows, n) in enumerate(shapes):
+                    per_rank[r][key] = gathered[r][:n_rows, :n]
+            for one in per_rank:  # every rank's batch, in rank order: this rank's shard of each
+                chunk = one["input_ids"].shape[1] // sp
+                if "labels" in one:
+                    one["shift_labels"] = shift_labels(one.pop("labels"))
+                for key, value in one.items():
+                    if torch.is_tensor(value):
+                        one[key] = value[:, chunk * self.sp_rank : chunk * (self.sp_rank + 1)].cpu()
+                self.micro_batches.append(one)
 
     UlyssesSPDataLoaderAdapter.__qualname__ = base.__qualname__
     UlyssesSPDataLoaderAdapter.__module__ = __name__
