@@ -12,23 +12,28 @@ A script adds one call before it builds the ``Trainer``, ``SFTTrainer`` or ``Acc
                       parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)), ...)
     trainer.train()
 
-``enable()`` puts this package in at the four places where accelerate and the Trainer decide something about
+``enable()`` puts this package in at the five places where accelerate and the Trainer decide something about
 sequence parallelism; for a model that holds none of transformers' Mamba2 mixers (or a ds_config whose
 ``"mamba_sequence_parallel"`` section says ``"enabled": false``) each of them does what it did before::
 
-    accelerate  _prepare_deepspeed
-      _refuse_recurrent_layers_under_sequence_parallelism(model)  ──> let the model pass
+    accelerate  Accelerator._prepare_deepspeed
+      _refuse_recurrent_layers_under_sequence_parallelism(model)  ──> lets the model pass
       UlyssesSPAttentionHF.register_with_transformers(model, ...)  ──> prepare_sequence_parallel(model, section):
-            DeepSpeed's sequence-parallel group (the mpu handed to deepspeed.initialize), DeepSpeed's Ulysses
-            attention per attention module (one all-to-all in, one out, per layer), this package's mixers
+            DeepSpeed's sequence-parallel group (the mpu handed to deepspeed.initialize); DeepSpeed's Ulysses
+            attention in front of each attention module of this model, once (not also through a process-wide
+            registration: one Ulysses exchange per attention layer); this package's Mamba2 mixers
       UlyssesSPDataLoaderAdapter(loader)  ──> the same, gathering rows of different lengths on any backend
             (gloo too), checking every row's length on every rank, dropping whole-row varlen metadata
-    transformers  Trainer.compute_loss under sequence parallelism
+    transformers  Trainer
       deepspeed_sp_compute_loss  ──> the same global mean, its gradient scaled for the ZeRO stage
+      skip_first_batches (resume mid-epoch)  ──> the adapter skips its own micro-batches (accelerate's would
+            rebuild a plain DataLoader without it)
 
-and the prepared model gets two more forward hooks: calls in ``eval()`` mode run unsharded (evaluation and
+The prepared model gets two more forward hooks: calls in ``eval()`` mode run unsharded (evaluation and
 ``generate`` on whole sequences, as accelerate asks of DeepSpeed's attention with ``disable_in_eval``), and a
-training call whose ``position_ids`` restart inside a row (packed documents) gets the matching ``seq_idx``.
+training call whose ``position_ids`` restart inside a row (packed documents) gets the matching ``seq_idx``
+(``packed_seq_idx``); with an attention that cannot keep documents apart (sdpa under Ulysses masks causally
+over the whole gathered row) the model-level check of ``prepare_sequence_parallel`` then refuses the call.
 
 The gradient scale (issue: at ZeRO-2 the reported grad_norm was 2x the one-process value). The Trainer's loss is
 the group's token-weighted mean of the ranks' losses, combined with a differentiable all-gather, whose backward
@@ -104,6 +109,7 @@ def enable() -> None:
         (ulysses_sp.UlyssesSPAttentionHF, "register_with_transformers", classmethod(_register_with_transformers)),
         (ulysses_sp, "UlyssesSPDataLoaderAdapter", _adapter_class(ulysses_sp.UlyssesSPDataLoaderAdapter)),
         (trainer_mod, "deepspeed_sp_compute_loss", _compute_loss),
+        (trainer_mod, "skip_first_batches", _skip_first_batches),
     ]
     missing = [f"{getattr(o, '__name__', o)}.{a}" for o, a, _ in targets if a not in vars(o)]
     if missing:
@@ -128,7 +134,7 @@ def enabled() -> bool:
 
 
 def _original(attr: str):
-    """What enable() replaced under the name ``attr`` (the four names differ)."""
+    """What enable() replaced under the name ``attr`` (the names differ)."""
     for _, name, original in _patches:
         if name == attr:
             return original
@@ -361,6 +367,14 @@ def packed_seq_idx(position_ids: torch.Tensor, group, sp: int) -> torch.Tensor |
     return (before[:, None] + starts.cumsum(dim=1)).to(torch.int32)
 
 
+def _skip_first_batches(dataloader, num_batches=0):
+    """accelerate's skip_first_batches (the Trainer's resume), which rebuilds a plain DataLoader from the one it is
+    given and so loses DeepSpeed's adapter: the adapter skips its own micro-batches instead."""
+    if hasattr(dataloader, "skip") and hasattr(dataloader, "micro_batches"):
+        return dataloader.skip(num_batches)
+    return _original("skip_first_batches")(dataloader, num_batches)
+
+
 def _compute_loss(accelerator, model, inputs, return_outputs, pc):
     """transformers' ``deepspeed_sp_compute_loss`` with the gradient scaled for the ZeRO stage (module docstring)."""
     state = _covered_state(model)
@@ -470,6 +484,17 @@ def _adapter_class(base: type) -> type:
                     if torch.is_tensor(value):
                         one[key] = value[:, chunk * self.sp_rank : chunk * (self.sp_rank + 1)].cpu()
                 self.micro_batches.append(one)
+
+        def skip(self, batches: int):
+            """Consumes ``batches`` micro-batches (resuming mid-epoch: every rank skips alike, refills included)."""
+            for _ in range(batches):
+                next(self)
+            return self
+
+        def set_epoch(self, epoch: int) -> None:
+            # the Trainer reseeds its loader's sampler per epoch through set_epoch, which DeepSpeed's adapter hides
+            if hasattr(self.dl, "set_epoch"):
+                self.dl.set_epoch(epoch)
 
     UlyssesSPDataLoaderAdapter.__qualname__ = base.__qualname__
     UlyssesSPDataLoaderAdapter.__module__ = __name__
