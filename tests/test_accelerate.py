@@ -147,11 +147,11 @@ def _params(trainer) -> dict:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(family: str, stage: int, sp: int, out: str, collate=crop_collate, **kw) -> dict:
+def _train(family: str, stage: int, sp: int, out: str, collate=crop_collate, sizes=None, **kw) -> dict:
     """One Trainer run: per-step (loss, grad_norm), the update of every parameter, eval loss, greedy tokens."""
     from transformers import Trainer
 
-    model = hf_models.build(family)
+    model = hf_models.build(family, sizes=sizes)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     resume = kw.pop("resume_from_checkpoint", None)
     args = training_args(out, stage, sp, **kw)
@@ -162,11 +162,14 @@ def _train(family: str, stage: int, sp: int, out: str, collate=crop_collate, **k
     result = {"logs": logs, "update": _updates(before, after)}
     if resume is None:
         result["eval_loss"] = trainer.evaluate(TokenRows(4, seed=1))["eval_loss"]
-        prompt = TokenRows(1, seed=2).ids[:, :6]
         unwrapped = trainer.model.eval()
+        prompt = TokenRows(1, seed=2).ids[:, :6].to(unwrapped.device)
         with torch.no_grad():
             result["generated"] = unwrapped.generate(
-                input_ids=prompt, position_ids=torch.arange(6)[None], max_new_tokens=4, do_sample=False
+                input_ids=prompt,
+                position_ids=torch.arange(6, device=prompt.device)[None],
+                max_new_tokens=4,
+                do_sample=False,
             ).tolist()
     return result
 
@@ -174,7 +177,7 @@ def _train(family: str, stage: int, sp: int, out: str, collate=crop_collate, **k
 def _updates(before: dict, after: dict) -> dict:
     # numpy arrays: pickled by value (torch tensors would cross to the test process through shared memory that
     # the rank process releases when it exits)
-    return {n: (after[n] - before[n]).numpy() for n in before}
+    return {n: (after[n].cpu() - before[n].cpu()).numpy() for n in before}
 
 
 def _error(fn) -> str:

@@ -5,4 +5,6 @@ package imports without it:
 
     ds_mamba_spcp.integrations.transformers   Hugging Face transformers' Mamba2-style mixers
                                               (pip install 'ds_mamba_spcp[hf]')
+    ds_mamba_spcp.integrations.accelerate     the same under transformers' Trainer, TRL and accelerate
+                                              (enable(), before the Trainer is built)
 """
