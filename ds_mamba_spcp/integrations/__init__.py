@@ -8,4 +8,6 @@ without it:
     ds_mamba_spcp.integrations.mamba_ssm      mamba-ssm's Mamba2: DistributedMamba2, wrap_mamba_ssm_mixers
     ds_mamba_spcp.integrations.transformers   Hugging Face transformers' Mamba2-style mixers
                                               (pip install 'ds_mamba_spcp[hf]')
+    ds_mamba_spcp.integrations.accelerate     the same under transformers' Trainer, TRL and accelerate
+                                              (enable(), before the Trainer is built)
 """

@@ -506,12 +506,14 @@ def _check_model_call(model: nn.Module, args: tuple, kwargs: dict):
     model_name = type(model).__qualname__
     if any(call.get(key) is not None for key in _CACHE_NAMES) or call.get("use_cache"):
         raise _cache_error(model_name)
-    if call.get("labels") is not None:
+    # with shift_labels (shifted before sharding, as the Trainer's sequence-parallel loss passes them) the model's
+    # loss scores them unshifted: a correct mean over this rank's tokens, for the caller to combine over the group
+    if call.get("labels") is not None and call.get("shift_labels") is None:
         raise ValueError(
             f"{model_name} got labels while sequence parallelism is active: its own loss would shift the labels "
             "inside this rank's shard and average over its tokens only. Pass no labels; score the logits with "
             "ds_mamba_spcp.data.sequence_parallel_cross_entropy(logits, shift_labels, group) (shard_batch shifts "
-            "the labels before sharding)."
+            "the labels before sharding), or pass shift_labels with them (the Trainer's sequence-parallel loss)."
         )
     state.position_ids, state.seq_idx = call.get("position_ids"), call.get("seq_idx")
     if state.implementations and state.position_ids is None:
