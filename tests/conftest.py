@@ -4,7 +4,10 @@
 - ``case_inputs`` / ``call_op`` / ``run_case`` / ``run_error_case`` / ``check_case``: one sharded op case
   against the single-process reference (the ulysses and permute suites);
 - ``make_mixer`` / ``ground_truth``: a small randomised mamba-ssm ``Mamba2`` and its single-device forward;
-- ``load_train`` / ``TINY``: examples/train.py as a module and its smallest model's arguments.
+- ``load_train`` / ``TINY`` / ``sgd_config``: examples/train.py as a module, its smallest model's arguments, a
+  shipped config with plain SGD at a given ZeRO stage;
+- ``TinyLM`` / ``tiny_lm_data`` / ``tiny_lm_single_process_grads`` / ``full_param``: a one-mixer model under
+  ``deepspeed.initialize`` and its single-process gradients.
 
 Tolerances of ``run_case`` (``FP64_TOL``, ``FP32_TOL``): fp64, every sum is the reference's own up to
 reassociation (~1e-15 relative; 1e-10 still catches a misplaced chunk or head, >= 1e-3, see the negative
@@ -14,7 +17,9 @@ relative RMS 1e-5.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import json
 import os
 import sys
 
@@ -239,6 +244,7 @@ def ground_truth(m, u):
 # ---------------------------------------------------------------------------------------------
 
 TRAIN_STEPS = 20
+CONFIGS = os.path.join(REPO, "configs")
 
 
 def load_train():
@@ -261,3 +267,62 @@ TINY = [
     "--expand", "2", "--ngroups", "1", "--chunk-size", "8", "--attn-heads", "2", "--attn-every", "2",
     "--steps", str(TRAIN_STEPS), "--no-progress",
 ]  # fmt: skip
+
+
+def sgd_config(name: str, stage: int) -> dict:
+    """A shipped config with its ZeRO stage set, plain SGD as the optimizer and no clipping."""
+    with open(os.path.join(CONFIGS, name), encoding="utf-8") as f:
+        config = json.load(f)
+    config = copy.deepcopy(config)
+    config["zero_optimization"] = {"stage": stage}
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 0.5}}
+    config["zero_allow_untested_optimizer"] = True
+    config["bf16"] = {"enabled": False}
+    # The shipped configs clip at 1.0; these cases check the loss convention, which clipping would hide (a
+    # doubled gradient clipped to the same norm is the same update: the negative controls would pass).
+    # Clipping under sequence parallelism is checked in test_settings.py and test_sp_dp.py.
+    config["gradient_clipping"] = 0.0
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# a one-mixer model under deepspeed.initialize
+# ---------------------------------------------------------------------------------------------
+
+TINY_LM_SEQLEN = 16  # global tokens
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(4, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.mixer = make_mixer("rms_Dh_g2_bias_dtlim", torch.float32, seed=1)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x, mixer_fn=None):
+        h = self.embed(x)
+        h = h + (mixer_fn or self.mixer)(self.norm(h))
+        return self.head(h)
+
+
+def tiny_lm_data():
+    g = torch.Generator().manual_seed(5)
+    return tuple(torch.randn(1, TINY_LM_SEQLEN, n, generator=g) for n in (4, 1))
+
+
+def tiny_lm_single_process_grads(model):
+    """Gradients of the full-sequence mean loss, single process, reference core."""
+    x, target = tiny_lm_data()
+    loss = (model(x, mixer_fn=lambda u: ground_truth(model.mixer, u)) - target).square().mean()
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return {n: g for (n, _), g in zip(model.named_parameters(), grads)}
+
+
+def full_param(p):
+    """The whole parameter whatever the ZeRO stage (ZeRO-3 partitions it between forwards)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(p)
+    return (p if full is None else full).detach().clone()

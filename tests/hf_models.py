@@ -10,6 +10,8 @@ attention's contributions so small next to the residual stream that a wrong stat
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 VOCAB = 40
@@ -133,3 +135,20 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             else:
                 value = 0.3 * torch.randn(p.shape, generator=g)
             p.copy_(value.to(p.dtype))
+
+
+# sizes of the GPU tests (tests/test_hf_gpu.py, tests/test_accelerate_gpu.py)
+GPU_SIZES = dict(
+    vocab=256, hidden=128, ssm=dict(heads=8, headdim=32, ngroups=2, dstate=64, d_conv=4, chunk=64),
+    attn=dict(heads=4, kv_heads=2),
+)  # fmt: skip
+
+
+def load_kernels_first():
+    """mamba-ssm's Triton modules before transformers' models: transformers then binds its fused kernels."""
+    os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
+    from ds_mamba_spcp._upstream import expose_mamba_package, mamba_module
+
+    mamba_module("ops.triton.ssd_combined")
+    expose_mamba_package()  # the bare mamba_ssm stays in sys.modules: transformers finds it and binds the kernels
+    import_models()

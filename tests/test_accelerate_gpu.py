@@ -25,13 +25,13 @@ pytestmark = [
 ]
 
 if torch.cuda.is_available():  # before tests.test_accelerate imports the models: transformers binds the kernels
-    from tests.test_hf_gpu import _load_kernels_first
+    from tests import hf_models
 
-    _load_kernels_first()
+    hf_models.load_kernels_first()
 
 from tests import test_accelerate as cpu  # noqa: E402
 from tests.dist_utils import run_ranks  # noqa: E402
-from tests.test_hf_gpu import GPU_SIZES  # noqa: E402
+from tests.hf_models import GPU_SIZES  # noqa: E402
 
 GPU_TOL = 5e-3
 FAMILY, STAGE = "falcon_h1", 2

@@ -32,48 +32,15 @@ import copy
 import pytest
 import torch
 
-from tests.conftest import ground_truth, make_mixer
+from tests.conftest import TINY_LM_SEQLEN as SEQLEN
+from tests.conftest import TinyLM
+from tests.conftest import full_param as _full_param
+from tests.conftest import tiny_lm_data as _data
+from tests.conftest import tiny_lm_single_process_grads as _single_process_grads
 from tests.dist_utils import agree, rel_err, run_ranks
 
 LR = 0.1
-SEQLEN = 16  # global tokens
 TOL = 1e-5
-
-
-class TinyLM(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Linear(4, 8)
-        self.norm = torch.nn.LayerNorm(8)
-        self.mixer = make_mixer("rms_Dh_g2_bias_dtlim", torch.float32, seed=1)
-        self.head = torch.nn.Linear(8, 1)
-
-    def forward(self, x, mixer_fn=None):
-        h = self.embed(x)
-        h = h + (mixer_fn or self.mixer)(self.norm(h))
-        return self.head(h)
-
-
-def _data():
-    g = torch.Generator().manual_seed(5)
-    return tuple(torch.randn(1, SEQLEN, n, generator=g) for n in (4, 1))
-
-
-def _single_process_grads(model):
-    """Gradients of the full-sequence mean loss, single process, reference core."""
-    x, target = _data()
-    loss = (model(x, mixer_fn=lambda u: ground_truth(model.mixer, u)) - target).square().mean()
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    return {n: g for (n, _), g in zip(model.named_parameters(), grads)}
-
-
-def _full_param(p):
-    """The whole parameter whatever the ZeRO stage (ZeRO-3 partitions it between forwards)."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    full = safe_get_full_fp32_param(p)
-    return (p if full is None else full).detach().clone()
 
 
 def _step(engine, model, layout_name, rank, world, loss_scale):

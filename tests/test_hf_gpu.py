@@ -13,7 +13,7 @@ transformers' GPU training path: mamba-ssm's fused ``mamba_split_conv1d_scan_com
 (``kernels_path_bound`` checks it), while the wrapped model runs this package's Triton backend at cp=2,
 attention through DeepSpeed's Ulysses attention ("sdpa").
 
-Per family (sizes ``GPU_SIZES``, global L=1024, batch 2, ``sum(logits * gout)`` back-propagated), three runs
+Per family (sizes ``hf_models.GPU_SIZES``, global L=1024, batch 2, ``sum(logits * gout)`` back-propagated), three runs
 on the same bf16-rounded parameters: the unwrapped model in fp32 (the reference), the unwrapped model in
 bf16, the wrapped model in bf16 at cp=2. Per tensor (logits; every parameter gradient, the ranks' partial
 gradients summed as DeepSpeed does) the wrapped model's relative RMS distance from the fp32 reference must be
@@ -43,10 +43,6 @@ WORLD = 2
 DEVICE = "cuda"
 SEQLEN, BATCH = 1024, 2
 FACTOR, FLOOR = 2.0, 1e-3
-GPU_SIZES = dict(
-    vocab=256, hidden=128, ssm=dict(heads=8, headdim=32, ngroups=2, dstate=64, d_conv=4, chunk=64),
-    attn=dict(heads=4, kv_heads=2),
-)  # fmt: skip
 # Falcon-H1: transformers' fused training path always gates before the norm, so the model is built that way.
 # GraniteMoeHybrid: dense (no routed experts): in bf16 two runs that round differently route some tokens to
 # other experts, a discrete change that swamps the rounding this test measures.
@@ -55,21 +51,11 @@ CASES = {fam: dict(family=fam, extra=EXTRA.get(fam, {})) for fam in hf_models.MO
 CASES["bug_attention_only_bamba"] = dict(family="bamba", extra={}, bug="attention_only")
 
 
-def _load_kernels_first():
-    """mamba-ssm's Triton modules before transformers' models: transformers then binds its fused kernels."""
-    os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
-    from ds_mamba_spcp._upstream import expose_mamba_package, mamba_module
-
-    mamba_module("ops.triton.ssd_combined")
-    expose_mamba_package()  # the bare mamba_ssm stays in sys.modules: transformers finds it and binds the kernels
-    hf_models.import_models()
-
-
 def _kernels_path_bound() -> bool:
     import sys
 
     module = sys.modules[hf_models.MODULES["bamba"]]
-    s = GPU_SIZES["ssm"]
+    s = hf_models.GPU_SIZES["ssm"]
     d_inner, nheads = s["heads"] * s["headdim"], s["heads"]
     conv_dim = d_inner + 2 * s["ngroups"] * s["dstate"]
     dev = torch.device("cuda")
@@ -97,15 +83,15 @@ def _case(world, opts):
     fam, dev = opts["family"], torch.device(DEVICE)
 
     def build(dtype):
-        model = hf_models.build(fam, seed=7, sizes=GPU_SIZES, **opts["extra"])
+        model = hf_models.build(fam, seed=7, sizes=hf_models.GPU_SIZES, **opts["extra"])
         with torch.no_grad():  # the same bf16-rounded parameters for every run
             for p in model.parameters():
                 p.copy_(p.to(torch.bfloat16).float())
         return model.to(device=dev, dtype=dtype)
 
     g = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, GPU_SIZES["vocab"], (BATCH, SEQLEN), generator=g).to(dev)
-    gout = torch.randn(BATCH, SEQLEN, GPU_SIZES["vocab"], generator=g).to(torch.bfloat16).float().to(dev)
+    ids = torch.randint(0, hf_models.GPU_SIZES["vocab"], (BATCH, SEQLEN), generator=g).to(dev)
+    gout = torch.randn(BATCH, SEQLEN, hf_models.GPU_SIZES["vocab"], generator=g).to(torch.bfloat16).float().to(dev)
     pos = torch.arange(SEQLEN, device=dev).expand(BATCH, SEQLEN)
     ref32 = _run(build(torch.float32), fam, ids, gout, pos)
     ref16 = _run(build(torch.bfloat16), fam, ids, gout, pos)
@@ -132,7 +118,7 @@ def _case(world, opts):
 
 
 def _ranks(rank, world):
-    _load_kernels_first()
+    hf_models.load_kernels_first()
     out = {"kernels_path_bound": _kernels_path_bound(), "cases": {}}
     for name, opts in CASES.items():
         out["cases"][name] = _case(world, opts)

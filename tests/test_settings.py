@@ -38,8 +38,12 @@ import copy
 import pytest
 import torch
 
+from tests.conftest import TINY_LM_SEQLEN as SEQLEN
+from tests.conftest import TinyLM
+from tests.conftest import full_param as _full_param
+from tests.conftest import tiny_lm_data as _data
+from tests.conftest import tiny_lm_single_process_grads as _single_process_grads
 from tests.dist_utils import agree, rel_err, run_ranks
-from tests.test_deepspeed_initialize import SEQLEN, TinyLM, _data, _full_param, _single_process_grads
 
 LR = 1.0
 CLIP_FRACTION = 0.5  # gradient_clipping = this x the single-process norm: the clip coefficient

@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import load_train, sgd_config
 from tests.dist_utils import run_ranks
-from tests.test_train import load_train, sgd_config
 
 STEPS = 6
 TOL = 1e-4

@@ -19,7 +19,6 @@ fresh model and ``deepspeed.initialize``; the launcher test starts ``deepspeed -
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -28,7 +27,7 @@ import sys
 import pytest
 
 from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
-from tests.conftest import TINY, TRAIN_STEPS, load_train
+from tests.conftest import TINY, TRAIN_STEPS, load_train, sgd_config
 from tests.dist_utils import REPO, free_port, run_ranks
 
 TOL = 1e-4
@@ -38,22 +37,6 @@ CONFIGS = os.path.join(REPO, "configs")
 
 
 MODELS = {"mamba": ["--model", "mamba", "--n-layers", "2"], "hybrid": ["--model", "hybrid", "--n-layers", "3"]}
-
-
-def sgd_config(name: str, stage: int) -> dict:
-    """A shipped config with its ZeRO stage set, plain SGD as the optimizer and no clipping."""
-    with open(os.path.join(CONFIGS, name), encoding="utf-8") as f:
-        config = json.load(f)
-    config = copy.deepcopy(config)
-    config["zero_optimization"] = {"stage": stage}
-    config["optimizer"] = {"type": "SGD", "params": {"lr": 0.5}}
-    config["zero_allow_untested_optimizer"] = True
-    config["bf16"] = {"enabled": False}
-    # The shipped configs clip at 1.0; these cases check the loss convention, which clipping would hide (a
-    # doubled gradient clipped to the same norm is the same update: the negative controls would pass).
-    # Clipping under sequence parallelism is checked in test_settings.py and test_sp_dp.py.
-    config["gradient_clipping"] = 0.0
-    return config
 
 
 # name -> (model, shipped config, ZeRO stage, grad scale override or "auto", extra flags)

@@ -327,7 +327,8 @@ def sequence_parallel_prefill(model: nn.Module, input_ids_shard: torch.Tensor, g
     _check_shards(input_ids_shard, group, device)
     local = input_ids_shard.shape[1]
     cache = PrefilledCache(model.config)
-    positions = torch.arange(rank * local, (rank + 1) * local, device=device).expand_as(input_ids_shard)
+    # contiguous: DeepSpeed all-gathers position_ids, and gloo refuses an expanded (self-overlapping) CUDA tensor
+    positions = torch.arange(rank * local, (rank + 1) * local, device=device).expand_as(input_ids_shard).contiguous()
     kwargs = _forward_kwargs(model, position_ids=positions, use_cache=True, logits_to_keep=1)
     kwargs[_cache_key(model)] = cache
     with torch.no_grad(), hf.sequence_parallel_disabled(model):
