@@ -13,7 +13,9 @@ whole sequence and the prepared one (``prepare_sequence_parallel``: DeepSpeed's 
 attention layers, this package for the Mamba2 mixers) on its shard, and back-propagates ``sum(logits *
 gout)``. Reported (reduced over the ranks, so each test sees one number per tensor): the logits' relative
 RMS error (squared norms summed over the shards) and every parameter gradient's (the ranks' local
-contributions summed, as DeepSpeed's reduction does). Each world size is spawned once and runs all its cases.
+contributions summed, as DeepSpeed's reduction does). Each world size is spawned once and runs all its cases;
+the ZeRO-3 cases (marked ``zero3``, run last) go through ``deepspeed.initialize`` and compare the gradients
+DeepSpeed reduced instead, with the same bound (the reduction is one more fp32 sum over 2 ranks).
 
 Tolerance, per tensor: relative RMS <= max(1e-5, 3 x the oracle's own spread), the spread being how far
 transformers' fp32 run is from its run with fp64 parameters (same inputs). Two fp32 computations of one
