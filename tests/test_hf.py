@@ -13,7 +13,9 @@ whole sequence and the prepared one (``prepare_sequence_parallel``: DeepSpeed's 
 attention layers, this package for the Mamba2 mixers) on its shard, and back-propagates ``sum(logits *
 gout)``. Reported (reduced over the ranks, so each test sees one number per tensor): the logits' relative
 RMS error (squared norms summed over the shards) and every parameter gradient's (the ranks' local
-contributions summed, as DeepSpeed's reduction does). Each world size is spawned once and runs all its cases.
+contributions summed, as DeepSpeed's reduction does). Each world size is spawned once and runs all its cases;
+the ZeRO-3 cases (marked ``zero3``, run last) go through ``deepspeed.initialize`` and compare the gradients
+DeepSpeed reduced instead, with the same bound (the reduction is one more fp32 sum over 2 ranks).
 
 Tolerance, per tensor: relative RMS <= max(1e-5, 3 x the oracle's own spread), the spread being how far
 transformers' fp32 run is from its run with fp64 parameters (same inputs). Two fp32 computations of one
@@ -95,6 +97,12 @@ def _cases() -> dict:
     two["nemotron_h_eval_sp_none"] = dict(family="nemotron_h", mode="sp_none", eval=True)
     # negative control: DeepSpeed's Ulysses attention alone (the Mamba layers restart from zero on every rank)
     two["bug_attention_only_bamba"] = dict(family="bamba", mode="sp_none", bug="attention_only")
+    # ZeRO-3 through deepspeed.initialize (run after the checks, see _run_world): the families whose decoder
+    # layers call the mixer with hidden_states= as a keyword (Mamba2 and Nemotron-H pass it positionally);
+    # Falcon-H1 at ZeRO-3 is tests/test_accelerate.py's, through the Trainer
+    two["bamba_noattn_zero3_sp_none"] = dict(family="bamba", mode="sp_none", attention=False, zero3=True)
+    two["zamba2_zero3_sp_none"] = dict(family="zamba2", mode="sp_none", zero3=True)
+    two["granitemoehybrid_zero3_ulysses"] = dict(family="granitemoehybrid", mode="ulysses", zero3=True)
     four = {
         **{f"{fam}_sp_none": dict(family=fam, mode="sp_none") for fam in FAMILIES},
         "nemotron_h_ulysses": dict(family="nemotron_h", mode="ulysses"),
@@ -192,6 +200,8 @@ def _model_case(world, opts, seed):
     model = build(torch.float32)
     mpu = prepare_sequence_parallel(model, ds_config(world, opts["mode"]))
     group = mpu.get_sequence_parallel_group()
+    if opts.get("zero3"):
+        return _zero3_step(model, mpu, opts["mode"], fam, ids, gout, oracle)
     if opts.get("bug") == "attention_only":
         for m in model.modules():  # undo the mixers' wrapping: what DeepSpeed's HF integration alone gives
             if "_ds_mamba_spcp_mixer" in m.__dict__:
@@ -202,6 +212,36 @@ def _model_case(world, opts, seed):
     logits = model(input_ids=local["input_ids"], **kw).logits  # use_cache left unset on purpose
     (logits * local["gout"]).sum().backward()
     return _report(logits, shard_batch(oracle["out"], group, layout=layout), _grads(model), oracle)
+
+
+def _zero3_step(model, mpu, mode, fam, ids, gout, oracle):
+    """The prepared model under deepspeed.initialize at ZeRO-3: one forward and backward of the same loss, the
+    gradients DeepSpeed reduced (``safe_get_full_grad``, the same on every rank) against the oracle's. Each
+    rank's loss share is scaled by ``grad_scale_for_engine`` (ZeRO-3 averages over the group), so the reduced
+    gradient is the whole sequence's. The first backward is the one that fails when ZeRO-3 reduces a mixer's
+    gradients before its own backward has run (see ``_hidden_states_positional``): reported, not raised."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from ds_mamba_spcp.data import grad_scale_for_engine, shard_batch
+
+    config = {
+        **ds_config(mpu.get_sequence_parallel_world_size(), mode), "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "zero_allow_untested_optimizer": True,
+    }  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    group = mpu.get_sequence_parallel_group()
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    local = shard_batch({"input_ids": ids, "position_ids": pos, "gout": gout}, group)
+    kw = {} if fam == "mamba2" else {"position_ids": local["position_ids"]}
+    try:
+        logits = engine(input_ids=local["input_ids"], **kw).logits
+        engine.backward((logits * local["gout"]).sum() * grad_scale_for_engine(engine))
+    except Exception:  # noqa: BLE001 - reported (every rank fails alike, at the same place)
+        return {"error": traceback.format_exc()}
+    grads = {n: rel_err(safe_get_full_grad(p), oracle["grads"][n]) for n, p in model.named_parameters()}
+    out = sharded_rel_err(logits.detach(), shard_batch(oracle["out"], group))
+    return {"out": out, "grads": grads, "spread": oracle["spread"]}
 
 
 def _mixer_case(world, opts, seed):
@@ -345,10 +385,16 @@ def _checks(rank, world):
 
 def _run_world(rank, world):
     out = {"cases": {}}
-    for i, (name, opts) in enumerate(CASES[world].items()):
-        run = _mixer_case if opts.get("level") == "mixer" else _model_case
-        out["cases"][name] = run(world, opts, seed=10 * i)
+    cases = list(enumerate(CASES[world].items()))
+    for i, (name, opts) in cases:
+        if not opts.get("zero3"):
+            run = _mixer_case if opts.get("level") == "mixer" else _model_case
+            out["cases"][name] = run(world, opts, seed=10 * i)
     out["checks"] = _checks(rank, world)
+    # last: ZeRO-3's initialize replaces torch.nn.functional.linear for the rest of the process
+    for i, (name, opts) in cases:
+        if opts.get("zero3"):
+            out["cases"][name] = _model_case(world, opts, seed=10 * i)
     return out
 
 
@@ -441,6 +487,7 @@ def _assert_close(res: dict, where: str) -> None:
 @pytest.mark.parametrize("world,case", _MODEL_CASES, ids=_MODEL_IDS)
 def test_matches_unwrapped_model(request, world, case):
     res = request.getfixturevalue(f"results{world}")[0]["cases"][case]
+    assert "error" not in res, f"world {world} {case} raised:\n{res.get('error')}"
     _assert_close(res, f"world {world} {case}")
     assert len(res["grads"]) > 10 or CASES[world][case].get("level") == "mixer"
 

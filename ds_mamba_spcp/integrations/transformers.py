@@ -310,6 +310,22 @@ def _mixer_forward(mixer: nn.Module, *args, **kwargs):
     return mixer.__dict__[_MIXER_ATTR](*args, **kwargs)
 
 
+def _hidden_states_positional(mixer: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a wrapped mixer: passes ``hidden_states`` positionally when the caller named it.
+
+    ZeRO-3 reduces a leaf module's gradients in a full backward hook (``register_full_backward_hook``), and
+    torch fires such a hook once the gradients of the module's positional tensor inputs are computed, or, when
+    it has none, as soon as those of its outputs are. Bamba, Zamba2, Falcon-H1 and GraniteMoeHybrid call their
+    mixer with ``hidden_states=`` as a keyword: the hook would then run before the mixer's own backward, reduce
+    and partition the gradients, and the first backward would fail on the partitioned ``out_proj`` weight.
+    Forward pre-hooks run before torch sets up the backward hook, so the hook below makes it wait for the
+    gradient of ``hidden_states``, as it does for Mamba2 and Nemotron-H, which pass it positionally."""
+    if not args and "hidden_states" in kwargs:
+        kwargs = dict(kwargs)
+        return (kwargs.pop("hidden_states"),), kwargs
+    return None
+
+
 def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
     """Makes every transformers Mamba2-style mixer in ``model`` (``MIXER_CLASSES``, the model itself included)
     sequence-parallel, in place; returns how many it wrapped (mixers already wrapped are left alone).
@@ -336,6 +352,7 @@ def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config:
         m.__dict__[_MIXER_ATTR] = adapter
         m.forward = types.MethodType(_mixer_forward, m)
         m._z3_leaf = True
+        m.register_forward_pre_hook(_hidden_states_positional, with_kwargs=True, prepend=True)
     return len(todo)
 
 
