@@ -137,7 +137,7 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             p.copy_(value.to(p.dtype))
 
 
-# sizes of the GPU tests (tests/test_hf_gpu.py, tests/test_accelerate_gpu.py)
+# sizes of the GPU tests (tests/test_hf_gpu.py, tests/test_accelerate.py::test_trainer_on_one_gpu)
 GPU_SIZES = dict(
     vocab=256, hidden=128, ssm=dict(heads=8, headdim=32, ngroups=2, dstate=64, d_conv=4, chunk=64),
     attn=dict(heads=4, kv_heads=2),
