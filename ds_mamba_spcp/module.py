@@ -3,7 +3,7 @@
 It sits above the two adapters, which sit side by side and do not import each other:
 
     integrations/mamba_ssm.py      DistributedMamba2 (mamba-ssm's Mamba2), wrap_mamba_ssm_mixers
-    integrations/transformers.py   transformers' Mamba2-style mixers, prepare_sequence_parallel
+    integrations/transformers_adapter.py   transformers' Mamba2-style mixers, prepare_sequence_parallel
     integrations/core.py           what both share: MixerCore, mixer_forward (in_proj -> core -> out_proj)
 
 ``DistributedMamba2``, ``MixerCore`` and ``mixer_forward`` are re-exported here, where they always were.
@@ -26,7 +26,7 @@ __all__ = ["DistributedMamba2", "MixerCore", "mixer_forward", "wrap_mamba2_mixer
 def wrap_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
     """Makes every Mamba2 mixer of ``model`` sequence-parallel, in place: mamba-ssm's ``Mamba2`` submodules
     become :class:`DistributedMamba2` (``wrap_mamba_ssm_mixers``), and, when transformers is loaded, its
-    Mamba2-style mixers are wrapped too (``integrations.transformers.wrap_hf_mamba2_mixers``).
+    Mamba2-style mixers are wrapped too (``integrations.transformers_adapter.wrap_hf_mamba2_mixers``).
 
     The config is read once and shared; mixers already wrapped are left alone. Returns the number of mixers
     wrapped. State_dict keys do not change, so this can run before or after loading a checkpoint, and
@@ -37,6 +37,6 @@ def wrap_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: An
     count = wrap_mamba_ssm_mixers(model, sequence_process_group, cfg)
     if sys.modules.get("transformers") is None:
         return count
-    from ds_mamba_spcp.integrations.transformers import wrap_hf_mamba2_mixers
+    from ds_mamba_spcp.integrations.transformers_adapter import wrap_hf_mamba2_mixers
 
     return count + wrap_hf_mamba2_mixers(model, sequence_process_group, cfg)

@@ -63,6 +63,10 @@ def test_forced_tiles_within_upstreams_distance_from_fp32(at_131072):
     up, tiled = at_131072
     for k in up:
         print(f"L=131072 {k}: tiled {tiled[k]:.2e}, upstream {up[k]:.2e} (vs fp32)")
+    # The bound says something only while upstream itself is within bf16 noise of the fp32 reference (~3e-3
+    # here; 1e-2 is the usual GPU bound): a call that runs another op (seen: norm_before_gate left to mamba-ssm's
+    # default, 0.42 off) would make any tiled result pass.
+    assert max(up.values()) < 1e-2, f"upstream's op is not the reference's op: {up}"
     bad = {k: (tiled[k], up[k]) for k in up if not tiled[k] <= 2 * up[k] + 1e-4}
     assert not bad, f"tiled farther from fp32 than 2x upstream: {bad}"
 

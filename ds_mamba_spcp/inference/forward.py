@@ -49,8 +49,7 @@ def conv_tail(
     return F.pad(value, (d_conv - value.shape[-1], 0)) if value.shape[-1] < d_conv else value.contiguous()
 
 
-def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups=1,
-                       process_group=None, mode=modes.STATE_PASSING, load_balancing=modes.NONE, input_layout=None,
+def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, *, headdim, process_group=None,
                        seq_idx=None, **kwargs):  # fmt: skip
     """The mixer core on this rank's shard, forward only: ``op.mixer_core``'s arguments (any mode, layout,
     packed rows, ``tile_length``, ``initial_states``) without ``return_final_states``.
@@ -59,17 +58,20 @@ def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_
     nheads*headdim) in the input layout, the state after the global sequence (batch, nheads, headdim, dstate)
     in fp32 (fp64 for fp64 input) and the conv state (batch, conv_dim, d_conv) in zxbcdt's dtype, the last
     two identical on every rank. Nothing requires grad and no graph is recorded."""
-    if input_layout is None:
-        input_layout = modes.default_layout(mode, load_balancing)
+    mode = kwargs.setdefault("mode", modes.STATE_PASSING)
+    load_balancing = kwargs.setdefault("load_balancing", modes.NONE)
+    if kwargs.get("input_layout") is None:
+        kwargs["input_layout"] = modes.default_layout(mode, load_balancing)
     with torch.no_grad():
         out, final = op.mixer_core(
-            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group, mode=mode,
-            load_balancing=load_balancing, input_layout=input_layout, seq_idx=seq_idx, return_final_states=True,
-            headdim=headdim, ngroups=ngroups, what="mixer_core_prefill", **kwargs,
+            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group,
+            seq_idx=seq_idx, return_final_states=True, headdim=headdim, what="mixer_core_prefill", **kwargs,
         )  # fmt: skip
         d_inner = A.shape[0] * headdim
         conv_dim, d_conv = conv1d_weight.shape
-        tail = conv_tail(zxbcdt[..., d_inner : d_inner + conv_dim], d_conv, process_group, input_layout, seq_idx)
+        tail = conv_tail(
+            zxbcdt[..., d_inner : d_inner + conv_dim], d_conv, process_group, kwargs["input_layout"], seq_idx
+        )  # fmt: skip
     return out, final, tail
 
 

@@ -87,6 +87,15 @@ def _mixer_forward(mixer, wrapper: DistributedMamba2, group, cfg, u, seqlen=None
     return mixer.out_proj(y)
 
 
+def _restore_forwards(undo: list) -> None:
+    """Puts back the instance ``forward`` of every (mixer, had one, previous) that a prefill replaced."""
+    for m, had, previous in undo:
+        if had:
+            m.__dict__["forward"] = previous
+        else:
+            m.__dict__.pop("forward", None)
+
+
 @contextlib.contextmanager
 def _sharded(mixers: list, group, cfg):
     undo = []
@@ -97,11 +106,7 @@ def _sharded(mixers: list, group, cfg):
             undo.append((m, had, previous))
         yield
     finally:
-        for m, had, previous in undo:
-            if had:
-                m.__dict__["forward"] = previous
-            else:
-                m.__dict__.pop("forward", None)
+        _restore_forwards(undo)
 
 
 def _resolve_group(group):
@@ -239,11 +244,7 @@ def chunked_prefill_mamba(model: nn.Module, input_ids: torch.Tensor, tile_length
             for start in range(0, seqlen, tile_length):
                 logits = model(input_ids[:, start : start + tile_length], num_last_tokens=1).logits[:, -1]
     finally:
-        for m, had, previous in undo:
-            if had:
-                m.__dict__["forward"] = previous
-            else:
-                m.__dict__.pop("forward", None)
+        _restore_forwards(undo)
     params = _inference_params(max_seqlen or seqlen, batch)
     for m in mixers:
         state, tail = carries[m.layer_idx]

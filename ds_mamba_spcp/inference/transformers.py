@@ -68,7 +68,7 @@ from ds_mamba_spcp.inference.prefill import (
     raise_alike,
     same_on_every_rank,
 )
-from ds_mamba_spcp.integrations import transformers as hf
+from ds_mamba_spcp.integrations import transformers_adapter as hf
 
 try:
     from transformers.cache_utils import CacheLayerMixin, DummyLayer, DynamicCache, LinearAttentionCacheLayerMixin

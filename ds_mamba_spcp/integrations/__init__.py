@@ -7,7 +7,8 @@ without it:
     ds_mamba_spcp.integrations.core           MixerCore, mixer_forward: in_proj -> sharded core -> out_proj
     ds_mamba_spcp.integrations.mamba_ssm      mamba-ssm's Mamba2: DistributedMamba2, wrap_mamba_ssm_mixers
     ds_mamba_spcp.integrations.transformers   Hugging Face transformers' Mamba2-style mixers
-                                              (pip install 'ds_mamba_spcp[hf]')
+                                              (pip install 'ds_mamba_spcp[hf]'): training
+                                              (transformers_adapter.py) and the sharded prefill (inference/)
     ds_mamba_spcp.integrations.accelerate     the same under transformers' Trainer, TRL and accelerate
                                               (enable(), before the Trainer is built)
 """

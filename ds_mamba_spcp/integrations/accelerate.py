@@ -66,7 +66,7 @@ from torch import nn
 from ds_mamba_spcp import modes
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config
 from ds_mamba_spcp.data import IGNORE_INDEX, grad_scale, grad_scale_for_engine, shift_labels
-from ds_mamba_spcp.integrations.transformers import (
+from ds_mamba_spcp.integrations.transformers_adapter import (
     MIXER_CLASSES,
     mixer_classes,
     prepare_sequence_parallel,

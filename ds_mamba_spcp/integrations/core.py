@@ -2,7 +2,7 @@
 
     hidden (batch, local_seqlen, d_model) --in_proj--> zxbcdt --the sharded core--> y --out_proj--> out
 
-An adapter (``integrations/mamba_ssm.py`` for mamba-ssm's ``Mamba2``, ``integrations/transformers.py`` for
+An adapter (``integrations/mamba_ssm.py`` for mamba-ssm's ``Mamba2``, ``integrations/transformers_adapter.py`` for
 transformers' Mamba2-style mixers) reads its host's parameters into a ``MixerCore`` at every forward and calls
 ``mixer_forward`` with its own in_proj and out_proj; neither adapter owns this module, and it imports neither.
 The call goes through the one dispatcher (``op.run``) like every other entry point: the projections ride in

@@ -449,6 +449,9 @@ def single_device_op(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_si
     the arguments of ``reference.mamba_split_conv1d_scan_ref`` (``kwargs``: its keyword arguments, passed
     on as they are). seq_idx: canonical labels (``reference.canonical_seq_idx``; the kernels apply
     initial_states to label 0 only) or None."""
+    # the reference's default, which this package's ops share; mamba-ssm's own default is True (a caller that
+    # left it out got another op: tests/test_gpu_tiles.py's upstream column was 0.42 off fp32 that way)
+    kwargs.setdefault("norm_before_gate", False)
     spec_keys = ("headdim", "ngroups", "dt_limit", "activation", "rmsnorm_eps", "norm_before_gate")
     spec = CoreSpec.infer(zxbcdt, conv1d_weight, D, chunk_size, **{k: kwargs[k] for k in spec_keys if k in kwargs})
     check_lengths(zxbcdt.shape[0], zxbcdt.shape[1], spec, sharded=False)

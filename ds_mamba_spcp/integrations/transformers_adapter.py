@@ -1,0 +1,650 @@
+"""The transformers adapter: sequence-parallel Mamba2 mixers and DeepSpeed's Ulysses attention, in one call.
+
+transformers' Mamba2-style models (Mamba2, Bamba, Nemotron-H, GraniteMoeHybrid = Granite-4.0-H, Falcon-H1,
+Zamba2) run their Mamba layers through six mixer classes (``MIXER_CLASSES``) that share attribute names but
+no base class. ``prepare_sequence_parallel(model, ds_config)``, called once before ``deepspeed.initialize``,
+creates DeepSpeed's sequence-parallel group, puts DeepSpeed's ``UlyssesSPAttentionHF`` in front of the
+attention layers (per module, behind the model's attention key), makes every Mamba2 mixer sequence-parallel
+through the shared adapter core (``integrations/core.py``) and checks every model call before any collective.
+
+A wrapped mixer keeps its class and its place in the model; only its instance ``forward`` is replaced (the
+previous one runs every call that is not sharded), so state_dict keys, isinstance checks, PEFT and
+``generate`` see the unwrapped model; it is a ZeRO-3 leaf (the core reads ``conv1d.weight`` and
+``norm.weight`` without calling those submodules). A call is sharded when the config is enabled, the group
+has more than one rank and no ``sequence_parallel_disabled(model)`` block is open.
+
+docs/huggingface.md is the user's page: the API, what is followed exactly per mixer, what is refused and the
+way out, where transformers' own paths disagree, the import order on CPU, and the tests. docs/design.md,
+"Adapters", places this module beside the mamba-ssm adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import sys
+import types
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import nn
+
+MIN_TRANSFORMERS = "5.17"
+_INSTALL = f"pip install 'ds_mamba_spcp[hf]' (transformers>={MIN_TRANSFORMERS})"
+
+try:
+    import transformers
+except ImportError as e:
+    raise ImportError(f"ds_mamba_spcp.integrations.transformers needs Hugging Face transformers: {_INSTALL}.") from e
+
+from packaging.version import Version  # noqa: E402 - a dependency of transformers
+
+if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release:
+    raise ImportError(
+        f"ds_mamba_spcp.integrations.transformers supports transformers>={MIN_TRANSFORMERS} (the mixers' 5.x "
+        f"forward); found {transformers.__version__}. {_INSTALL}."
+    )
+
+from ds_mamba_spcp import comm  # noqa: E402
+from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config  # noqa: E402
+from ds_mamba_spcp.groups import group_size, resolve_sequence_process_group  # noqa: E402
+from ds_mamba_spcp.integrations.core import MixerCore, mixer_forward  # noqa: E402
+from ds_mamba_spcp.integrations.mamba_ssm import DistributedMamba2, wrap_mamba_ssm_mixers  # noqa: E402
+
+# The Mamba2-style mixer classes of transformers (class name -> modeling module).
+MIXER_CLASSES = {
+    "Mamba2Mixer": "transformers.models.mamba2.modeling_mamba2",
+    "BambaMixer": "transformers.models.bamba.modeling_bamba",
+    "NemotronHMamba2Mixer": "transformers.models.nemotron_h.modeling_nemotron_h",
+    "GraniteMoeHybridMambaLayer": "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+    "FalconH1Mixer": "transformers.models.falcon_h1.modeling_falcon_h1",
+    "Zamba2MambaMixer": "transformers.models.zamba2.modeling_zamba2",
+}
+
+# Plain attributes in a module's __dict__ (not submodules, so state_dict and named_modules ignore them).
+_MIXER_ATTR = "_ds_mamba_spcp_mixer"  # a wrapped mixer's _MixerAdapter
+_ATTN_ATTR = "_ds_mamba_spcp_attention"  # a sharded attention module's _UlyssesAttention
+_MODEL_ATTR = "_ds_mamba_spcp_model"  # a prepared model's _PreparedModel
+_CORE_ATTR = "_ds_mamba_spcp_core_attention"  # on the dispatcher: the attention function it replaced
+# the cache argument: "cache" in transformers 5.24, "cache_params" / "past_key_values" in 5.17
+_CACHE_NAMES = ("cache", "cache_params", "past_key_values")
+_UNRESOLVED = object()
+_warned_norm: set = set()
+
+
+def mixer_classes() -> tuple[type, ...]:
+    """The classes of ``MIXER_CLASSES`` whose modeling module is loaded (a model that holds one has loaded it)."""
+    found = []
+    for name, module_name in MIXER_CLASSES.items():
+        cls = getattr(sys.modules.get(module_name), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+# ---------------------------------------------------------------------------------------------------
+# when a call is sharded
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Sharding:
+    """Whether a call is sharded: the config, the process group (resolved on first use) and a pause count
+    (``sequence_parallel_disabled``). ``validate(size)`` runs once the group size is known."""
+
+    def __init__(self, group: Any, config: MambaSequenceParallelConfig, validate=None) -> None:
+        self.config = config
+        self.paused = 0
+        self._group_arg, self._group, self.size = group, _UNRESOLVED, 1
+        self._validate = validate
+
+    def group(self):
+        if self._group is _UNRESOLVED:
+            group = resolve_sequence_process_group(self._group_arg, self.config)
+            size = group_size(group)
+            if self._validate is not None:
+                self._validate(size)
+            self._group, self.size = group, size
+        return self._group
+
+    def active(self) -> bool:
+        """True when this call runs sequence-parallel (enabled, not paused, a group of more than one rank)."""
+        if not self.config.enabled or self.paused:
+            return False
+        self.group()
+        return self.size > 1
+
+    def __deepcopy__(self, memo):
+        # a copied model shares the process group (a handle, not copyable) and the frozen config
+        new = copy.copy(self)
+        memo[id(self)] = new
+        return new
+
+
+@contextlib.contextmanager
+def sequence_parallel_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, ``model`` runs as if it were not wrapped: every mixer and attention layer wrapped
+    by this module runs its own forward, with no collective and no check. For ``model.generate`` or an
+    evaluation on whole (unsharded) sequences, on one rank or on every rank alike. Blocks nest.
+    (mamba-ssm ``Mamba2`` mixers wrapped in ``DistributedMamba2`` are not affected.)"""
+    switches = {}
+    for module in model.modules():
+        for key in (_MIXER_ATTR, _ATTN_ATTR, _MODEL_ATTR):
+            obj = module.__dict__.get(key)
+            if obj is not None:
+                switches[id(obj.sharding)] = obj.sharding
+    for s in switches.values():
+        s.paused += 1
+    try:
+        yield model
+    finally:
+        for s in switches.values():
+            s.paused -= 1
+
+
+def _cache_error(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{what} was called with a cache (generation, or use_cache=True) while sequence parallelism is active: "
+        "the cache would hold one rank's conv and SSM state of a sequence split across ranks. For a forward on "
+        "shards pass use_cache=False; to generate, or to evaluate on whole sequences, run the model inside "
+        "`with ds_mamba_spcp.integrations.transformers.sequence_parallel_disabled(model):` (every layer then runs "
+        f'its own forward), or set "{SECTION}.enabled" to false.'
+    )
+
+
+def _padding_error(where: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"padding ({where}) is not supported with sequence parallelism: the Mamba2 mixers would have to zero the "
+        "padded tokens, but DeepSpeed's Ulysses attention drops the attention mask (it masks causally only), so "
+        "the model cannot honour it. Give every row the full length, or pack documents into full rows and pass "
+        "seq_idx (transformers' DataCollatorWithFlattening(return_seq_idx=True)); pass no attention_mask, or an "
+        "all-ones one."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the mixers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _norm_group_size(norm: nn.Module, d_inner: int) -> int | None:
+    """Channels per group of a host's gated RMSNorm, or None where the module does not say (5.17's Mamba2,
+    Bamba and GraniteMoeHybrid norms, which normalise the whole width in their PyTorch path)."""
+    if hasattr(norm, "group_size"):
+        return int(norm.group_size)
+    if hasattr(norm, "n_groups"):  # Falcon-H1
+        return d_inner // int(norm.n_groups)
+    return None
+
+
+def check_mixer_supported(mixer: nn.Module) -> None:
+    """Raises NotImplementedError (naming the option and the way out) for a transformers mixer that the
+    sequence-parallel core cannot run exactly as transformers does."""
+    name = type(mixer).__qualname__
+    d_inner = mixer.num_heads * mixer.head_dim
+    if mixer.intermediate_size != d_inner:
+        raise NotImplementedError(
+            f"{name} (layer {mixer.layer_idx}) has intermediate_size={mixer.intermediate_size} but num_heads * "
+            f"head_dim = {d_inner}; the sequence-parallel core (like mamba-ssm's fused kernel) needs them equal. "
+            "Fix the config (Falcon-H1: mamba_d_ssm = mamba_n_heads * mamba_d_head)."
+        )
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(
+            f"{name} (layer {mixer.layer_idx}) applies activation {mixer.activation!r} after its conv (config."
+            "mamba_hidden_act for Nemotron-H, config.hidden_act for the others); the sequence-parallel core, like "
+            "the mamba-ssm kernel transformers trains with, applies SiLU only. Set it to 'silu', or train without "
+            f'sequence parallelism ("{SECTION}.enabled": false).'
+        )
+    norm = mixer.norm
+    if isinstance(norm, nn.Identity):  # Falcon-H1 with mamba_rms_norm=False
+        return
+    want = d_inner // mixer.n_groups
+    have = _norm_group_size(norm, d_inner)
+    if have is not None and have != want:
+        raise NotImplementedError(
+            f"{name} (layer {mixer.layer_idx}) normalises groups of {have} channels; the sequence-parallel core "
+            f"groups its gated RMSNorm by n_groups ({want} = intermediate_size // n_groups channels), as mamba-ssm "
+            "does. Build the norm with that group size, or train without sequence parallelism."
+        )
+    if have is None and mixer.n_groups > 1 and type(mixer) not in _warned_norm:
+        _warned_norm.add(type(mixer))
+        warnings.warn(
+            f"transformers {transformers.__version__}: {name}'s PyTorch path normalises the whole width "
+            f"({d_inner} channels) where its fused mamba-ssm path normalises each of n_groups={mixer.n_groups} "
+            f"groups; the sequence-parallel layer follows the fused path (the training path on GPUs). Newer "
+            "transformers releases group the PyTorch path too.",
+            stacklevel=3,
+        )
+
+
+class _MixerAdapter:
+    """The sequence-parallel forward of one transformers mixer (held in its ``__dict__``, see the module docstring)."""
+
+    def __init__(self, mixer: nn.Module, group: Any, config: MambaSequenceParallelConfig) -> None:
+        self.mixer = mixer
+        self.original_forward = mixer.forward  # the class's forward, or a hook's wrapper of it
+        self.sharding = _Sharding(group, config, self._validate)
+        self.model_state: _PreparedModel | None = None  # set by prepare_sequence_parallel
+
+    def _validate(self, size: int) -> None:
+        self.sharding.config.validate_for_mixer(nheads=self.mixer.num_heads, ngroups=self.mixer.n_groups, cp=size)
+
+    def __call__(self, *args, **kwargs):
+        hidden_states, cache, attention_mask, rest = _mixer_call(args, kwargs)
+        if not self.sharding.active():
+            return self.original_forward(*args, **kwargs)
+        name = f"{type(self.mixer).__qualname__} (layer {self.mixer.layer_idx})"
+        if cache is not None:
+            raise _cache_error(name)
+        if attention_mask is not None:
+            raise _padding_error(f"an attention_mask with zeros reached {name}")
+        seq_idx = rest.get("seq_idx")
+        if seq_idx is None and self.model_state is not None:
+            # transformers' Mamba2ForCausalLM does not pass its **kwargs (seq_idx) on to its backbone: take the
+            # prepared model's call's (the same forward, or its recomputation under gradient checkpointing)
+            seq_idx = self.model_state.seq_idx
+        if seq_idx is not None and tuple(seq_idx.shape) != tuple(hidden_states.shape[:2]):
+            raise ValueError(
+                f"{name}: seq_idx has shape {tuple(seq_idx.shape)} but this rank's hidden_states hold (batch, "
+                f"local_seqlen) = {tuple(hidden_states.shape[:2])}; shard seq_idx with the tokens (shard_batch)."
+            )
+        return mixer_forward(
+            hidden_states, self._in_proj, self.mixer.out_proj, self.core(), self.sharding.config, self.sharding.group(),
+            seq_idx=seq_idx,
+        )  # fmt: skip
+
+    def _in_proj(self, hidden: torch.Tensor) -> torch.Tensor:
+        m = self.mixer
+        # Falcon-H1 scales the input by ssm_in_multiplier and in_proj's output by the mup_vector buffer
+        multiplier, mup_vector = getattr(m, "ssm_in_multiplier", None), getattr(m, "mup_vector", None)
+        zxbcdt = m.in_proj(hidden if multiplier is None else hidden * multiplier)
+        return zxbcdt if mup_vector is None else zxbcdt * mup_vector
+
+    def core(self) -> MixerCore:
+        """The mixer core's parameters, read at every call (ZeRO-3 and load_state_dict(assign=True) swap them)."""
+        m = self.mixer
+        norm = None if isinstance(m.norm, nn.Identity) else m.norm
+        # transformers takes A_log.float(); promoting instead keeps an fp64 model in fp64 and is the same otherwise
+        A = -torch.exp(m.A_log.to(torch.promote_types(m.A_log.dtype, torch.float32)))
+        return MixerCore(
+            conv1d_weight=rearrange(m.conv1d.weight, "d 1 w -> d w"), conv1d_bias=m.conv1d.bias, dt_bias=m.dt_bias,
+            A=A, D=m.D, chunk_size=m.chunk_size, headdim=m.head_dim, ngroups=m.n_groups,
+            dt_limit=tuple(m.time_step_limit), activation=m.activation,
+            rmsnorm_weight=None if norm is None else norm.weight,
+            rmsnorm_eps=1e-6 if norm is None else norm.variance_epsilon,
+            norm_before_gate=bool(getattr(norm, "norm_before_gate", False)),
+        )  # fmt: skip
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.mixer = copy.deepcopy(self.mixer, memo)
+        new.original_forward = copy.deepcopy(self.original_forward, memo)
+        new.sharding = copy.deepcopy(self.sharding, memo)
+        new.sharding._validate = new._validate
+        new.model_state = copy.deepcopy(self.model_state, memo)
+        return new
+
+
+def _mixer_call(args: tuple, kwargs: dict) -> tuple[Any, Any, Any, dict]:
+    """(hidden_states, cache, attention_mask, other keyword arguments) of a call of a mixer's
+    ``forward(hidden_states, cache=None, attention_mask=None, **kwargs)``."""
+    if len(args) > 3:
+        raise TypeError(f"a transformers Mamba2 mixer takes at most 3 positional arguments, got {len(args)}")
+    named = dict(zip(("hidden_states", "cache", "attention_mask"), args))
+    rest = dict(kwargs)
+    for key in ("hidden_states", "attention_mask"):
+        if key in rest:
+            named[key] = rest.pop(key)
+    cache = named.get("cache")
+    for key in _CACHE_NAMES:
+        value = rest.pop(key, None)
+        cache = value if cache is None else cache
+    return named.get("hidden_states"), cache, named.get("attention_mask"), rest
+
+
+def _mixer_forward(mixer: nn.Module, *args, **kwargs):
+    return mixer.__dict__[_MIXER_ATTR](*args, **kwargs)
+
+
+def _hidden_states_positional(mixer: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a wrapped mixer: passes ``hidden_states`` positionally when the caller named it.
+
+    ZeRO-3 reduces a leaf module's gradients in a full backward hook (``register_full_backward_hook``), and
+    torch fires such a hook once the gradients of the module's positional tensor inputs are computed, or, when
+    it has none, as soon as those of its outputs are. Bamba, Zamba2, Falcon-H1 and GraniteMoeHybrid call their
+    mixer with ``hidden_states=`` as a keyword: the hook would then run before the mixer's own backward, reduce
+    and partition the gradients, and the first backward would fail on the partitioned ``out_proj`` weight.
+    Forward pre-hooks run before torch sets up the backward hook, so the hook below makes it wait for the
+    gradient of ``hidden_states``, as it does for Mamba2 and Nemotron-H, which pass it positionally."""
+    if not args and "hidden_states" in kwargs:
+        kwargs = dict(kwargs)
+        return (kwargs.pop("hidden_states"),), kwargs
+    return None
+
+
+def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
+    """Makes every transformers Mamba2-style mixer in ``model`` (``MIXER_CLASSES``, the model itself included)
+    sequence-parallel, in place; returns how many it wrapped (mixers already wrapped are left alone).
+
+    ``sequence_process_group``: the group sharing each sequence, or None to resolve it at the first forward
+    (see :mod:`ds_mamba_spcp.groups`); ``config``: a ds_config or a ``MambaSequenceParallelConfig``. The wrapped
+    mixer takes transformers' forward signature (``hidden_states`` (batch, local_seqlen, hidden_size), this rank's
+    shard in ``config.input_layout``; ``cache``; ``attention_mask``; ``seq_idx`` (batch, local_seqlen) int32 in
+    ``**kwargs`` for packed rows) and returns its shard of the output. ``ds_mamba_spcp.wrap_mamba2_mixers`` calls
+    this for models that hold such mixers.
+    """
+    classes = mixer_classes()
+    if not classes:
+        return 0
+    cfg = config if isinstance(config, MambaSequenceParallelConfig) else load_mamba_sp_config(config)
+    todo = [m for m in model.modules() if isinstance(m, classes) and _MIXER_ATTR not in m.__dict__]
+    if cfg.enabled:
+        for m in todo:
+            check_mixer_supported(m)
+    for m in todo:
+        adapter = _MixerAdapter(m, sequence_process_group, cfg)
+        if cfg.enabled and sequence_process_group is not None:
+            adapter.sharding.group()  # an explicit group is checked at once
+        m.__dict__[_MIXER_ATTR] = adapter
+        m.forward = types.MethodType(_mixer_forward, m)
+        m._z3_leaf = True
+        m.register_forward_pre_hook(_hidden_states_positional, with_kwargs=True, prepend=True)
+    return len(todo)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the attention layers: DeepSpeed's Ulysses attention, per module
+# ---------------------------------------------------------------------------------------------------
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The transformers attention modules of ``model`` that call ``ALL_ATTENTION_FUNCTIONS`` (q/k/v
+    projections, ``head_dim``, ``num_key_value_groups`` and a config naming the attention implementation)."""
+    found = []
+    for m in model.modules():
+        if not type(m).__module__.startswith("transformers.models."):
+            continue
+        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "head_dim", "num_key_value_groups", "config")):
+            found.append(m)
+    return found
+
+
+class _UlyssesAttention:
+    """DeepSpeed's ``UlyssesSPAttentionHF`` for one attention module, one instance per batch size (it fixes
+    the batch size when it is built). Calls: (module, query, key, value, attention_mask, **kwargs) with
+    query (batch, heads, local_seqlen, head_dim) -> ((batch, local_seqlen, heads, head_dim), weights)."""
+
+    def __init__(self, module: nn.Module, model_state: _PreparedModel, implementation: str, core_fn) -> None:
+        self.model_state, self.sharding = model_state, model_state.sharding
+        self.implementation, self.core_fn = implementation, core_fn
+        self.heads = int(module.config.num_attention_heads)
+        self.kv_heads = self.heads // int(module.num_key_value_groups)
+        self.head_dim = int(module.head_dim)
+        self._by_batch: dict = {}
+
+    def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        if kwargs.get("position_ids") is None:
+            # DeepSpeed's attention all-gathers position_ids (flash attention finds packed documents in them);
+            # GraniteMoeHybrid (no rotary embedding) does not pass them down: take the model call's.
+            kwargs["position_ids"] = self.model_state.position_ids
+        batch = query.shape[0]
+        uattn = self._by_batch.get(batch)
+        if uattn is None:
+            uattn = UlyssesSPAttentionHF(
+                attn=self.core_fn, batch_size=batch, attn_head_count=self.heads, attn_head_size=self.head_dim,
+                kv_head_count=self.kv_heads, num_hidden_layers=1, process_group=self.sharding.group(),
+                seq_length_is_variable=True,
+            )  # fmt: skip
+            uattn.core_attn_implementation = self.implementation
+            self._by_batch[batch] = uattn
+        # As DeepSpeed's own registration does: the mask (built for the local length) is dropped and the
+        # kernel masks causally on the gathered sequence; flex_attention's BlockMask is rebuilt by DeepSpeed.
+        keep = self.implementation == "flex_attention" and not torch.is_tensor(attention_mask)
+        # UlyssesSPAttentionHF rewrites num_key_value_groups when it replicates KV heads (cp > kv heads);
+        # restore it so that unsharded calls (sequence_parallel_disabled) see the model's own value
+        groups = module.num_key_value_groups
+        try:
+            return uattn(module, query, key, value, attention_mask if keep else None, *args, **kwargs)
+        finally:
+            module.num_key_value_groups = groups
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.model_state = copy.deepcopy(self.model_state, memo)
+        new.sharding = new.model_state.sharding
+        new._by_batch = {}
+        return new
+
+
+def _dispatcher(core_fn):
+    """The function put in ``ALL_ATTENTION_FUNCTIONS`` in place of ``core_fn``: modules sharded by a
+    prepared model go through DeepSpeed's Ulysses attention, every other call (other models, unsharded
+    calls) goes to ``core_fn`` unchanged."""
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        shard = module.__dict__.get(_ATTN_ATTR)
+        if shard is None or not shard.sharding.active():
+            return core_fn(module, query, key, value, attention_mask, *args, **kwargs)
+        return shard(module, query, key, value, attention_mask, *args, **kwargs)
+
+    setattr(attention, _CORE_ATTR, core_fn)
+    return attention
+
+
+def _install_dispatcher(implementation: str):
+    """Puts the dispatcher behind ``implementation`` in transformers' attention registry (once per process;
+    the attention modules look the function up at every call). Returns the function it stands in front of."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    current = ALL_ATTENTION_FUNCTIONS[implementation]
+    core = getattr(current, _CORE_ATTR, None)
+    if core is not None:
+        return core
+    if getattr(current, "__qualname__", "").endswith("uattn_wrapper"):
+        raise ValueError(
+            f"the attention implementation {implementation!r} was already replaced by DeepSpeed's "
+            "UlyssesSPAttentionHF.register_with_transformers, which shards every call of every model in the process "
+            "(generation included). prepare_sequence_parallel installs the same DeepSpeed attention itself, per model "
+            "and per call: drop the register_with_transformers call."
+        )
+    ALL_ATTENTION_FUNCTIONS[implementation] = _dispatcher(current)
+    return current
+
+
+def _check_attention(module: nn.Module, config: MambaSequenceParallelConfig, cp: int) -> str:
+    """The attention implementation of ``module``; raises when DeepSpeed's Ulysses attention cannot shard it."""
+    name = type(module).__qualname__
+    implementation = getattr(module.config, "_attn_implementation", None)
+    if implementation is None or implementation == "eager" or implementation.startswith("paged"):
+        raise ValueError(
+            f"{name} uses attn_implementation={implementation!r}. DeepSpeed's Ulysses attention drops the attention "
+            "mask after its all-to-all and relies on the kernel's own causal masking, which 'eager' lacks (it would "
+            "attend to later tokens). Build or load the model with attn_implementation='sdpa' (CPU or GPU) or a "
+            "flash attention, or call model.set_attn_implementation('sdpa') before prepare_sequence_parallel."
+        )
+    heads = int(module.config.num_attention_heads)
+    kv_heads = heads // int(module.num_key_value_groups)
+    if heads % cp or (kv_heads % cp and cp % kv_heads):
+        raise ValueError(
+            f"{name} has {heads} query and {kv_heads} key/value heads; DeepSpeed's Ulysses attention shards heads "
+            f"over the {cp} ranks of the sequence-parallel group, which needs the query heads divisible by {cp} and "
+            "the key/value heads divisible by it (or dividing it). Choose a sequence_parallel_size that fits."
+        )
+    if config.input_layout != "contiguous":
+        raise ValueError(
+            f"the model has attention layers ({name}), which DeepSpeed's Ulysses attention shards contiguously, but "
+            f'"{SECTION}.input_layout" is {config.input_layout!r}; set "input_layout": "contiguous" and '
+            '"load_balancing": "none" (zigzag layouts need an attention-free model).'
+        )
+    return implementation
+
+
+# ---------------------------------------------------------------------------------------------------
+# the whole model
+# ---------------------------------------------------------------------------------------------------
+
+
+class _PreparedModel:
+    """The model-level state of ``prepare_sequence_parallel`` (held in the model's ``__dict__``)."""
+
+    def __init__(self, model: nn.Module, sharding: _Sharding, implementations: set[str]) -> None:
+        self.sharding = sharding
+        self.implementations = implementations  # of the sharded attention layers (empty: attention-free)
+        self.signature = inspect.signature(model.forward)
+        self.var_keyword = [p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD]
+        self.position_ids = self.seq_idx = None  # of the current call (set by the pre-forward check)
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.sharding = copy.deepcopy(self.sharding, memo)
+        return new
+
+
+def _check_model_call(model: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a prepared model: on every rank alike and before any collective, rejects what a
+    sharded call cannot honour, and sets use_cache=False when the caller left it unset."""
+    state = model.__dict__.get(_MODEL_ATTR)
+    if state is None or not state.sharding.active():
+        return None
+    try:
+        call = state.signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return None  # the model's forward reports its own argument errors
+    for name in state.var_keyword:
+        call = {**call, **call.pop(name, {})}
+    model_name = type(model).__qualname__
+    if any(call.get(key) is not None for key in _CACHE_NAMES) or call.get("use_cache"):
+        raise _cache_error(model_name)
+    # with shift_labels (shifted before sharding, as the Trainer's sequence-parallel loss passes them) the model's
+    # loss scores them unshifted: a correct mean over this rank's tokens, for the caller to combine over the group
+    if call.get("labels") is not None and call.get("shift_labels") is None:
+        raise ValueError(
+            f"{model_name} got labels while sequence parallelism is active: its own loss would shift the labels "
+            "inside this rank's shard and average over its tokens only. Pass no labels; score the logits with "
+            "ds_mamba_spcp.data.sequence_parallel_cross_entropy(logits, shift_labels, group) (shard_batch shifts "
+            "the labels before sharding), or pass shift_labels with them (the Trainer's sequence-parallel loss)."
+        )
+    state.position_ids, state.seq_idx = call.get("position_ids"), call.get("seq_idx")
+    if state.implementations and state.position_ids is None:
+        raise ValueError(
+            f"{model_name} has attention layers sharded by DeepSpeed's Ulysses attention, which needs position_ids "
+            "(the global positions of this rank's tokens): without them each rank numbers its shard from 0 (wrong "
+            "rotary embeddings). Pass position_ids from ds_mamba_spcp.data.shard_batch (or DeepSpeed's "
+            "UlyssesSPDataLoaderAdapter)."
+        )
+    if call.get("seq_idx") is not None:
+        plain = sorted(i for i in state.implementations if not i.startswith("flash_attention"))
+        if plain:
+            raise NotImplementedError(
+                f"packed rows (seq_idx) in a model whose attention runs {plain[0]!r} under DeepSpeed's Ulysses "
+                "attention: it masks causally over the whole gathered row, so tokens would attend across documents. "
+                "Use a flash attention (it keeps documents apart from the gathered position_ids), or unpacked rows."
+            )
+    mask = call.get("attention_mask")
+    if mask is not None:
+        _reject_padding(mask, state.sharding)
+    # transformers' hybrids default use_cache to config.use_cache (True), in training too
+    if "use_cache" not in call and ("use_cache" in state.signature.parameters or state.var_keyword):
+        return args, {**kwargs, "use_cache": False}
+    return None
+
+
+def _reject_padding(mask: torch.Tensor, sharding: _Sharding) -> None:
+    """Raises on every rank when any rank's attention_mask has a zero (one all-gather of a flag)."""
+    if not torch.is_tensor(mask) or mask.dim() != 2:
+        raise NotImplementedError(
+            "a custom (non-2-D) attention_mask is not supported with sequence parallelism: DeepSpeed's Ulysses "
+            "attention drops it. Pass none, or a 2-D all-ones padding mask."
+        )
+    padded = (mask == 0).any().to(torch.long).reshape(1)
+    flags = comm.all_gather(padded, sharding.group(), sharding.size, async_op=False).wait().flatten().tolist()
+    ranks = [r for r, flag in enumerate(flags) if flag]
+    if ranks:
+        raise _padding_error(f"zeros in the attention_mask of rank(s) {ranks} of the sequence-parallel group")
+
+
+def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
+    """Shards a transformers Mamba2-style model over DeepSpeed's sequence-parallel group; call once, before
+    ``deepspeed.initialize``.
+
+    ``ds_config``: the ds_config (dict, path, ...) with ``sequence_parallel_size`` and the
+    ``"mamba_sequence_parallel"`` section. Creates DeepSpeed's sequence-parallel group
+    (``parallel_state_sp.initialize_sequence_parallel``, or reuses one of that size), puts DeepSpeed's
+    Ulysses attention in front of the model's attention layers (if any; contiguous shards; the model must
+    use attn_implementation 'sdpa', a flash attention or flex_attention), makes every Mamba2 mixer
+    sequence-parallel (``wrap_mamba2_mixers``) and adds the model-level checks. Returns
+    ``deepspeed.runtime.sequence_parallel.parallel_state_sp``, the ``mpu`` for
+    ``deepspeed.initialize(..., mpu=...)`` and the source of ``get_sequence_parallel_group()``; or None when
+    the config leaves sequence parallelism off (``enabled`` false or a size of 1), the model then untouched.
+
+    The prepared model takes this rank's shard of every sequence (``ds_mamba_spcp.data.shard_batch``):
+    ``input_ids`` (batch, seqlen/cp), ``position_ids`` (the global positions, needed with attention), no
+    labels, no cache, no padding; it returns this rank's shard of the logits. ``sequence_parallel_disabled``
+    gives back the unwrapped behaviour (generation).
+    """
+    cfg = load_mamba_sp_config(ds_config)
+    cp = cfg.resolved_sequence_parallel_size
+    if not cfg.enabled:
+        if cp > 1:
+            raise ValueError(
+                f'the ds_config sets sequence_parallel_size {cp} but "{SECTION}.enabled" is false: sharding the '
+                "sequence with the Mamba2 layers unwrapped would restart their state at every shard (right-looking "
+                'losses, wrong gradients). Set "enabled": true, or drop sequence_parallel_size.'
+            )
+        return None
+    if cp == 1:
+        return None
+    import deepspeed.comm as dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    from ds_mamba_spcp.config import ds_config_dict
+    from ds_mamba_spcp.data import bf16_optimizer_error, selects_bf16_optimizer
+
+    if not isinstance(ds_config, MambaSequenceParallelConfig) and selects_bf16_optimizer(ds_config_dict(ds_config)):
+        raise bf16_optimizer_error()  # the returned mpu would break DeepSpeed's BF16_Optimizer
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "prepare_sequence_parallel needs deepspeed.comm: launch with the deepspeed launcher (or torchrun) and "
+            "call deepspeed.init_distributed() first."
+        )
+    if _MODEL_ATTR in model.__dict__:
+        raise ValueError(f"{type(model).__qualname__} was already prepared for sequence parallelism")
+    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:
+        parallel_state_sp.initialize_sequence_parallel(cp)
+    elif (have := parallel_state_sp.get_sequence_parallel_world_size()) != cp:
+        raise ValueError(
+            f"DeepSpeed's sequence-parallel group of this process has {have} ranks but the ds_config asks for {cp}."
+        )
+    group = parallel_state_sp.get_sequence_parallel_group()
+    sharding = _Sharding(group, cfg)
+    sharding.group()
+
+    attention = [(m, _check_attention(m, cfg, cp)) for m in attention_modules(model)]
+    wrap_mamba_ssm_mixers(model, group, cfg)  # as ds_mamba_spcp.module.wrap_mamba2_mixers: both kinds
+    wrap_hf_mamba2_mixers(model, group, cfg)
+    if not any(_MIXER_ATTR in m.__dict__ or isinstance(m, DistributedMamba2) for m in model.modules()):
+        raise ValueError(
+            f"{type(model).__qualname__} holds no Mamba2 mixer this package can shard (transformers' "
+            f"{', '.join(MIXER_CLASSES)}, or mamba-ssm's Mamba2); for an attention-only model use DeepSpeed's "
+            "UlyssesSPAttentionHF.register_with_transformers."
+        )
+    state = _PreparedModel(model, sharding, {impl for _, impl in attention})
+    for module, implementation in attention:
+        core_fn = _install_dispatcher(implementation)
+        module.__dict__[_ATTN_ATTR] = _UlyssesAttention(module, state, implementation, core_fn)
+    for m in model.modules():
+        adapter = m.__dict__.get(_MIXER_ATTR)
+        if adapter is not None:
+            adapter.model_state = state
+    model.__dict__[_MODEL_ATTR] = state
+    model.register_forward_pre_hook(_check_model_call, with_kwargs=True)
+    return parallel_state_sp
