@@ -1,7 +1,7 @@
 """Train a tiny Nemotron-H hybrid with transformers' plain ``Trainer`` and DeepSpeed sequence parallelism.
 
     torchrun --nproc_per_node 2 examples/hf_trainer.py                 # 2 ranks, sp_size 2
-    accelerate launch --num_processes 2 examples/hf_trainer.py         # the same through accelerate (not tried yet)
+    accelerate launch --num_processes 2 examples/hf_trainer.py         # the same through accelerate (on CPU: --cpu)
     deepspeed --num_gpus 2 examples/hf_trainer.py                      # the same through DeepSpeed's launcher
     python examples/hf_trainer.py                                      # one process: the reference
 
