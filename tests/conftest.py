@@ -98,10 +98,11 @@ def call_op(fn, inputs, opts, headdim=HEADDIM, **extra):
     )  # fmt: skip
 
 
-def run_case(rank, world, opts, sharded_op):
+def run_case(rank, world, opts, sharded_op, inputs=case_inputs, headdim=HEADDIM):
     """Errors of ``sharded_op(zxbcdt_shard, ..., **common kwargs)`` against the reference.
 
-    Returns {"errs": {tensor: global relative error}, "checks": {name: bool}, "ok": bool}.
+    ``inputs(opts, seqlen)`` builds the global tensors and gradients (a suite's own sizes), ``headdim`` goes
+    with them. Returns {"errs": {tensor: global relative error}, "checks": {name: bool}, "ok": bool}.
     """
     import deepspeed.comm as dist
 
@@ -109,7 +110,7 @@ def run_case(rank, world, opts, sharded_op):
 
     seq_layout = opts.get("layout", "contiguous")
     seqlen = opts["per_rank"] * world
-    tensors, grads = case_inputs(opts, seqlen)
+    tensors, grads = inputs(opts, seqlen)
 
     def loss_of(res, gout, weight):
         out, final = res if isinstance(res, tuple) else (res, None)
@@ -119,7 +120,9 @@ def run_case(rank, world, opts, sharded_op):
         return out, final, loss
 
     ref_in = {k: v.clone().requires_grad_() for k, v in tensors.items()}
-    ref_out, ref_final, ref_loss = loss_of(call_op(mamba_split_conv1d_scan_ref, ref_in, opts), grads["out"], 1.0)
+    ref_out, ref_final, ref_loss = loss_of(
+        call_op(mamba_split_conv1d_scan_ref, ref_in, opts, headdim=headdim), grads["out"], 1.0
+    )
     ref_loss.backward()
 
     # each rank takes a different share of final_states' gradient (the shares must add up)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import call_op
+from tests.conftest import call_op, run_case
 from tests.conftest import make_inputs as shared_inputs
-from tests.dist_utils import agree, rel_err, run_ranks, sharded_rel_err, summed_rel_err
+from tests.dist_utils import run_ranks
 
 FP64_TOL = 1e-10
 FP32_TOL = 1e-5
@@ -61,58 +61,21 @@ def make_inputs(opts, seqlen, seed=0):
 
 
 def _run_case(rank, world, opts):
-    import deepspeed.comm as dist
-
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp, scan
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp, scan
 
     lb = opts.get("lb", "none")
-    seq_layout = "zigzag" if lb == "virtual" else "contiguous"
-    seqlen = opts["per_rank"] * world
-    tensors, grads = make_inputs(opts, seqlen)
-    names = list(tensors)
+    opts = dict(opts, layout="zigzag" if lb == "virtual" else "contiguous")
 
-    def call(fn, inputs, **extra):
-        return call_op(fn, inputs, opts, headdim=HEADDIM, **extra)
+    def sharded(sp_in):
+        return call_op(mamba_split_conv1d_scan_sp, sp_in, opts, headdim=HEADDIM, load_balancing=lb)
 
-    def loss_of(res, gout, weight):
-        out, final = res if isinstance(res, tuple) else (res, None)
-        loss = (out * gout).sum()
-        if final is not None:
-            loss = loss + weight * (final * grads["final"].to(final.dtype)).sum()
-        return out, final, loss
-
-    # reference on the full sequence
-    ref_in = {k: v.clone().requires_grad_() for k, v in tensors.items()}
-    ref_out, ref_final, ref_loss = loss_of(call(mamba_split_conv1d_scan_ref, ref_in), grads["out"], 1.0)
-    ref_loss.backward()
-
-    # sharded op; each rank takes a different share of final_states' gradient (they must add up)
-    shard = lambda x: layout.shard_sequence(x, rank, world, seq_layout)  # noqa: E731
-    sp_in = {k: (shard(v) if k == "zxbcdt" else v).clone().requires_grad_() for k, v in tensors.items()}
-    weight = (rank + 1) / (world * (world + 1) / 2)
-    saved = scan.reverse_scan
+    saved = scan.reverse_scan  # the negative control drops the backward's reverse scan (forward and backward)
     if opts.get("bug") == "skip_reverse_scan":
         scan.reverse_scan = lambda L, log_a, dfinal=None, rows=None: (torch.zeros_like(L[: len(rows)]), L[0])
     try:
-        sp_out, sp_final, sp_loss = loss_of(
-            call(mamba_split_conv1d_scan_sp, sp_in, load_balancing=lb), shard(grads["out"]), weight
-        )
-        sp_loss.backward()
+        return run_case(rank, world, opts, sharded, inputs=make_inputs, headdim=HEADDIM)
     finally:
         scan.reverse_scan = saved
-
-    errs = {"out": sharded_rel_err(sp_out.detach(), shard(ref_out.detach()))}
-    errs["dzxbcdt"] = sharded_rel_err(sp_in["zxbcdt"].grad, shard(ref_in["zxbcdt"].grad))
-    for k in names:
-        if k != "zxbcdt":
-            errs["d" + k] = summed_rel_err(sp_in[k].grad, ref_in[k].grad)
-    if ref_final is not None:
-        e = torch.tensor([rel_err(sp_final, ref_final)], dtype=torch.float64)
-        dist.all_reduce(e, op=dist.ReduceOp.MAX)
-        errs["final_states"] = e.item()
-    tol = FP64_TOL if opts["dtype"] == "float64" else FP32_TOL
-    ok = agree(all(v <= tol for v in errs.values()))
-    return {"errs": errs, "ok": ok}
 
 
 def _expect_error(fn):
