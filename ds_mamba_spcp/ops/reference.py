@@ -73,7 +73,9 @@ def canonical_seq_idx(seq_idx):
     into them takes this form. Returns int32 on the same device.
     """
     change = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
-    return torch.cat([torch.zeros_like(change[:, :1]), change.cumsum(dim=1, dtype=torch.int32)], dim=1)
+    # the first label from seq_idx itself: change[:, :1] is empty for a one-token row
+    first = torch.zeros_like(seq_idx[:, :1], dtype=torch.int32)
+    return torch.cat([first, change.cumsum(dim=1, dtype=torch.int32)], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------

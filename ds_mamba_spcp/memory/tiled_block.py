@@ -1,0 +1,297 @@
+"""One Mamba2 block recomputed in sequence tiles: its transient memory no longer grows with the shard.
+
+    tiled_block(x, norm, mixer, tile_tokens, seq_idx) = x + mixer(norm(x)), and its own activation checkpoint
+
+    forward   no graph; for each tile [s, e) of the shard, in order:
+                  norm(x[s-(K-1) : e]) -> in_proj -> zxbcdt of [s, e), and the conv halo (the xBC of the K-1
+                  rows before s, from inside the tile's own computation: no halo is stored)
+                  -> the mixer core from S_in (the backend's segment, ops/segment.py) -> out_proj -> + x[s:e]
+                  -> S_out, the next tile's S_in
+              keeps x (the checkpoint) and the S_in of tiles 1.. (fp32 (batch, nheads, headdim, dstate) each)
+    backward  for the tiles from the last to the first: tile k again, with a graph, from x[s-(K-1) : e] and its
+              saved S_in (a leaf); one autograd.grad with (dout[s:e], the gradient tile k+1 sent to S_out)
+              -> dx[s-(K-1) : e] (added: the halo rows are tile k-1's too), S_in's gradient (for tile k-1),
+              the parameters' gradients, summed in fp32 over the tiles and returned once per block
+
+K is the conv width (d_conv). The tiles chain as segments of one causal row do (docs/design.md, "The algebra",
+here within one rank): S_out = exp(log_a) * S_in + S_ext. Packed rows (seq_idx) follow the rules between ranks
+(docs/design.md, "Packed rows"): each tile's labels renumbered from 0, halo rows of another document zeroed, a
+tile that begins on a document start gets S_in = 0.
+
+Memory: between forward and backward, x and ntiles - 1 fp32 states per block (nothing of the width of in_proj's
+output); during one block's backward, dout and dx (d_model wide, the whole shard), fp32 sums of the block's
+parameter gradients and one tile's graph and kernels' working set. Cost: the forward of the core runs twice
+and its backward once, as with per-block activation checkpointing; in_proj and the norm also run K-1 extra
+rows per tile.
+
+Parameter gradients reach autograd as one gradient per parameter and block, through the Function's outputs
+(the same single accumulation as the untiled block), so DeepSpeed's ZeRO 1-2 and bf16 gradient hooks fire
+once, at the end of the block's backward, as they do without tiles. Not supported (errors say so): ZeRO
+stage 3 (its parameters are partitioned between module calls), a sequence-parallel group of more than one
+rank (the shard's incoming state comes from the ranks' exchange), ``cu_seqlens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds_mamba_spcp.autograd import first_order_only
+from ds_mamba_spcp.ops import get_backend
+from ds_mamba_spcp.ops.reference import canonical_seq_idx
+from ds_mamba_spcp.ops.segment import Ready
+from ds_mamba_spcp.ops.spec import CoreSpec
+
+KEY = "mamba_sequence_parallel.block_tile_tokens"
+
+__all__ = ["tiled_block", "tile_spans"]
+
+
+def tile_spans(seqlen: int, tile_tokens: int) -> tuple:
+    """The tiles [(s, e)] of a shard of ``seqlen`` tokens, ``tile_tokens`` each, the last one shorter."""
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ValueError(f'"{KEY}" must be a positive int (tokens per tile), got {tile_tokens!r}')
+    return tuple((s, min(s + tile_tokens, seqlen)) for s in range(0, seqlen, tile_tokens))
+
+
+# ---------------------------------------------------------------------------------------------
+# the core of one tile: the backend's segment with a halo and an incoming state, both differentiable
+# ---------------------------------------------------------------------------------------------
+
+
+def _finish(gen, value):
+    try:
+        gen.send(value)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("a segment generator yielded more often than the segment protocol allows")
+
+
+class _TileCore(torch.autograd.Function):
+    """(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in) -> (out, S_out) of one
+    segment on one device, through the backend's ``segment_fwd`` / ``segment_bwd`` (ops/segment.py):
+    S_out = exp(log_a) S_in + S_ext, dS_in = L + exp(log_a) dS_out. No math of its own."""
+
+    @staticmethod
+    def forward(ctx, backend, spec, labels, keep_y, zxbcdt, halo, *params_and_state):
+        *params, S_in = params_and_state
+        gen = backend.segment_fwd(zxbcdt, halo, *params, spec=spec, seq_idx=labels, keep_y=keep_y)
+        S_ext, log_a = next(gen)
+        out, y = _finish(gen, Ready(S_in))
+        S_out = torch.exp(log_a)[:, :, None, None] * S_in + S_ext
+        ctx.backend, ctx.spec, ctx.labels = backend, spec, labels
+        ctx.kept = [y] if y is not None else None
+        ctx.has = [t is not None for t in params]
+        ctx.save_for_backward(zxbcdt, halo, *params, S_in, log_a)
+        return out, S_out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dout, dS_out):
+        zxbcdt, halo, *params, S_in, log_a = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros(*zxbcdt.shape[:2], ctx.spec.d_inner, dtype=zxbcdt.dtype, device=zxbcdt.device)
+        gen = ctx.backend.segment_bwd(dout, zxbcdt, halo, *params, S_in, spec=ctx.spec, seq_idx=ctx.labels,
+                                      kept=ctx.kept)  # fmt: skip
+        L = next(gen)
+        dS_out = torch.zeros_like(L) if dS_out is None else dS_out.to(L.dtype)
+        dhalo = gen.send(Ready(dS_out))
+        dzxbcdt, *dparams = _finish(gen, None)
+        ctx.kept = None
+        dS_in = L + torch.exp(log_a)[:, :, None, None].to(L.dtype) * dS_out
+        dparams = [g if has else None for g, has in zip(dparams, ctx.has)]
+        return None, None, None, None, dzxbcdt, dhalo, *dparams, dS_in.to(S_in.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# one tile of the block
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Block:
+    """What the tiles of one block call share: its modules, the core's sizes, the backend and the tiles' labels."""
+
+    norm: torch.nn.Module
+    mixer: torch.nn.Module
+    spec: CoreSpec
+    backend: object
+    spans: tuple
+    keep_y: bool
+    labels: list  # per tile: canonical labels (batch, T) int32, or None
+    starts: list  # per tile: (batch,) bool, the tile begins on a document start, or None
+    halo_masks: list  # per tile: (batch, nhalo) bool, the halo rows of the tile's first document, or None
+    params: list
+
+    def halo_rows(self, k: int) -> int:
+        s, _ = self.spans[k]
+        return min(s, self.spec.d_conv - 1)
+
+    def tile(self, k: int, x_ext, S_in):
+        """x_ext: (batch, nhalo + T, d_model), the tile's tokens after its nhalo halo rows; S_in: the state
+        entering the tile (fp32), or None (the row's start). Returns (x + mixer(norm(x)) on the tile, S_out)."""
+        spec, mixer = self.spec, self.mixer
+        nhalo, K = self.halo_rows(k), spec.d_conv
+        zx = mixer.in_proj(self.norm(x_ext))
+        zxbcdt = zx[:, nhalo:]
+        halo = None
+        if k > 0 and K > 1:
+            halo = zx[:, :nhalo, spec.d_inner : spec.d_inner + spec.conv_dim]
+            if self.halo_masks[k] is not None:
+                halo = halo * self.halo_masks[k][..., None].to(halo.dtype)
+            if nhalo < K - 1:  # a tile closer than K-1 tokens to the row's start: zeros before it
+                halo = F.pad(halo, (0, 0, K - 1 - nhalo, 0))
+        core = mixer._core()
+        if S_in is None:
+            dtype = torch.promote_types(zxbcdt.dtype, torch.float32)
+            S_in = torch.zeros(zxbcdt.shape[0], spec.nheads, spec.headdim, spec.dstate, dtype=dtype,
+                               device=zxbcdt.device)  # fmt: skip
+        if self.starts[k] is not None:  # a tile that begins a document gets no state
+            S_in = S_in * (~self.starts[k]).to(S_in.dtype)[:, None, None, None]
+        with torch.autocast(device_type=zxbcdt.device.type, enabled=False):
+            y, S_out = _TileCore.apply(
+                self.backend, spec, self.labels[k], self.keep_y and torch.is_grad_enabled(), zxbcdt, halo,
+                core.conv1d_weight, core.conv1d_bias, core.dt_bias, core.A, core.D, core.rmsnorm_weight, S_in,
+            )  # fmt: skip
+        return x_ext[:, nhalo:] + mixer.out_proj(y), S_out
+
+
+class _TiledBlockFn(torch.autograd.Function):
+    """x -> x + mixer(norm(x)) tile by tile; see the module docstring. ``params`` are inputs so that the output
+    requires grad whenever a parameter does, and their gradients leave through ``backward`` once."""
+
+    @staticmethod
+    def forward(ctx, block: _Block, x, *params):
+        out = torch.empty_like(x)
+        states, S_in = [], None
+        with torch.no_grad():
+            for k, (s, e) in enumerate(block.spans):
+                if k > 0:
+                    states.append(S_in)
+                out_k, S_in = block.tile(k, x[:, s - block.halo_rows(k) : e], S_in)
+                out[:, s:e] = out_k
+        ctx.block = block
+        ctx.save_for_backward(x, *states)
+        return out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dout):
+        x, *states = ctx.saved_tensors
+        block = ctx.block
+        live = [i for i, p in enumerate(block.params) if p.requires_grad]
+        dx = torch.zeros_like(x)
+        sums = [None] * len(block.params)
+        dS = None  # the gradient reaching the S_out of the tile in hand (none after the shard's last token)
+        for k in reversed(range(len(block.spans))):
+            s, e = block.spans[k]
+            lo = s - block.halo_rows(k)
+            with torch.enable_grad():
+                x_ext = x[:, lo:e].detach().requires_grad_()
+                S_in = states[k - 1].detach().requires_grad_() if k > 0 else None
+                out_k, S_out = block.tile(k, x_ext, S_in)
+            outputs, grads = [out_k], [dout[:, s:e]]
+            if dS is not None:
+                outputs.append(S_out)
+                grads.append(dS)
+            wrt = [x_ext] + ([S_in] if S_in is not None else []) + [block.params[i] for i in live]
+            got = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
+            dx[:, lo:e] += got[0]
+            dS = got[1] if S_in is not None else None
+            for i, g in zip(live, got[2 if S_in is not None else 1 :]):
+                if g is not None:
+                    g = g.to(torch.promote_types(g.dtype, torch.float32))
+                    sums[i] = g if sums[i] is None else sums[i] + g
+            del out_k, S_out, outputs, got
+        dparams = [None if g is None else g.to(p.dtype) for g, p in zip(sums, block.params)]
+        return None, dx, *dparams
+
+
+# ---------------------------------------------------------------------------------------------
+# the public function
+# ---------------------------------------------------------------------------------------------
+
+
+def _block_params(norm, mixer) -> list:
+    seen, out = set(), []
+    for p in list(norm.parameters()) + list(mixer.parameters()):
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _check(mixer, params, tile_tokens, tokens_per_tile, backend, spec) -> None:
+    """Refusals, alike on every rank of a group (they read the configuration, not the data)."""
+    cp = mixer.sequence_parallel_size
+    if cp > 1:
+        raise ValueError(
+            f'"{KEY}" is {tile_tokens} with a sequence-parallel group of {cp} ranks: the tiled block recompute '
+            "runs on a group of one only (a shard's incoming state comes from the ranks' exchange, which the tiles "
+            f'do not run). Unset "{KEY}", or train with sequence_parallel_size 1.'
+        )
+    if any(hasattr(p, "ds_id") for p in params):
+        raise ValueError(
+            f'"{KEY}" is {tile_tokens} under ZeRO stage 3, which partitions the parameters between module calls '
+            'and which the tiled block recompute does not gather. Set "zero_optimization.stage" to 0, 1 or 2, or '
+            f'unset "{KEY}".'
+        )
+    limit = backend.max_tokens_per_call(spec)
+    if limit is not None and tokens_per_tile > limit:
+        raise ValueError(
+            f'"{KEY}" is {tile_tokens}: batch x tile = {tokens_per_tile} tokens per tile, more than one call of the '
+            f"{backend.__name__.rsplit('.', 1)[-1]} backend takes ({limit} at this shape, int32 offsets). Use at "
+            f"most {limit // spec.chunk_size * spec.chunk_size} tokens per tile divided by the batch."
+        )
+
+
+def _labels(seq_idx, spans, K):
+    """Per tile: canonical labels, whether it begins on a document start, and which of its halo rows share
+    its first document."""
+    if seq_idx is None:
+        n = len(spans)
+        return [None] * n, [None] * n, [None] * n
+    labels, starts, masks = [], [], []
+    for k, (s, e) in enumerate(spans):
+        labels.append(canonical_seq_idx(seq_idx[:, s:e]))
+        starts.append(None if k == 0 else seq_idx[:, s] != seq_idx[:, s - 1])
+        lo = s - min(s, K - 1)
+        masks.append(None if k == 0 or lo == s else seq_idx[:, lo:s] == seq_idx[:, s : s + 1])
+    return labels, starts, masks
+
+
+def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None):
+    """``x + mixer(norm(x))`` of a pre-norm Mamba2 block, recomputed in backward tile by tile.
+
+    x: (batch, seqlen, d_model), the whole sequence on this rank (a group of one); norm: a per-token module
+    (RMSNorm, LayerNorm: each token's output reads that token only); mixer: a ``DistributedMamba2``;
+    tile_tokens: tokens per tile (the last tile may be shorter, a tile may be shorter than d_conv - 1);
+    seq_idx: (batch, seqlen) document labels of packed rows (non-decreasing), or None.
+    Returns (batch, seqlen, d_model). The result and every gradient are the untiled block's up to the order
+    of floating-point sums (the tests: fp64, 1e-10). The call is its own activation checkpoint: use it in
+    place of ``torch.utils.checkpoint`` / ``deepspeed.checkpointing.checkpoint`` around the block, not inside.
+    """
+    from ds_mamba_spcp.integrations.mamba_ssm import DistributedMamba2
+
+    if not isinstance(mixer, DistributedMamba2):
+        raise TypeError(
+            f'"{KEY}" tiles blocks whose mixer is a DistributedMamba2 (ds_mamba_spcp.wrap_mamba2_mixers), got a '
+            f"{type(mixer).__qualname__}"
+        )
+    if x.dim() != 3:
+        raise ValueError(f"tiled_block expects x (batch, seqlen, d_model), got shape {tuple(x.shape)}")
+    batch, seqlen, _ = x.shape
+    spans = tile_spans(seqlen, tile_tokens)
+    core = mixer._core()
+    spec = core.spec(torch.empty(batch, 1, core.d_in_proj, device="meta"))
+    backend = get_backend(mixer.config.backend, x.device)
+    params = _block_params(norm, mixer)
+    _check(mixer, params, tile_tokens, batch * min(tile_tokens, seqlen), backend, spec)
+    if seq_idx is not None and tuple(seq_idx.shape) != (batch, seqlen):
+        raise ValueError(f"seq_idx must be (batch, seqlen) = {(batch, seqlen)}, got {tuple(seq_idx.shape)}")
+    labels, starts, masks = _labels(seq_idx, spans, spec.d_conv)
+    block = _Block(norm, mixer, spec, backend, spans, not mixer.config.recompute_output, labels, starts, masks,
+                   params)  # fmt: skip
+    return _TiledBlockFn.apply(block, x, *params)
