@@ -109,6 +109,15 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     holds more tokens than one call of mamba-ssm's kernels can index (int32 offsets), so that no shard
     is refused for its length. A multiple of the chunk size runs fastest."""
 
+    block_tile_tokens: int | None = Field(default=None, ge=1, strict=True)
+    """Tokens per tile of the tiled block recompute (``ds_mamba_spcp.memory.tiled_block``): a pre-norm Mamba2
+    block ``x + mixer(norm(x))`` under activation checkpointing runs its projections, conv, scan, gated norm and
+    residual tile by tile, the SSM state and the conv halo carried between tiles, so that one block's transient
+    memory in forward and in recompute + backward no longer grows with the shard (the loss and gradients stay
+    the untiled ones). The wrapper does not act on it: a model's block calls ``tiled_block`` with it in place of
+    its checkpoint function (``examples/model.py``). ``None`` (default): off. Needs a sequence-parallel group of
+    one rank and ZeRO stage 0-2 (``tiled_block`` refuses the others, naming this key)."""
+
     def __init__(self, **data: Any) -> None:
         # DeepSpeedConfigModel.__init__(strict=False) silently drops every value equal to "auto" (a
         # HF-integration shortcut), which would turn mode="auto" into the default instead of an error,

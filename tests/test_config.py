@@ -20,6 +20,7 @@ FIELDS = (
     "check_shapes",
     "recompute_output",
     "tile_length",
+    "block_tile_tokens",
 )
 
 # Every field differs from its default, and the combination is valid.
@@ -34,6 +35,7 @@ NON_DEFAULT = {
     "check_shapes": False,
     "recompute_output": True,
     "tile_length": 4096,
+    "block_tile_tokens": 8192,
 }
 
 
@@ -65,6 +67,7 @@ def test_defaults():
         "check_shapes": True,
         "recompute_output": False,
         "tile_length": None,
+        "block_tile_tokens": None,
     }
     assert_fields(MambaSequenceParallelConfig(), expected)
     assert_fields(load_mamba_sp_config(ds_config()), expected)
@@ -333,3 +336,9 @@ class TestValidateForMixer:
     def test_arguments_are_keyword_only(self):
         with pytest.raises(TypeError):
             MambaSequenceParallelConfig().validate_for_mixer(8, 2, 2)
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.0, "8192", True])
+def test_bad_block_tile_tokens(bad):
+    with pytest.raises(pydantic.ValidationError, match="block_tile_tokens"):
+        load_mamba_sp_config(ds_config({"block_tile_tokens": bad}))
