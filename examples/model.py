@@ -105,6 +105,19 @@ class Block(nn.Module):
         self.norm = nn.RMSNorm(d_model, eps=norm_eps)
         self.mixer = mixer
 
+    def tile_tokens(self) -> int | None:
+        """The Mamba2 mixer's ``"block_tile_tokens"`` (its ds_config section), or None: attention, or no tiles."""
+        if isinstance(self.mixer, CausalSelfAttention):
+            return None
+        return getattr(getattr(self.mixer, "config", None), "block_tile_tokens", None)
+
+    def tiled(self, x, seq_idx=None):
+        """``forward`` in sequence tiles of ``tile_tokens()``, as its own activation checkpoint (in place of
+        the checkpoint function, not inside it): ``ds_mamba_spcp.memory.tiled_block``."""
+        from ds_mamba_spcp.memory import tiled_block
+
+        return tiled_block(x, self.norm, self.mixer, self.tile_tokens(), seq_idx=seq_idx)
+
     def forward(self, x, seq_idx=None, doc_ids=None):
         if isinstance(self.mixer, CausalSelfAttention):
             return x + self.mixer(self.norm(x), doc_ids=doc_ids)

@@ -105,6 +105,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --activation-checkpointing: keep the checkpoints in CPU memory",
     )
     p.add_argument(
+        "--block-tile-tokens",
+        type=int,
+        default=None,
+        help="with --activation-checkpointing: recompute each Mamba2 block in sequence tiles of this many tokens "
+        '(sets "mamba_sequence_parallel.block_tile_tokens"; one rank per sequence, ZeRO 0-2)',
+    )
+    p.add_argument(
         "--loss-tile",
         type=int,
         default=0,
@@ -125,6 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--steps must be >= 1")
     if args.offload_activations and not args.activation_checkpointing:
         p.error("--offload-activations needs --activation-checkpointing")
+    if args.block_tile_tokens is not None and (not args.activation_checkpointing or args.block_tile_tokens < 1):
+        p.error("--block-tile-tokens takes a positive number of tokens, with --activation-checkpointing")
     if args.doc_len is not None and (not args.packed or args.doc_len < 1):
         p.error("--doc-len takes a positive length, with --packed")
     check_checkpoint_args(p, args)
@@ -281,27 +290,53 @@ def forward_loss(model, forward, batch: dict, group, scale: float, args):
                                            grad_scale=scale)  # fmt: skip
 
 
+def with_block_tiles(ds_config: dict, args) -> dict:
+    """The ds_config with --block-tile-tokens written into its section; raises when the section asks for
+    block tiles without --activation-checkpointing (the tiled block is a checkpoint)."""
+    if args.block_tile_tokens is not None:
+        section = {**ds_config.get("mamba_sequence_parallel", {}), "block_tile_tokens": args.block_tile_tokens}
+        ds_config = {**ds_config, "mamba_sequence_parallel": section}
+    tiles = load_mamba_sp_config(ds_config).block_tile_tokens
+    if tiles is not None and not args.activation_checkpointing:
+        raise ValueError(
+            f'"mamba_sequence_parallel.block_tile_tokens" is {tiles} but --activation-checkpointing is off: the '
+            "tiled block recompute is a way of checkpointing the blocks. Pass --activation-checkpointing, or drop "
+            "the key."
+        )
+    return ds_config
+
+
 def block_checkpointing(model: MambaLM, args, mpu=None) -> None:
     """--activation-checkpointing: every block recomputed in backward. Launched runs use DeepSpeed's
     activation checkpointing (``deepspeed.checkpointing``; --offload-activations keeps the checkpoints in
-    CPU memory), the single-process reference torch's equivalent (``save_on_cpu`` for the offload)."""
+    CPU memory), the single-process reference torch's equivalent (``save_on_cpu`` for the offload). A
+    Mamba2 block whose section sets ``block_tile_tokens`` (--block-tile-tokens) is its own checkpoint,
+    recomputed tile by tile (``Block.tiled``; with the offload its checkpoint goes through ``save_on_cpu``)."""
     if not args.activation_checkpointing:
         return
     if launched():
         import deepspeed
 
         deepspeed.checkpointing.configure(mpu, checkpoint_in_cpu=args.offload_activations)
-        model.checkpoint = deepspeed.checkpointing.checkpoint
-        return
-    from torch.utils.checkpoint import checkpoint
+        base = deepspeed.checkpointing.checkpoint
+    else:
+        from torch.utils.checkpoint import checkpoint
 
-    def torch_checkpoint(block, *inputs):
+        def base(block, *inputs):
+            if not args.offload_activations:
+                return checkpoint(block, *inputs, use_reentrant=False)
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return checkpoint(block, *inputs, use_reentrant=False)
+
+    def block_checkpoint(block, x, seq_idx, doc_ids):
+        if not block.tile_tokens():
+            return base(block, x, seq_idx, doc_ids)
         if not args.offload_activations:
-            return checkpoint(block, *inputs, use_reentrant=False)
+            return block.tiled(x, seq_idx)
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            return checkpoint(block, *inputs, use_reentrant=False)
+            return block.tiled(x, seq_idx)
 
-    model.checkpoint = torch_checkpoint
+    model.checkpoint = block_checkpoint
 
 
 def mixer_backend(model) -> str:
@@ -382,6 +417,7 @@ def run_single(args, ds_config: dict) -> list[dict]:
     """The single-process reference: the whole sequence on one device, plain PyTorch optimizer."""
     from ds_mamba_spcp.module import wrap_mamba2_mixers
 
+    ds_config = with_block_tiles(ds_config, args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args)
     # A group of one on the plain-PyTorch reference op on CPU (mamba-ssm's own kernels need CUDA).
@@ -575,6 +611,7 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         deepspeed.init_distributed(dist_backend="gloo" if args.shared_gpu else None, verbose=args.verbose,
                                    timeout=dist_timeout(args))  # fmt: skip
     world, rank = dist.get_world_size(), dist.get_rank()
+    ds_config = with_block_tiles(ds_config, args)
     if "data_parallel_size" in ds_config:
         raise ValueError(
             'drop "data_parallel_size" from the ds_config: this script builds the sequence-parallel groups itself '
@@ -643,9 +680,10 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
 def _describe(model, args) -> str:
     nparams = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 partitions p
     kind = "Mamba2" if args.model == "mamba" else f"hybrid Mamba2 + attention every {args.attn_every}"
+    tiles = {b.tile_tokens() for b in model.layers} - {None}
     return (
         f"{kind} LM, {args.n_layers} layers, d_model {args.d_model}, {nparams / 1e3:.1f}K parameters, "
-        f"seq_len {args.seq_len}"
+        f"seq_len {args.seq_len}" + (f", block tiles of {tiles.pop()} tokens" if tiles else "")
     )
 
 

@@ -1,0 +1,191 @@
+"""The tiled block recompute (ds_mamba_spcp.memory.tiled_block) against the untiled block, on CPU.
+
+1. fp64, the reference backend: the block's output, the gradient of its input and of every parameter, tiled
+   against ``Block.forward`` (examples/model.py, the mixer on the group-of-one path), at most 1e-10 apart
+   (the same math; only the order of the sums over tiles differs, ~1e-14 seen). Tile counts 1, 2 and 3 with
+   an uneven last tile, and tiles of 1 and 2 tokens (shorter than the conv halo, d_conv - 1 = 3), for the
+   three mixer variants of conftest; packed rows with documents starting on, just after and inside tiles.
+2. Negative controls: the state not carried to the next tile, or the conv halo dropped, must fail 1e-3.
+3. Refusals, by their messages: a group of more than one rank, ZeRO-3 parameters, a mixer of another kind.
+4. Under DeepSpeed (one gloo rank, one spawn): examples/train.py with --block-tile-tokens at ZeRO 1 and 2
+   trains step by step as the untiled run at ZeRO 2 (fp32, SGD, 20 steps, relative 1e-4 as in test_train.py:
+   the sums' order drifts ~1e-6 there, while a gradient that ZeRO's hooks dropped or counted twice moves the
+   loss by ~1e-2 from the first update on), and ZeRO 3 refuses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from ds_mamba_spcp.config import MambaSequenceParallelConfig
+from ds_mamba_spcp.memory import tiled_block
+from ds_mamba_spcp.module import DistributedMamba2
+from tests.conftest import MIXER_D_MODEL, MIXERS, TINY, TRAIN_STEPS, load_train, make_mixer, sgd_config
+from tests.dist_utils import REPO, run_ranks
+
+tiled_block_module = importlib.import_module("ds_mamba_spcp.memory.tiled_block")  # the package exports the function
+TOL = 1e-10
+SEQLEN, BATCH = 29, 2
+TILES = {"one": SEQLEN, "two_uneven": 15, "three_uneven": 10, "two_tokens": 2, "one_token": 1}
+
+
+def _block(variant: str):
+    sys.path.insert(0, f"{REPO}/examples")
+    from model import Block
+
+    mixer = make_mixer(variant, torch.float64, seed=3)
+    cfg = MambaSequenceParallelConfig(enabled=True, sequence_parallel_size=1, backend="reference")
+    block = Block(MIXER_D_MODEL, DistributedMamba2(mixer, None, cfg)).double()
+    with torch.no_grad():
+        block.norm.weight.copy_(1.0 + 0.3 * torch.randn(MIXER_D_MODEL, generator=torch.Generator().manual_seed(4)))
+    return block
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(BATCH, SEQLEN, MIXER_D_MODEL, generator=g, dtype=torch.float64)
+    dout = torch.randn(BATCH, SEQLEN, MIXER_D_MODEL, generator=g, dtype=torch.float64)
+    return x, dout
+
+
+def _run(block, fn, x, dout):
+    x = x.clone().requires_grad_()
+    out = fn(x)
+    out.backward(dout)
+    grads = {"out": out.detach(), "dx": x.grad}
+    for name, p in block.named_parameters():
+        grads["d" + name] = p.grad
+        p.grad = None
+    return grads
+
+
+def _worst(got, ref) -> tuple[float, str]:
+    assert got.keys() == ref.keys()
+    return max(((got[k] - ref[k]).abs().max().item() / ref[k].abs().max().item(), k) for k in ref)
+
+
+# documents: 0-6, 7-9 (starts on the 7-token tile's border), 10 (one token), 11-20, 21-28; row 2: 0-14, 15-28
+PACKED = torch.tensor([[0] * 7 + [1] * 3 + [2] + [3] * 10 + [4] * 8, [5] * 15 + [6] * 14], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("tiles", list(TILES))
+@pytest.mark.parametrize("variant", list(MIXERS))
+def test_tiled_equals_untiled_fp64(variant, tiles):
+    block = _block(variant)
+    x, dout = _inputs()
+    ref = _run(block, block, x, dout)
+    got = _run(block, lambda x: tiled_block(x, block.norm, block.mixer, TILES[tiles]), x, dout)
+    err, key = _worst(got, ref)
+    assert err <= TOL, f"{variant}, tiles of {TILES[tiles]}: {key} is {err:.2e} off the untiled block"
+
+
+@pytest.mark.parametrize("tile_tokens", [15, 7, 10, 2])
+def test_packed_rows_fp64(tile_tokens):
+    block = _block("rms_Dh_g2_bias_dtlim")
+    x, dout = _inputs()
+    ref = _run(block, lambda x: block(x, seq_idx=PACKED), x, dout)
+    got = _run(block, lambda x: tiled_block(x, block.norm, block.mixer, tile_tokens, seq_idx=PACKED), x, dout)
+    err, key = _worst(got, ref)
+    assert err <= TOL, f"packed, tiles of {tile_tokens}: {key} is {err:.2e} off the untiled block"
+
+
+def _drop_state(tile):
+    return lambda self, k, x_ext, S_in: tile(self, k, x_ext, None)
+
+
+def _drop_halo(tile):
+    def without_halo(self, k, x_ext, S_in):
+        nhalo = self.halo_rows(k)
+        x_ext = torch.cat([torch.zeros_like(x_ext[:, :nhalo]), x_ext[:, nhalo:]], dim=1)
+        return tile(self, k, x_ext, S_in)
+
+    return without_halo
+
+
+@pytest.mark.parametrize("bug", [_drop_state, _drop_halo])
+def test_negative_control_carry_lost(monkeypatch, bug):
+    block = _block("rms_Dh_g2_bias_dtlim")
+    x, dout = _inputs()
+    ref = _run(block, block, x, dout)
+    monkeypatch.setattr(tiled_block_module._Block, "tile", bug(tiled_block_module._Block.tile))
+    got = _run(block, lambda x: tiled_block(x, block.norm, block.mixer, 10), x, dout)
+    err, key = _worst(got, ref)
+    assert err > 1e-3, f"{bug.__name__}: the tiles still match the untiled block ({key} {err:.2e})"
+
+
+def test_refusals():
+    block = _block("gate_g1")
+    x, _ = _inputs()
+    with pytest.raises(TypeError, match="DistributedMamba2"):
+        tiled_block(x, block.norm, block.mixer.local_mixer, 8)
+    with pytest.raises(ValueError, match=r"block_tile_tokens\" must be a positive int.* got 0"):
+        tiled_block(x, block.norm, block.mixer, 0)
+    param = block.mixer.in_proj.weight
+    param.ds_id = 0  # what ZeRO-3 marks its partitioned parameters with
+    try:
+        with pytest.raises(ValueError, match=r"block_tile_tokens\" is 8 under ZeRO stage 3.*zero_optimization.stage"):
+            tiled_block(x, block.norm, block.mixer, 8)
+    finally:
+        del param.ds_id
+    block.mixer._group, block.mixer._group_size = object(), 2  # a resolved group of two ranks
+    with pytest.raises(ValueError, match=r"block_tile_tokens\" is 8 with a sequence-parallel group of 2 ranks"):
+        tiled_block(x, block.norm, block.mixer, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# under DeepSpeed: examples/train.py on one gloo rank
+# ---------------------------------------------------------------------------------------------
+
+STEPS = TRAIN_STEPS
+DS_TILES = 10  # 4 tiles of the 32 tokens, the last of 2 (shorter than the conv halo)
+DS_CASES = {
+    "zero2": (2, ()),
+    "zero2-tiles": (2, ("--block-tile-tokens", str(DS_TILES))),
+    "zero1-tiles": (1, ("--block-tile-tokens", str(DS_TILES))),
+    "zero3-tiles": (3, ("--block-tile-tokens", str(DS_TILES))),
+}
+
+
+def _ds_cases(rank, world):
+    train = load_train()
+    out = {}
+    for name, (stage, extra) in DS_CASES.items():
+        argv = TINY + ["--model", "mamba", "--n-layers", "2", "--activation-checkpointing", *extra]
+        args = train.parse_args(argv)
+        config = sgd_config("state_passing.json", stage)
+        config["sequence_parallel_size"] = 1  # one rank: a group of one
+        if stage < 3:
+            out[name] = [r["loss"] for r in train.run_distributed(args, config)]
+            continue
+        try:
+            train.run_distributed(args, config)
+            out[name] = "trained"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs():
+    return run_ranks(_ds_cases, 1, timeout=600)[0]
+
+
+@pytest.mark.parametrize("name", ["zero2-tiles", "zero1-tiles"])
+def test_deepspeed_tiles_train_as_untiled(deepspeed_runs, name):
+    ref, got = deepspeed_runs["zero2"], deepspeed_runs[name]
+    assert isinstance(got, list), got
+    first, last = sum(ref[:5]) / 5, sum(ref[-5:]) / 5
+    assert last < 0.95 * first, f"the untiled run did not learn (mean loss {first:.4f} -> {last:.4f}): a weak test"
+    assert len(got) == len(ref) == STEPS
+    err = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    print(f"{name}: max relative loss difference over {STEPS} steps {err:.2e}")
+    assert err <= 1e-4, f"{name}: {got} vs untiled {ref}"
+
+
+def test_deepspeed_zero3_refused(deepspeed_runs):
+    message = deepspeed_runs["zero3-tiles"]
+    assert isinstance(message, str) and "ZeRO stage 3" in message and "zero_optimization.stage" in message, message
