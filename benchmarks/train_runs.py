@@ -16,7 +16,8 @@ Presets (Mamba2 LMs, vocab 50280, d_state 128, headdim 64, expand 2, chunk 256, 
 ``mamba-130m`` d_model 768 x 24 layers; ``mamba-780m`` d_model 1536 x 48 layers; ``mamba-370m-24``
 d_model 1024 x 24 layers (the end-to-end runs' model). Long runs use activation checkpointing per block
 (DeepSpeed's), the tiled loss (8K tokens of logits at a time) and the op's tiles past the kernels' cap;
-``--offload`` keeps the checkpoints in CPU memory. The JSON (rewritten after every trial) and a Markdown
+``--offload`` keeps the checkpoints in CPU memory; ``--block-tile-tokens N`` recomputes each block in
+sequence tiles of N tokens (``ds_mamba_spcp.memory.tiled_block``). The JSON (rewritten after every trial) and a Markdown
 table land beside ``--out``.
 """
 
@@ -82,10 +83,13 @@ def trial(args, seqlen: int, workdir: str) -> dict:
         cmd += ["--activation-checkpointing", "--loss-tile", str(args.loss_tile)]
     if args.offload:
         cmd += ["--offload-activations"]
+    if args.block_tile_tokens:
+        cmd += ["--block-tile-tokens", str(args.block_tile_tokens)]
     cmd += args.extra.split()
     t0 = time.monotonic()
     rec = dict(preset=args.preset, gpus=args.gpus, mode=args.mode, seqlen=seqlen, steps=args.steps,
-               checkpointing=args.checkpointing, offload=args.offload, loss_tile=args.loss_tile)  # fmt: skip
+               checkpointing=args.checkpointing, offload=args.offload, loss_tile=args.loss_tile,
+               block_tile_tokens=args.block_tile_tokens or None)  # fmt: skip
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.trial_timeout)
         out = proc.stdout + proc.stderr
@@ -131,7 +135,10 @@ def markdown(payload: dict) -> str:
     lines += ["| preset | GPUs | mode | global L | status | step s | tokens/s | peak GiB | notes |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in payload["records"]:
-        note = "offload" if r["offload"] else ""
+        notes = (["offload"] if r["offload"] else []) + (
+            [f"block tiles {r['block_tile_tokens']:,}"] if r.get("block_tile_tokens") else []
+        )
+        note = ", ".join(notes)
         if r["status"] == "oom":
             note = "CUDA out of memory"
         elif r["status"] != "ok":
@@ -171,12 +178,21 @@ def main(argv=None):
     )
     p.add_argument("--loss-tile", type=int, default=8192)
     p.add_argument("--offload", action="store_true", help="activation checkpoints in CPU memory")
+    p.add_argument(
+        "--block-tile-tokens",
+        type=int,
+        default=0,
+        help="with --checkpointing: recompute each Mamba2 block in sequence tiles of this many tokens "
+        "(examples/train.py --block-tile-tokens; 0: off)",
+    )
     p.add_argument("--trial-timeout", type=float, default=300.0)
     p.add_argument("--time-budget", type=float, default=0.0, help="stop starting trials after this many seconds")
     p.add_argument("--git-commit", default=None)
     p.add_argument("--extra", default="", help="more examples/train.py arguments (they override the preset's)")
     p.add_argument("--out", required=True, help="JSON path (records are appended to an existing file)")
     args = p.parse_args(argv)
+    if args.block_tile_tokens < 0 or (args.block_tile_tokens and not args.checkpointing):
+        p.error("--block-tile-tokens takes a positive number of tokens, with --checkpointing")
     payload = dict(schema=SCHEMA, header=environment(args), records=[])
     if os.path.exists(args.out):
         with open(args.out) as f:
