@@ -8,7 +8,8 @@
 2. Negative controls: the state not carried to the next tile, or the conv halo dropped, must fail 1e-3.
 3. Refusals, by their messages: a group of more than one rank, ZeRO-3 parameters, a mixer of another kind.
 4. Under DeepSpeed (one gloo rank, one spawn): examples/train.py with --block-tile-tokens at ZeRO 1 and 2
-   trains step by step as the untiled run at ZeRO 2 (fp32, SGD, 20 steps, relative 1e-4 as in test_train.py:
+   (and the hybrid model on packed rows: attention blocks keep DeepSpeed's checkpoint) trains step by step as
+   the untiled run at ZeRO 2 (fp32, SGD, 20 steps, relative 1e-4 as in test_train.py:
    the sums' order drifts ~1e-6 there, while a gradient that ZeRO's hooks dropped or counted twice moves the
    loss by ~1e-2 from the first update on), and ZeRO 3 refuses.
 """
@@ -142,19 +143,26 @@ def test_refusals():
 
 STEPS = TRAIN_STEPS
 DS_TILES = 10  # 4 tiles of the 32 tokens, the last of 2 (shorter than the conv halo)
+MAMBA, HYBRID_PACKED = ("--model", "mamba", "--n-layers", "2"), ("--model", "hybrid", "--n-layers", "3", "--packed",
+                                                                  "--doc-len", "5")  # fmt: skip
+TILED = ("--block-tile-tokens", str(DS_TILES))
+# name -> (ZeRO stage, flags, the untiled case it must match)
 DS_CASES = {
-    "zero2": (2, ()),
-    "zero2-tiles": (2, ("--block-tile-tokens", str(DS_TILES))),
-    "zero1-tiles": (1, ("--block-tile-tokens", str(DS_TILES))),
-    "zero3-tiles": (3, ("--block-tile-tokens", str(DS_TILES))),
+    "zero2": (2, MAMBA, None),
+    "zero2-tiles": (2, MAMBA + TILED, "zero2"),
+    "zero1-tiles": (1, MAMBA + TILED, "zero2"),
+    # packed rows, and attention blocks (DeepSpeed's checkpoint) between tiled Mamba2 blocks
+    "hybrid-packed-zero2": (2, HYBRID_PACKED, None),
+    "hybrid-packed-zero2-tiles": (2, HYBRID_PACKED + TILED, "hybrid-packed-zero2"),
+    "zero3-tiles": (3, MAMBA + TILED, None),
 }
 
 
 def _ds_cases(rank, world):
     train = load_train()
     out = {}
-    for name, (stage, extra) in DS_CASES.items():
-        argv = TINY + ["--model", "mamba", "--n-layers", "2", "--activation-checkpointing", *extra]
+    for name, (stage, extra, _) in DS_CASES.items():
+        argv = TINY + ["--activation-checkpointing", *extra]
         args = train.parse_args(argv)
         config = sgd_config("state_passing.json", stage)
         config["sequence_parallel_size"] = 1  # one rank: a group of one
@@ -174,9 +182,9 @@ def deepspeed_runs():
     return run_ranks(_ds_cases, 1, timeout=600)[0]
 
 
-@pytest.mark.parametrize("name", ["zero2-tiles", "zero1-tiles"])
+@pytest.mark.parametrize("name", [name for name, case in DS_CASES.items() if case[2] is not None])
 def test_deepspeed_tiles_train_as_untiled(deepspeed_runs, name):
-    ref, got = deepspeed_runs["zero2"], deepspeed_runs[name]
+    ref, got = deepspeed_runs[DS_CASES[name][2]], deepspeed_runs[name]
     assert isinstance(got, list), got
     first, last = sum(ref[:5]) / 5, sum(ref[-5:]) / 5
     assert last < 0.95 * first, f"the untiled run did not learn (mean loss {first:.4f} -> {last:.4f}): a weak test"
