@@ -5,7 +5,8 @@
 One block of the 780M preset (d_model 1536, d_state 128, headdim 64, expand 2, ngroups 1, chunk 256, d_conv 4;
 48 heads, in_proj 1536 -> 6448) at L = 130,000 tokens, batch 1: tiles of 16,384 tokens (8 tiles, the last
 of 15,312, not a multiple of the chunk).
-1. Parity: the block's output, the input's gradient and every parameter's gradient, tiled in bf16 and untiled
+1. Parity, one document per row and packed rows (documents starting on a tile border, a token after one, and
+   inside tiles): the block's output, the input's gradient and every parameter's gradient, tiled in bf16 and untiled
    in bf16 (mamba-ssm's own Mamba2.forward, what a group of one runs), both against the untiled block in fp32
    on the same (bf16-rounded) weights and inputs. The tiled block must stay within 2x the untiled block's own
    distance from fp32, plus 1e-4: the bound of the GPU suite (tests/test_gpu_tiles.py): the two bf16
@@ -46,9 +47,9 @@ def _block(dtype):
     return Block(D_MODEL, DistributedMamba2(mixer, None, cfg)).to("cuda", dtype)
 
 
-def _run(block, fn, x, dout):
+def _run(block, fn, x, dout, seq_idx=None):
     x = x.clone().requires_grad_()
-    out = fn(block, x)
+    out = fn(block, x, seq_idx)
     out.backward(dout)
     got = {"out": out.detach().float(), "dx": x.grad.float()}
     for name, p in block.named_parameters():
@@ -57,14 +58,24 @@ def _run(block, fn, x, dout):
     return got
 
 
-def _untiled(block, x):
-    return block(x)
+def _untiled(block, x, seq_idx=None):
+    return block(x, seq_idx=seq_idx)
 
 
-def _tiled(block, x):
+def _tiled(block, x, seq_idx=None):
     from ds_mamba_spcp.memory import tiled_block
 
-    return tiled_block(x, block.norm, block.mixer, TILE)
+    return tiled_block(x, block.norm, block.mixer, TILE, seq_idx=seq_idx)
+
+
+def _packed_labels():
+    """Documents of the row: starts at 0, one exactly on the border of tiles 2 and 3, one a token after the
+    next border, and others inside tiles (int32 labels, one per document)."""
+    starts = [0, 9_000, 2 * TILE, 3 * TILE + 1, 70_001, 100_000, 129_990]
+    labels = torch.zeros(1, SEQLEN, dtype=torch.int32, device="cuda")
+    for s in starts[1:]:
+        labels[:, s:] += 1
+    return labels
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +89,18 @@ def blocks():
     return bf16, f32, x, dout
 
 
-def test_tiled_within_untiled_distance_from_fp32(blocks):
+@pytest.mark.parametrize("packed", [False, True], ids=["one_document", "packed"])
+def test_tiled_within_untiled_distance_from_fp32(blocks, packed):
     from tests.gpu_cases import rel
 
     bf16, f32, x, dout = blocks
-    ref = _run(f32, _untiled, x.float(), dout.float())
-    untiled = {k: rel(v, ref[k]) for k, v in _run(bf16, _untiled, x, dout).items()}
-    tiled = {k: rel(v, ref[k]) for k, v in _run(bf16, _tiled, x, dout).items()}
+    seq_idx = _packed_labels() if packed else None
+    ref = _run(f32, _untiled, x.float(), dout.float(), seq_idx)
+    untiled = {k: rel(v, ref[k]) for k, v in _run(bf16, _untiled, x, dout, seq_idx).items()}
+    tiled = {k: rel(v, ref[k]) for k, v in _run(bf16, _tiled, x, dout, seq_idx).items()}
     for k in ref:
-        print(f"L={SEQLEN} tiles of {TILE} {k}: tiled {tiled[k]:.2e}, untiled {untiled[k]:.2e} (vs fp32)")
+        print(f"L={SEQLEN} packed={packed} tiles of {TILE} {k}: tiled {tiled[k]:.2e}, untiled {untiled[k]:.2e} "
+              "(vs fp32)")  # fmt: skip
     assert max(untiled.values()) < 1e-2, f"the untiled bf16 block is not bf16 noise off fp32: {untiled}"
     bad = {k: (tiled[k], untiled[k]) for k in ref if not tiled[k] <= 2 * untiled[k] + 1e-4}
     assert not bad, f"tiled farther from fp32 than 2x untiled: {bad}"
@@ -98,7 +112,7 @@ def _backward_peak(block, fn, x, dout) -> tuple[float, float]:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = fn(block, x)
+    out = fn(block, x, None)
     torch.cuda.synchronize()
     forward = (torch.cuda.max_memory_allocated() - base) / 2**30
     base = torch.cuda.memory_allocated()
@@ -116,7 +130,7 @@ def test_tiled_block_backward_peak_lower(blocks):
 
     bf16, _, x, dout = blocks
 
-    def checkpointed(block, x):
+    def checkpointed(block, x, seq_idx=None):
         return checkpoint(block, x, use_reentrant=False)
 
     _backward_peak(bf16, _tiled, x, dout)  # warm up the kernels' autotuning outside the measurement
