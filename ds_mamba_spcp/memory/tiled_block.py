@@ -24,11 +24,16 @@ parameter gradients and one tile's graph and kernels' working set. Cost: the for
 and its backward once, as with per-block activation checkpointing; in_proj and the norm also run K-1 extra
 rows per tile.
 
-Parameter gradients reach autograd as one gradient per parameter and block, through the Function's outputs
-(the same single accumulation as the untiled block), so DeepSpeed's ZeRO 1-2 and bf16 gradient hooks fire
-once, at the end of the block's backward, as they do without tiles. Not supported (errors say so): ZeRO
-stage 3 (its parameters are partitioned between module calls), a sequence-parallel group of more than one
-rank (the shard's incoming state comes from the ranks' exchange), ``cu_seqlens``.
+The parameters are inputs of the block's autograd Function, and its backward returns their gradients summed
+over the tiles: one accumulation per parameter and block, as without tiles, so DeepSpeed's ZeRO 1-2 and bf16
+gradient hooks (post-accumulate hooks) fire once per block; the tiles' own gradients come from
+``torch.autograd.grad``, which accumulates nothing (DeepSpeed's TiledMLP instead lets every tile accumulate
+and holds the hooks back with ``ds_grad_is_ready``; the sum here is also in fp32, one rounding per block).
+
+Not supported (errors say so): ZeRO stage 3 (its parameters are partitioned between module calls), a
+sequence-parallel group of more than one rank (the shard's incoming state comes from the ranks' exchange; it
+would take a summary pass over the tiles, the exchange, then the tiles, and the reverse in backward), and
+``cu_seqlens`` (the function takes ``seq_idx``).
 """
 
 from __future__ import annotations
