@@ -11,12 +11,13 @@
    (and the hybrid model on packed rows: attention blocks keep DeepSpeed's checkpoint) trains step by step as
    the untiled run at ZeRO 2 (fp32, SGD, 20 steps, relative 1e-4 as in test_train.py:
    the sums' order drifts ~1e-6 there, while a gradient that ZeRO's hooks dropped or counted twice moves the
-   loss by ~1e-2 from the first update on), and ZeRO 3 refuses.
+   loss by ~1e-2 from the first update on); ZeRO 3 and sequence_parallel_size 2 are refused.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 import pytest
@@ -146,7 +147,7 @@ DS_TILES = 10  # 4 tiles of the 32 tokens, the last of 2 (shorter than the conv 
 MAMBA, HYBRID_PACKED = ("--model", "mamba", "--n-layers", "2"), ("--model", "hybrid", "--n-layers", "3", "--packed",
                                                                   "--doc-len", "5")  # fmt: skip
 TILED = ("--block-tile-tokens", str(DS_TILES))
-# name -> (ZeRO stage, flags, the untiled case it must match)
+# name -> (ZeRO stage, flags, the untiled case it must match, or the refusal it must raise)
 DS_CASES = {
     "zero2": (2, MAMBA, None),
     "zero2-tiles": (2, MAMBA + TILED, "zero2"),
@@ -154,8 +155,11 @@ DS_CASES = {
     # packed rows, and attention blocks (DeepSpeed's checkpoint) between tiled Mamba2 blocks
     "hybrid-packed-zero2": (2, HYBRID_PACKED, None),
     "hybrid-packed-zero2-tiles": (2, HYBRID_PACKED + TILED, "hybrid-packed-zero2"),
-    "zero3-tiles": (3, MAMBA + TILED, None),
+    "zero3-tiles": (3, MAMBA + TILED, r"block_tile_tokens\" is 10 under ZeRO stage 3.*zero_optimization.stage"),
+    # the shipped config's sequence_parallel_size 2: refused before any group is made
+    "sp2-tiles": (2, MAMBA + TILED, r"block_tile_tokens\" is 10 with sequence_parallel_size 2"),
 }
+REFUSED = {name for name, case in DS_CASES.items() if case[2] is not None and case[2] not in DS_CASES}
 
 
 def _ds_cases(rank, world):
@@ -165,8 +169,9 @@ def _ds_cases(rank, world):
         argv = TINY + ["--activation-checkpointing", *extra]
         args = train.parse_args(argv)
         config = sgd_config("state_passing.json", stage)
-        config["sequence_parallel_size"] = 1  # one rank: a group of one
-        if stage < 3:
+        if name != "sp2-tiles":
+            config["sequence_parallel_size"] = 1  # one rank: a group of one
+        if name not in REFUSED:
             out[name] = [r["loss"] for r in train.run_distributed(args, config)]
             continue
         try:
@@ -182,7 +187,7 @@ def deepspeed_runs():
     return run_ranks(_ds_cases, 1, timeout=600)[0]
 
 
-@pytest.mark.parametrize("name", [name for name, case in DS_CASES.items() if case[2] is not None])
+@pytest.mark.parametrize("name", [name for name, case in DS_CASES.items() if case[2] in DS_CASES])
 def test_deepspeed_tiles_train_as_untiled(deepspeed_runs, name):
     ref, got = deepspeed_runs[DS_CASES[name][2]], deepspeed_runs[name]
     assert isinstance(got, list), got
@@ -194,6 +199,7 @@ def test_deepspeed_tiles_train_as_untiled(deepspeed_runs, name):
     assert err <= 1e-4, f"{name}: {got} vs untiled {ref}"
 
 
-def test_deepspeed_zero3_refused(deepspeed_runs):
-    message = deepspeed_runs["zero3-tiles"]
-    assert isinstance(message, str) and "ZeRO stage 3" in message and "zero_optimization.stage" in message, message
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_deepspeed_refusals(deepspeed_runs, name):
+    message = deepspeed_runs[name]
+    assert isinstance(message, str) and re.search(DS_CASES[name][2], message), message
