@@ -129,16 +129,21 @@ def environment(args) -> dict:
     return header
 
 
+def _setting(r: dict) -> str:
+    """The memory settings of a record, as its notes say them ("" for the plain checkpointed run)."""
+    return ", ".join(
+        (["offload"] if r["offload"] else [])
+        + ([f"block tiles {r['block_tile_tokens']:,}"] if r.get("block_tile_tokens") else [])
+    )
+
+
 def markdown(payload: dict) -> str:
     h = payload["header"]
     lines = [f"# Training runs ({h.get('gpu')}, {h['date']}, commit {h.get('git_commit')})", ""]
     lines += ["| preset | GPUs | mode | global L | status | step s | tokens/s | peak GiB | notes |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in payload["records"]:
-        notes = (["offload"] if r["offload"] else []) + (
-            [f"block tiles {r['block_tile_tokens']:,}"] if r.get("block_tile_tokens") else []
-        )
-        note = ", ".join(notes)
+        note = _setting(r)
         if r["status"] == "oom":
             note = "CUDA out of memory"
         elif r["status"] != "ok":
@@ -149,13 +154,17 @@ def markdown(payload: dict) -> str:
             f"{r.get('peak_mem_gib', float('nan')):.1f} | {note[:80]} |"
         )
     ok = [r for r in payload["records"] if r["status"] == "ok"]
-    for preset in sorted({r["preset"] for r in ok}):
-        best = max((r for r in ok if r["preset"] == preset), key=lambda r: r["seqlen"])
-        peak = best["peak_mem_gib"]
-        lines += ["", f"Longest that trained, {preset}: {best['seqlen']:,} tokens ({peak:.1f} GiB peak)."]
-        pts = sorted((r["seqlen"], r["peak_mem_gib"]) for r in ok if r["preset"] == preset)
-        if len(pts) >= 2:
-            (l0, m0), (l1, m1) = pts[0], pts[-1]
+    for preset, setting in sorted({(r["preset"], _setting(r)) for r in ok}):
+        runs = [r for r in ok if r["preset"] == preset and _setting(r) == setting]
+        best = max(runs, key=lambda r: r["seqlen"])
+        label = f"{preset}" + (f" ({setting})" if setting else "")
+        lines += [
+            "",
+            f"Longest that trained, {label}: {best['seqlen']:,} tokens ({best['peak_mem_gib']:.1f} GiB peak).",
+        ]
+        pts = sorted((r["seqlen"], r["peak_mem_gib"]) for r in runs)
+        (l0, m0), (l1, m1) = pts[0], pts[-1]
+        if l1 > l0:
             lines.append(f"Peak memory grows by {(m1 - m0) / (l1 - l0) * 2**20:.1f} GiB per 1M tokens "
                          f"(from {l0:,} to {l1:,} tokens).")  # fmt: skip
     return "\n".join(lines) + "\n"
