@@ -109,6 +109,12 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     holds more tokens than one call of mamba-ssm's kernels can index (int32 offsets), so that no shard
     is refused for its length. A multiple of the chunk size runs fastest."""
 
+    cuda_graphs: bool = False
+    """A group of one on CUDA only (refused for a group of several ranks and on CPU): replay the mixer core's
+    forward and backward from CUDA graphs captured per shape on first use, which removes its host time (the
+    launches of mamba-ssm's kernels). Each live call of a shape holds one captured instance with its own
+    memory pool; see ``ds_mamba_spcp.graphs``."""
+
     def __init__(self, **data: Any) -> None:
         # DeepSpeedConfigModel.__init__(strict=False) silently drops every value equal to "auto" (a
         # HF-integration shortcut), which would turn mode="auto" into the default instead of an error,
@@ -150,6 +156,11 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
                 f"the sequence-parallel group has {cp} ranks but the config sets sequence_parallel_size "
                 f"{self.sequence_parallel_size}; pass a process group of that size or change "
                 f'"{SECTION}.sequence_parallel_size" (or the top-level "{_TOP_LEVEL_SP_SIZE}").'
+            )
+        if self.cuda_graphs and cp > 1:
+            raise ValueError(
+                f'"{SECTION}.cuda_graphs" is true but the sequence-parallel group has {cp} ranks: the op replays from '
+                "CUDA graphs on one device only (a group of one); set it to false for sequence parallelism."
             )
         modes.check_shapes(self.entry(), nheads=nheads, ngroups=ngroups, cp=cp)
 

@@ -20,6 +20,7 @@ FIELDS = (
     "check_shapes",
     "recompute_output",
     "tile_length",
+    "cuda_graphs",
 )
 
 # Every field differs from its default, and the combination is valid.
@@ -34,6 +35,7 @@ NON_DEFAULT = {
     "check_shapes": False,
     "recompute_output": True,
     "tile_length": 4096,
+    "cuda_graphs": True,
 }
 
 
@@ -65,6 +67,7 @@ def test_defaults():
         "check_shapes": True,
         "recompute_output": False,
         "tile_length": None,
+        "cuda_graphs": False,
     }
     assert_fields(MambaSequenceParallelConfig(), expected)
     assert_fields(load_mamba_sp_config(ds_config()), expected)
