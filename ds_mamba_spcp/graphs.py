@@ -69,7 +69,9 @@ class _Instance:
                     self._eager(static, strategy)
             torch.cuda.current_stream().wait_stream(side)
         self.fwd = torch.cuda.CUDAGraph()
-        with torch.set_grad_enabled(needs_grad), torch.cuda.graph(self.fwd, pool=pool):
+        # thread_local: another thread's CUDA calls (NCCL's watchdog) must not invalidate the capture
+        mode = "thread_local"
+        with torch.set_grad_enabled(needs_grad), torch.cuda.graph(self.fwd, pool=pool, capture_error_mode=mode):
             res = strategy(static)
         self.outputs = tuple(res) if isinstance(res, tuple) else (res,)
         self.tuple_result = isinstance(res, tuple)
@@ -77,7 +79,7 @@ class _Instance:
         if self.diff:
             self.grad_outputs = [torch.empty_like(o) for o in self.outputs]
             self.bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.bwd, pool=pool):
+            with torch.cuda.graph(self.bwd, pool=pool, capture_error_mode="thread_local"):
                 grads = torch.autograd.grad(self.outputs, [self.inputs[i] for i in self.diff], self.grad_outputs,
                                             allow_unused=True)  # fmt: skip
             self.grads = grads
