@@ -29,8 +29,6 @@ docs/host_time.md, "CUDA graphs".
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 _INPUTS = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "rmsnorm_weight", "initial_states",
@@ -56,7 +54,7 @@ class _Instance:
     """Static inputs, the forward (and backward) graph, their outputs and one private memory pool."""
 
     def __init__(self, call, strategy, needs_grad: bool, warm: bool):
-        self.busy = False
+        self.busy, self.generation = False, 0
         self.inputs = [None if t is None else _static_copy(t) for t in (getattr(call, k) for k in _INPUTS)]
         static = call.replace(**dict(zip(_INPUTS, self.inputs)))
         self.diff = [i for i, t in enumerate(self.inputs) if t is not None and t.requires_grad] if needs_grad else []
@@ -85,6 +83,15 @@ class _Instance:
             self.grads = grads
             self.outputs = tuple(o.detach() for o in self.outputs)  # the autograd graph is not needed any more
 
+    def take(self) -> int:
+        self.busy, self.generation = True, self.generation + 1
+        return self.generation
+
+    def release(self, generation: int) -> None:
+        """Frees the instance, unless a later call has taken it since ``generation``."""
+        if self.generation == generation:
+            self.busy = False
+
     def _eager(self, static, strategy):
         res = strategy(static)
         outs = tuple(res) if isinstance(res, tuple) else (res,)
@@ -100,28 +107,28 @@ def _static_copy(t):
 
 
 class _Release:
-    """Frees its instance for the next call when autograd drops the call's graph (or at once without one)."""
+    """Frees its call's instance when autograd drops the call's graph without a backward."""
 
-    def __init__(self, inst):
-        self.inst = inst
+    def __init__(self, inst, generation):
+        self.inst, self.generation = inst, generation
 
     def __del__(self):
-        self.inst.busy = False
+        self.inst.release(self.generation)
 
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inst, *tensors):
+    def forward(ctx, inst, generation, *tensors):
         for static, t in zip(inst.inputs, tensors):
             if static is not None:
                 static.copy_(t)
         inst.fwd.replay()
-        ctx.release, ctx.inst, ctx.done = _Release(inst), weakref.ref(inst), False
+        ctx.release, ctx.done = _Release(inst, generation), False
         return tuple(o.clone() for o in inst.outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        inst = ctx.inst()
+        inst = ctx.release.inst
         if ctx.done:
             raise RuntimeError(
                 "cuda_graphs=True replays one backward per forward (its captured backward frees what it used); a "
@@ -134,8 +141,8 @@ class _Replay(torch.autograd.Function):
         out = [None] * len(_INPUTS)
         for i, g in zip(inst.diff, inst.grads):
             out[i] = None if g is None else g.clone()
-        inst.busy = False  # what the forward left for this backward is used up: the next call may take it
-        return (None, *out)
+        inst.release(ctx.release.generation)  # what the forward left is used up: the next call may take it
+        return (None, None, *out)
 
 
 def run(call, strategy):
@@ -150,14 +157,14 @@ def run(call, strategy):
     if inst is None:
         inst = _Instance(call, strategy, needs_grad, warm=bool(entry))
         entry.append(inst)
-    inst.busy = True
+    generation = inst.take()
     if not needs_grad:
         for static, t in zip(inst.inputs, tensors):
             if static is not None:
                 static.copy_(t)
         inst.fwd.replay()
         outs = tuple(o.clone() for o in inst.outputs)
-        inst.busy = False
+        inst.release(generation)
     else:
-        outs = _Replay.apply(inst, *tensors)
+        outs = _Replay.apply(inst, generation, *tensors)
     return outs if inst.tuple_result else outs[0]

@@ -115,8 +115,8 @@ def test_negative_control_stale_inputs_differ(monkeypatch):
     _run(tA, gA, case, None, cuda_graphs=True)  # captures with A
     forward = graphs._Replay.forward
 
-    def stale(ctx, inst, *tensors):
-        return forward(ctx, inst, *inst.inputs)  # the static inputs copied onto themselves: A's values
+    def stale(ctx, inst, generation, *tensors):
+        return forward(ctx, inst, generation, *inst.inputs)  # the static inputs copied onto themselves: A's values
 
     monkeypatch.setattr(graphs._Replay, "forward", staticmethod(stale))
     got = _run(tB, gB, case, None, cuda_graphs=True)
