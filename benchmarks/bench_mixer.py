@@ -5,6 +5,8 @@ Launch one process per GPU (the group is the whole world, cp = number of process
     torchrun --nproc_per_node 2 benchmarks/bench_mixer.py --suite default --out benchmarks/results/h200x2.json
     deepspeed --num_gpus 2 benchmarks/bench_mixer.py --suite default --out ...
     torchrun --nproc_per_node 2 benchmarks/bench_mixer.py --cpu --out /tmp/bench_cpu.json   # gloo, seconds
+    python3 benchmarks/bench_mixer.py --seqlens 128K:32K,32K:8K --modes ideal,state_passing,sp_cuda_graphs
+        # one process (cp = 1): a group of one, in tiles of the length after the colon
 
 What is timed: the mixer core after in_proj and before out_proj, forward and backward
 (``torch.autograd.grad`` of the output w.r.t. zxbcdt and every parameter, with a fixed random
@@ -15,6 +17,8 @@ nheads, ngroups; cp = world size):
 
     ideal            the single-device op on one rank's share of the tokens: (batch, L/cp), all heads
     state_passing    mamba_split_conv1d_scan_sp, contiguous shards (load_balancing="none")
+    sp_cuda_graphs   the same with the op's own CUDA-graph mode (cuda_graphs=True; a group of one only): the eager
+                     timing is then the op replaying its captured forward and backward
     virtual          the same on zigzag shards, two causal segments per rank (load_balancing="virtual")
     permute_p2p      zigzag shards permuted to contiguous and back, point-to-point
     permute_a2a      the same with one all-to-all each way
@@ -62,8 +66,9 @@ SCHEMA = "ds_mamba_spcp.bench_mixer/1"
 MODES = (
     "ideal", "state_passing", "virtual", "permute_p2p", "permute_a2a", "ulysses", "ulysses_compute", "ulysses_a2a",
 )  # fmt: skip
+EXTRA_MODES = ("sp_cuda_graphs",)  # asked for by name only (--modes): not in the default list
 SP_LOAD_BALANCING = {"state_passing": "none", "virtual": "virtual", "permute_p2p": "permute_p2p",
-                     "permute_a2a": "permute_a2a"}  # fmt: skip
+                     "permute_a2a": "permute_a2a", "sp_cuda_graphs": "none"}  # fmt: skip
 K = 1024
 
 
@@ -76,10 +81,12 @@ class Cell:
     nheads: int
     ngroups: int
     docs: int = 0
+    tile: int = 0  # > 0: the state-passing modes run in tiles of this many tokens (else --tile-length)
 
     def label(self) -> str:
         packed = f" docs={self.docs}" if self.docs else ""
-        return f"L={_fmt_len(self.seqlen)} b={self.batch} h={self.nheads} g={self.ngroups}{packed}"
+        tiled = f" tile={_fmt_len(self.tile)}" if self.tile else ""
+        return f"L={_fmt_len(self.seqlen)} b={self.batch} h={self.nheads} g={self.ngroups}{packed}{tiled}"
 
 
 @dataclass(frozen=True)
@@ -242,6 +249,9 @@ def build_step(mode: str, cell: Cell, ctx: Context):
         return inp.fwd_bwd(lambda: op(*inp.args(), **inp.kwargs(), **packed))
     if mode in SP_LOAD_BALANCING:
         lb = SP_LOAD_BALANCING[mode]
+        graphed = mode == "sp_cuda_graphs"
+        if graphed and (ctx.cp > 1 or not ctx.cuda):
+            raise Skip("the op's cuda_graphs mode runs a group of one on CUDA only")
         inp = CoreInputs(cell.batch, local, cell.nheads, cell.ngroups, ctx)
         labels = packed_labels(cell, ctx, "contiguous" if lb == "none" else "zigzag")
         return inp.fwd_bwd(
@@ -252,7 +262,8 @@ def build_step(mode: str, cell: Cell, ctx: Context):
                 recompute_output=ctx.recompute_output,
                 check_shapes=ctx.check_shapes,
                 seq_idx=labels,
-                tile_length=ctx.tile_length,
+                tile_length=cell.tile or ctx.tile_length,
+                **(dict(cuda_graphs=True) if graphed else {}),
                 **inp.kwargs(),
             )
         )
@@ -281,7 +292,7 @@ def build_step(mode: str, cell: Cell, ctx: Context):
         return inp.fwd_bwd(lambda: op(*inp.args(), **inp.kwargs()))
     if mode == "ulysses_a2a":
         return _a2a_step(cell, ctx)
-    raise ValueError(f"unknown mode {mode!r}; modes are {MODES}")
+    raise ValueError(f"unknown mode {mode!r}; modes are {MODES + EXTRA_MODES}")
 
 
 def _a2a_step(cell: Cell, ctx: Context):
@@ -435,7 +446,8 @@ def _classify(e: BaseException) -> tuple[str, str]:
 def run_mode(mode: str, cell: Cell, args, ctx: Context) -> list[dict]:
     """The eager record (and the graph record with --graphs) of one mode in one cell."""
     base = dict(mode=mode, cp=ctx.cp, seqlen=cell.seqlen, batch=cell.batch, nheads=cell.nheads,
-                ngroups=cell.ngroups, docs_per_row=cell.docs, **asdict(ctx.dims), iters=args.iters,
+                ngroups=cell.ngroups, docs_per_row=cell.docs, tile_length=cell.tile or ctx.tile_length,
+                **asdict(ctx.dims), iters=args.iters,
                 warmup=args.warmup)  # fmt: skip
     flags = [False, True] if args.graphs else [False]
     records = {g: dict(base, cuda_graph=g) for g in flags}
@@ -621,7 +633,9 @@ def parse_args(argv=None):
     p.add_argument("--suite", choices=sorted(SUITES), default=None,
                    help="a named list of cells (default: 'default' on GPU, 'cpu' with --cpu); "
                         "'part1' + 'part2' = 'default' split in two device calls")  # fmt: skip
-    p.add_argument("--seqlens", default=None, help="custom cells: global seqlens, comma separated (4096 or 4K)")
+    p.add_argument("--seqlens", default=None,
+                   help="custom cells: global seqlens, comma separated (4096 or 4K); 32K:8K also sets the cell's "
+                        "tile length for the state-passing modes (else --tile-length)")  # fmt: skip
     p.add_argument("--batch", type=int, default=None, help="custom cells: batch (default 1)")
     p.add_argument("--nheads", type=int, default=None, help="custom cells: nheads (default 64; 4 with --cpu)")
     p.add_argument("--ngroups", type=int, default=None, help="custom cells: ngroups (default 8; 2 with --cpu)")
@@ -655,7 +669,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--recompute-output", action="store_true",
                    help="sp modes recompute the pre-gate output in backward (recompute_output=True)")  # fmt: skip
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma separated subset of {','.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma separated subset of {','.join(MODES + EXTRA_MODES)}")  # fmt: skip
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="also time CUDA-graph replay (default: on with CUDA, off with --cpu)")  # fmt: skip
     p.add_argument("--iters", type=int, default=10, help="timed iterations per cell (>= 10 for the issue's figures)")
@@ -679,20 +694,23 @@ def parse_args(argv=None):
             dims[k] = getattr(args, k)
     args.dims = Dims(**dims, rmsnorm=args.rmsnorm)
     if custom:
-        seqlens = [_parse_len(s) for s in (args.seqlens or ("64,128" if args.cpu else "8K")).split(",")]
+        specs = [s.split(":") for s in (args.seqlens or ("64,128" if args.cpu else "8K")).split(",")]
+        if any(len(sp) > 2 for sp in specs):
+            p.error("--seqlens takes LEN or LEN:TILE, comma separated")
         nheads = args.nheads or (4 if args.cpu else 64)
         ngroups = args.ngroups or (2 if args.cpu else 8)
-        args.cells = [Cell(L, args.batch or 1, nheads, ngroups) for L in seqlens]
+        args.cells = [Cell(_parse_len(sp[0]), args.batch or 1, nheads, ngroups, tile=_parse_len(sp[1]) if len(sp) > 1
+                           else 0) for sp in specs]  # fmt: skip
     else:
         args.cells = SUITES[args.suite or ("cpu" if args.cpu else "default")]
     docs = [int(d) for d in str(args.docs_per_row).split(",") if d.strip()]
     if any(d < 0 for d in docs):
         p.error("--docs-per-row takes counts >= 0")
-    args.cells = [Cell(c.seqlen, c.batch, c.nheads, c.ngroups, d) for c in args.cells for d in docs]
+    args.cells = [Cell(c.seqlen, c.batch, c.nheads, c.ngroups, d, c.tile) for c in args.cells for d in docs]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in args.modes if m not in MODES]
+    unknown = [m for m in args.modes if m not in MODES + EXTRA_MODES]
     if unknown:
-        p.error(f"unknown modes {unknown}; choose from {','.join(MODES)}")
+        p.error(f"unknown modes {unknown}; choose from {','.join(MODES + EXTRA_MODES)}")
     if args.graphs is None:
         args.graphs = not args.cpu and not args.shared_gpu
     if args.shared_gpu and (args.cpu or args.graphs):
@@ -702,10 +720,21 @@ def parse_args(argv=None):
     return args
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init(args) -> Context:
     import deepspeed.comm as dist
 
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    launch = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not any(k in os.environ for k in launch):  # a plain `python3 bench_mixer.py`: one process, cp = 1
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    for k in launch:
         if k not in os.environ:
             raise SystemExit(f"{k} is not set: launch with torchrun --nproc_per_node N (or the deepspeed launcher)")
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])

@@ -6,9 +6,13 @@ run the same steps unprofiled so that the collectives pair up):
 
     torchrun --nproc_per_node 2 benchmarks/profile_host.py --seqlen 8K --modes ideal,state_passing
     torchrun --nproc_per_node 2 benchmarks/profile_host.py --cpu      # gloo, reference backend
+    python3 benchmarks/profile_host.py --seqlen 32K --tile-length 8K --kernels   # one process: a group of one in tiles
 
 Writes ``<out>/host_<mode>.txt`` (top functions by own time and by cumulative time) and prints a
-line per mode: host ms per step with and without the profiler.
+line per mode: host ms per step with and without the profiler. ``--kernels`` (CUDA) also writes
+``<out>/kernels_<mode>.txt`` (GPU time per kernel) and ``<out>/launches_<mode>.txt``: every kernel launched
+in one step, in launch order, forward and backward apart, with the counts per segment (a tile, or a
+rank's segment) by kernel.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def parse_args(argv=None):
         help="every rank on cuda:0 through gloo (kernel lists only: timings mean nothing)",
     )
     p.add_argument("--docs-per-row", type=int, default=0, help="packed rows of this many documents (0: unpacked)")
+    p.add_argument("--tile-length", default=None, help="the state-passing modes run in tiles of this many tokens")
     args = p.parse_args(argv)
     # bench_mixer's own defaults (dims, backend, timeout) for the rest
     bm_argv = ["--cpu"] if args.cpu else []
@@ -51,6 +56,8 @@ def parse_args(argv=None):
     bm_argv += ["--recompute-output"] if args.recompute_output else []
     bm_argv += ["--shared-gpu"] if args.shared_gpu else []
     bm_argv += ["--docs-per-row", str(args.docs_per_row)]
+    if args.tile_length:
+        bm_argv += ["--tile-length", str(bm._parse_len(args.tile_length))]
     return args, bm.parse_args(bm_argv)
 
 
@@ -69,6 +76,65 @@ def _kernel_table(step, mode, cell, ctx, args):
         tag = f"_docs{args.docs_per_row}" if args.docs_per_row else ""
         with open(os.path.join(args.out, f"kernels_{mode}{tag}.txt"), "w") as f:
             f.write(f"{mode} {cell.label()} cp={ctx.cp}: totals over {steps} steps\n{table}\n")
+
+
+def _segments(mode, cell, ctx) -> int:
+    """Causal segments per rank of one step: the tiles of the rank's segments, or its segments."""
+    local = cell.seqlen // ctx.cp
+    nseg = 2 if mode == "virtual" else 1
+    tile = ctx.tile_length if mode in bm.SP_LOAD_BALANCING else None
+    return nseg * (-(-(local // nseg) // tile) if tile else 1)
+
+
+def _launch_lists(mode, cell, ctx, args):
+    """Every kernel one step launches, in order, forward and backward apart (``<out>/launches_<mode>.txt``)."""
+    import collections
+
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    fwd_bwd = bm.CoreInputs.fwd_bwd
+
+    def marked(self, forward):
+        def step():
+            with record_function("bench::forward"):
+                out = forward()
+            with record_function("bench::backward"):
+                return torch.autograd.grad(out, self.leaves, self.dout)
+
+        return step
+
+    bm.CoreInputs.fwd_bwd = marked
+    try:
+        step = bm.build_step(mode, cell, ctx)
+    finally:
+        bm.CoreInputs.fwd_bwd = fwd_bwd
+    step()
+    torch.cuda.synchronize()
+    bm._dist().barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    if ctx.rank != 0:
+        return
+    events = prof.events()
+    ranges = {e.name: e.time_range for e in events if e.name in ("bench::forward", "bench::backward")}
+    lists = {name: [] for name in ranges}
+    for e in sorted((e for e in events if e.kernels), key=lambda e: e.time_range.start):
+        for name, r in ranges.items():
+            if r.start <= e.time_range.start <= r.end:
+                lists[name] += [k.name for k in e.kernels]
+    segments = _segments(mode, cell, ctx)
+    with open(os.path.join(args.out, f"launches_{mode}.txt"), "w") as f:
+        f.write(f"{mode} {cell.label()} cp={ctx.cp} tile_length={ctx.tile_length}: {segments} segment(s) per rank\n")
+        for name in ("bench::forward", "bench::backward"):
+            names = lists.get(name, [])
+            f.write(f"\n=== {name[7:]}: {len(names)} launches, {len(names) / segments:.1f} per segment ===\n")
+            for kernel, n in collections.Counter(names).most_common():
+                f.write(f"{n / segments:7.2f} per segment  {n:5d}  {kernel[:110]}\n")
+            f.write("\n--- in launch order ---\n" + "\n".join(k[:110] for k in names) + "\n")
+    print(f"{mode}: " + ", ".join(f"{n[7:]} {len(lists.get(n, [])) / segments:.1f} launches/segment"
+                                  for n in ("bench::forward", "bench::backward")), flush=True)  # fmt: skip
 
 
 def main(argv=None):
@@ -109,6 +175,7 @@ def main(argv=None):
             print(f"{mode}: host {plain_ms:.2f} ms/step ({profiled_ms:.2f} under cProfile)", flush=True)
         if args.kernels and ctx.cuda:
             _kernel_table(step, mode, cell, ctx, args)
+            _launch_lists(mode, cell, ctx, args)
         del step
         if ctx.cuda:
             torch.cuda.empty_cache()

@@ -95,6 +95,7 @@ class Options:
     backend: str = "auto"  # ops.BACKENDS
     check_shapes: bool = True
     tile_length: int | None = None  # run each segment in tiles of this many tokens (None: only past the kernels' cap)
+    cuda_graphs: bool = False  # a group of one on CUDA: replay forward and backward from CUDA graphs (graphs.py)
 
     @property
     def entry(self) -> modes.Entry:
@@ -197,7 +198,7 @@ def from_arguments(arguments: dict, *, what: str) -> MixerCall:
     if args.get("input_layout") is None:
         args["input_layout"] = modes.default_layout(args.get("mode", modes.STATE_PASSING),
                                                     args.get("load_balancing", modes.NONE))  # fmt: skip
-    for key in ("return_final_states", "recompute_output", "overlap_comm", "check_shapes"):
+    for key in ("return_final_states", "recompute_output", "overlap_comm", "check_shapes", "cuda_graphs"):
         if key in args:
             args[key] = bool(args[key])
     return prepare(zxbcdt, core, process_group=group, options=Options(**args), what=what, **data)
@@ -225,6 +226,12 @@ def _check_options(options: Options, spec: CoreSpec, cp: int, local_seqlen: int)
         entry, nheads=spec.nheads, ngroups=spec.ngroups, cp=cp, local_seqlen=local_seqlen,
         input_layout=options.input_layout, d_conv=spec.d_conv,
     )  # fmt: skip
+    if options.cuda_graphs and cp > 1:
+        raise ValueError(
+            f"cuda_graphs=True replays the op from CUDA graphs on one device only, but the sequence-parallel group "
+            f"has {cp} ranks (its collectives are not captured); pass cuda_graphs=False (or set "
+            '"mamba_sequence_parallel.cuda_graphs": false), or capture the whole training step yourself'
+        )
 
 
 def _check_params(zxbcdt, conv1d_bias, dt_bias, A, rmsnorm_weight, initial_states, spec: CoreSpec) -> None:
@@ -323,6 +330,7 @@ def _descriptor(zxbcdt, core: MixerCore, options: Options, initial_states, seq_i
         ("overlap_comm", options.overlap_comm),
         ("backend", BACKENDS.index(options.backend) if options.backend in BACKENDS else 9),
         ("tile_length", -1 if not isinstance(options.tile_length, int) else options.tile_length),
+        ("cuda_graphs", bool(options.cuda_graphs)),
         ("seq_idx", seq_idx is not None),
         ("cu_seqlens", cu_seqlens is not None),
         ("cu_seqlens.len", cu_len),
@@ -487,6 +495,11 @@ def prepare(
         spec = core.spec(zxbcdt)
         _check_params(zxbcdt, core.conv1d_bias, core.dt_bias, core.A, core.rmsnorm_weight, initial_states, spec)
         _check_options(options, spec, cp, zxbcdt.shape[1])
+        if options.cuda_graphs and device.type != "cuda":
+            raise ValueError(
+                f"cuda_graphs=True needs CUDA tensors, got them on {device}; pass cuda_graphs=False (or set "
+                '"mamba_sequence_parallel.cuda_graphs": false) on CPU'
+            )
         if seq_idx is not None and cu_seqlens is not None:
             raise ValueError("pass seq_idx or cu_seqlens, not both (they describe the same documents)")
         if seq_idx is not None:

@@ -117,6 +117,11 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     the untiled ones). The wrapper does not act on it: a model's block calls ``tiled_block`` with it in place of
     its checkpoint function (``examples/model.py``). ``None`` (default): off. Needs a sequence-parallel group of
     one rank and ZeRO stage 0-2 (``tiled_block`` refuses the others, naming this key)."""
+    cuda_graphs: bool = False
+    """A group of one on CUDA only (refused for a group of several ranks and on CPU): replay the mixer core's
+    forward and backward from CUDA graphs captured per shape on first use, which removes its host time (the
+    launches of mamba-ssm's kernels). Each live call of a shape holds one captured instance with its own
+    memory pool; see ``ds_mamba_spcp.graphs``."""
 
     def __init__(self, **data: Any) -> None:
         # DeepSpeedConfigModel.__init__(strict=False) silently drops every value equal to "auto" (a
@@ -159,6 +164,11 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
                 f"the sequence-parallel group has {cp} ranks but the config sets sequence_parallel_size "
                 f"{self.sequence_parallel_size}; pass a process group of that size or change "
                 f'"{SECTION}.sequence_parallel_size" (or the top-level "{_TOP_LEVEL_SP_SIZE}").'
+            )
+        if self.cuda_graphs and cp > 1:
+            raise ValueError(
+                f'"{SECTION}.cuda_graphs" is true but the sequence-parallel group has {cp} ranks: the op replays from '
+                "CUDA graphs on one device only (a group of one); set it to false for sequence parallelism."
             )
         modes.check_shapes(self.entry(), nheads=nheads, ngroups=ngroups, cp=cp)
 

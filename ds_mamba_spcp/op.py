@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_mamba_spcp import group_of_one, modes, permute, state_passing, ulysses
+from ds_mamba_spcp import graphs, group_of_one, modes, permute, state_passing, ulysses
 from ds_mamba_spcp.call import MixerCall, from_arguments
 
 STRATEGIES = {modes.STATE_PASSING: state_passing.run, modes.ULYSSES: ulysses.run}
@@ -37,7 +37,7 @@ def run(call: MixerCall):
         call = call.replace(zxbcdt=projections.in_proj(projections.hidden), projections=None)
     strategy = group_of_one.run if call.cp == 1 else STRATEGIES[call.entry.strategy]
     with torch.autocast(device_type=call.zxbcdt.device.type, enabled=False):
-        res = strategy(call)
+        res = graphs.run(call, strategy) if call.options.cuda_graphs else strategy(call)
     out, final_states = res if call.options.return_final_states else (res, None)
     if projections is not None:
         out = projections.out_proj(out)
@@ -82,6 +82,7 @@ def mamba_split_conv1d_scan_sp(
     check_shapes=True,
     recompute_output=False,
     tile_length=None,
+    cuda_graphs=False,
 ):
     """Mamba2 mixer core (conv1d + SSD + gating) on this rank's shard of a sequence, by state passing.
 
@@ -131,6 +132,8 @@ def mamba_split_conv1d_scan_sp(
     this many tokens with the state carried through (``ops/tiles.py``). None (default): only where a
     segment holds more tokens than one call of mamba-ssm's kernels can index (int32 offsets), so that
     no shard length is refused; a group of one then runs the whole row in tiles.
+    cuda_graphs: a group of one on CUDA only: the first call of a shape captures its forward and backward in
+    CUDA graphs, later calls replay them (``ds_mamba_spcp.graphs``: what it costs, what it refuses).
     """
     return run(from_arguments(locals(), what="mamba_split_conv1d_scan_sp"))
 
@@ -160,6 +163,7 @@ def mamba_split_conv1d_scan_ulysses(
     backend="auto",
     check_shapes=True,
     tile_length=None,
+    cuda_graphs=False,
 ):
     """Mamba2 mixer core on this rank's shard of a sequence, by all-to-all head sharding.
 
@@ -186,6 +190,6 @@ def mamba_split_conv1d_scan_ulysses(
     is mamba-ssm's own op (Triton) or its plain-PyTorch twin, which keeps the pre-gate output for
     backward: there is no recompute_output here, and nothing to overlap the all-to-alls with. Where the
     gathered row holds more tokens than one kernel call can index (or with ``tile_length``), it runs as
-    tiles (``ops/tiles.py``).
+    tiles (``ops/tiles.py``). cuda_graphs: as for ``mamba_split_conv1d_scan_sp`` (a group of one only).
     """
     return run(from_arguments(dict(locals(), mode=modes.ULYSSES), what="mamba_split_conv1d_scan_ulysses"))

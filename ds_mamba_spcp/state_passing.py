@@ -39,7 +39,7 @@ from ds_mamba_spcp import comm, layout, modes, scan
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops import tiles as tiling
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import drive_bwd, drive_fwd
+from ds_mamba_spcp.ops.segment import Ready, drive_bwd, drive_fwd
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 
@@ -104,6 +104,11 @@ class _HaloExchange:
         self.plan, self.width, self.labels = plan, width, labels
         self.value = self.mask = self.start0 = None
         self._handle = None
+        if plan.cp == 1 and plan.nlocal == 1:
+            # the lone segment of a group of one has no predecessor: no halo (the conv starts from zero, as
+            # from a zero halo), nothing begins a document at its start, nothing to exchange
+            self._done = True
+            return
         parts = []
         if width > 1:
             parts.append(plan.split(xBC[:, -(width - 1) :]))  # [nlocal, b, K-1, conv_dim]
@@ -191,10 +196,24 @@ class _SummaryExchange:
         """Zeroes what reaches a segment that begins a document (the incoming state stops there)."""
         return t if self.start0 is None else t * (~self.start0).to(t.dtype)[:, None, None, None]
 
+    @property
+    def _alone(self) -> bool:
+        """The lone segment of a group of one: S_in is the initial state, nothing is gathered or scanned."""
+        return self.plan.cp == 1 and self.plan.nlocal == 1
+
     def post(self, S_ext, log_a):
         """S_ext (b*nlocal, h, p, n), log_a (b*nlocal, h), both fp32 or wider."""
         cdtype = torch.promote_types(S_ext.dtype, torch.float32)
         S_ext, log_a = S_ext.to(cdtype), log_a.to(cdtype)
+        if self._alone:
+            # the one-segment scan, term for term: S_in = initial (or 0), final = a * initial + S_ext
+            self.log_a_all = log_a[None]
+            if self.initial_states is None:
+                self.S_in, self.final_states = torch.zeros_like(S_ext), S_ext
+            else:
+                self.S_in = self.initial_states.to(cdtype)
+                self.final_states = S_ext + torch.exp(log_a)[:, :, None, None] * self.S_in
+            return Ready(self.S_in)
         if self.start0 is not None:
             log_a = torch.where(self.start0[:, None], float("-inf"), log_a)
         numel = S_ext[0].numel()
@@ -214,6 +233,14 @@ class _SummaryExchange:
     def post_grad(self, L):
         """L (b*nlocal, h, p, n): gradient reaching the incoming states from this rank's outputs."""
         cdtype = torch.promote_types(L.dtype, torch.float32)
+        if self._alone:
+            L = L.to(cdtype)
+            if self.dfinal_states is None:
+                self.dinitial_states = L
+                return Ready(torch.zeros_like(L))
+            dS_out = self.dfinal_states.to(cdtype)
+            self.dinitial_states = L + torch.exp(self.log_a_all[0].to(cdtype))[:, :, None, None] * dS_out
+            return Ready(dS_out)
         L = self.plan.split(self._keep(L.to(cdtype)))
         if self.dfinal_states is not None:
             # final_states is returned on every rank: the gradients that reach its copies add up

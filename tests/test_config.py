@@ -21,6 +21,7 @@ FIELDS = (
     "recompute_output",
     "tile_length",
     "block_tile_tokens",
+    "cuda_graphs",
 )
 
 # Every field differs from its default, and the combination is valid.
@@ -36,6 +37,7 @@ NON_DEFAULT = {
     "recompute_output": True,
     "tile_length": 4096,
     "block_tile_tokens": 8192,
+    "cuda_graphs": True,
 }
 
 
@@ -68,6 +70,7 @@ def test_defaults():
         "recompute_output": False,
         "tile_length": None,
         "block_tile_tokens": None,
+        "cuda_graphs": False,
     }
     assert_fields(MambaSequenceParallelConfig(), expected)
     assert_fields(load_mamba_sp_config(ds_config()), expected)

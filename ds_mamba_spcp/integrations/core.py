@@ -29,7 +29,7 @@ def options_of(config: MambaSequenceParallelConfig) -> Options:
     return Options(
         mode=c.mode, load_balancing=c.load_balancing, input_layout=c.input_layout,
         recompute_output=c.recompute_output, overlap_comm=c.overlap_comm, backend=c.backend,
-        check_shapes=c.check_shapes, tile_length=c.tile_length,
+        check_shapes=c.check_shapes, tile_length=c.tile_length, cuda_graphs=c.cuda_graphs,
     )  # fmt: skip
 
 

@@ -117,11 +117,15 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec,
     tiles' incoming states and decays ("S_in", "log_a": lists per row group) for segment_bwd; the kept
     y is a list with one entry per tile."""
     chains = _chains(zxbcdt, halo, seq_idx, spec, tiles)
+    out = torch.empty(*zxbcdt.shape[:2], spec.d_inner, dtype=zxbcdt.dtype, device=zxbcdt.device)
+    # a backend that can writes each tile's output into its view of out (no copy afterwards)
+    into = getattr(backend, "WRITES_INTO", False)
     gens, summaries = [], []
     for ch in chains:
         for k, (s, e) in enumerate(ch.spans):
+            extra = dict(out=out[ch.r0 : ch.r1, s:e]) if into else {}
             gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
-                                      keep_y=keep_y)  # fmt: skip
+                                      keep_y=keep_y, **extra)  # fmt: skip
             S_ext, log_a = next(gen)
             gens.append(gen)
             summaries.append((S_ext, ch.log_a(k, log_a)))
@@ -131,14 +135,13 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec,
         acc, total = None, None
         for _ in ch.spans:
             S_ext, log_a = summaries[i]
-            acc = S_ext if acc is None else _decay(log_a) * acc + S_ext
+            acc = S_ext if acc is None else torch.addcmul(S_ext, _decay(log_a), acc)
             total = log_a if total is None else total + log_a
             i += 1
         S_ext_rows.append(acc)
         log_a_rows.append(total)
-    handle = yield torch.cat(S_ext_rows), torch.cat(log_a_rows)
+    handle = yield _cat(S_ext_rows), _cat(log_a_rows)
     S_in_all = handle.wait()
-    out = torch.empty(*zxbcdt.shape[:2], spec.d_inner, dtype=zxbcdt.dtype, device=zxbcdt.device)
     ys, i = [], 0
     saved["S_in"], saved["log_a"] = [], []
     for ch in chains:
@@ -148,11 +151,12 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec,
             S_ext, log_a = summaries[i]
             S_in = ch.keep(k, state)
             tile_out, y = _finish(gens[i], Ready(S_in))
-            out[ch.r0 : ch.r1, s:e] = tile_out
+            _put(out[ch.r0 : ch.r1, s:e], tile_out)
             ys.append(y)
             states.append(S_in)
             decays.append(log_a)
-            state = _decay(log_a) * S_in + S_ext
+            if k + 1 < len(ch.spans):
+                state = torch.addcmul(S_ext, _decay(log_a), S_in)
             i += 1
         saved["S_in"].append(states)
         saved["log_a"].append(decays)
@@ -165,12 +169,16 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
     holding the list of the tiles' kept y (or nothing)."""
     chains = _chains(zxbcdt, halo, seq_idx, spec, tiles)
     ys = kept.pop() if kept else None
+    dzxbcdt = torch.empty_like(zxbcdt)
+    into = getattr(backend, "WRITES_INTO", False)  # each tile's gradient lands in its view of dzxbcdt
     gens, Ls, i = [], [], 0
     for c, ch in enumerate(chains):
         for k, (s, e) in enumerate(ch.spans):
             tile_kept = [ys[i]] if ys is not None and ys[i] is not None else None
+            extra = dict(dzxbcdt=dzxbcdt[ch.r0 : ch.r1, s:e]) if into else {}
             gen = backend.segment_bwd(dout[ch.r0 : ch.r1, s:e], ch.zx[:, s:e], _halo_value(ch, k), *params,
-                                      saved["S_in"][c][k], spec=spec, seq_idx=ch.labels[k], kept=tile_kept)  # fmt: skip
+                                      saved["S_in"][c][k], spec=spec, seq_idx=ch.labels[k], kept=tile_kept,
+                                      **extra)  # fmt: skip
             gens.append(gen)
             Ls.append(ch.keep(k, next(gen)))
             i += 1
@@ -181,12 +189,11 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
         acc = None
         for k in reversed(range(len(ch.spans))):
             L = Ls[i + k]
-            acc = L if acc is None else L + _decay(saved["log_a"][c][k]).to(L.dtype) * acc
+            acc = L if acc is None else torch.addcmul(L, _decay(saved["log_a"][c][k]).to(L.dtype), acc)
         L_rows.append(acc)
         i += len(ch.spans)
-    handle = yield torch.cat(L_rows)
+    handle = yield _cat(L_rows)
     dS_out_all = handle.wait()
-    dzxbcdt = torch.empty_like(zxbcdt)
     dparams = None
     dhalo_rows = []
     xbc = slice(spec.d_inner, spec.d_inner + spec.conv_dim)
@@ -202,20 +209,30 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
             gen = gens[i + k]
             dhalo = gen.send(Ready(grad))
             tile_grads = _finish(gen, None)
-            dzxbcdt[ch.r0 : ch.r1, s:e] = tile_grads[0]
+            _put(dzxbcdt[ch.r0 : ch.r1, s:e], tile_grads[0])
             if carry is not None:
                 dzxbcdt[ch.r0 : ch.r1, e - (K - 1) : e, xbc] += carry.to(dzxbcdt.dtype)
             dparams = _add(dparams, tile_grads[1:])
             if k > 0:
                 carry = None if dhalo is None else _masked(dhalo, ch.masks[k])
                 # the gradient reaching tile k-1's end: what tile k's outputs send, and what passes through tile k
-                grad = Ls[i + k] + _decay(saved["log_a"][c][k]).to(grad.dtype) * grad
+                grad = torch.addcmul(Ls[i + k], _decay(saved["log_a"][c][k]).to(grad.dtype), grad)
             else:
                 first_dhalo = dhalo
         dhalo_rows.append(first_dhalo)
         i += n
     yield None if dhalo_rows[0] is None else torch.cat(dhalo_rows)
     return (dzxbcdt, *dparams)
+
+
+def _cat(rows):
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+def _put(view, value):
+    """Copies a tile's result into its view of the whole, unless the backend wrote it there already."""
+    if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
+        view.copy_(value)
 
 
 def _halo_value(ch: _Chain, k: int):

@@ -47,7 +47,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from einops import rearrange
 
 from ds_mamba_spcp import _upstream
 from ds_mamba_spcp.autograd import first_order_only
@@ -127,7 +126,7 @@ def _silu(spec: CoreSpec) -> bool:
 
 def _conv_layout(t):
     """(batch, seqlen, dim) -> (batch, dim, seqlen) with stride(1) == 1, as causal-conv1d wants it."""
-    return rearrange(_combined.ensure_stride(t), "b s d -> b d s")
+    return _combined.ensure_stride(t).transpose(1, 2)
 
 
 def _halo_layout(halo):
@@ -139,7 +138,7 @@ def _conv_fwd(xBC, halo, conv1d_weight, conv1d_bias, spec: CoreSpec, seq_idx=Non
     out = _conv_fwd_fn(
         _conv_layout(xBC), conv1d_weight, conv1d_bias, seq_idx, _halo_layout(halo), None, _silu(spec)
     )  # fmt: skip
-    return rearrange(out, "b d s -> b s d")
+    return out.transpose(1, 2)
 
 
 def _ready(halo):
@@ -149,10 +148,11 @@ def _ready(halo):
 
 def _split_xBC(xBC, spec: CoreSpec):
     x, B, C = torch.split(xBC, [spec.d_inner, spec.ngroups * spec.dstate, spec.ngroups * spec.dstate], dim=-1)
-    x = rearrange(x, "b l (h p) -> b l h p", p=spec.headdim)
-    B = rearrange(B, "b l (g n) -> b l g n", g=spec.ngroups)
-    C = rearrange(C, "b l (g n) -> b l g n", g=spec.ngroups)
-    return x, B, C
+    return (
+        x.unflatten(-1, (spec.nheads, spec.headdim)),
+        B.unflatten(-1, (spec.ngroups, spec.dstate)),
+        C.unflatten(-1, (spec.ngroups, spec.dstate)),
+    )
 
 
 def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec, seq_idx=None):
@@ -167,7 +167,7 @@ def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: Cor
     B = B if B.stride(-1) == 1 else B.contiguous()
     C = C if C.stride(-1) == 1 else C.contiguous()
     x = x if x.stride(-1) == 1 or x.stride(1) == 1 else x.contiguous()
-    z = rearrange(z, "b l (h p) -> b l h p", p=spec.headdim)
+    z = z.unflatten(-1, (spec.nheads, spec.headdim))
     z = z if z.stride(-1) == 1 or z.stride(1) == 1 else z.contiguous()
     chunk_states = _chunk_state._chunk_state_fwd(B, x, dt, dA_cumsum, seq_idx=seq_idx, states_in_fp32=True)
     return z, xBC, dt_raw, x, B, C, dt, dA_cumsum, chunk_states  # chunk_states: [b, c, h, p, n] fp32
@@ -175,24 +175,24 @@ def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: Cor
 
 def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None, seq_idx=None, chunk_size=None):
     """States entering every chunk (out_dtype) and the state after the last one (fp32)."""
-    flat = rearrange(chunk_states, "b c h p n -> b c h (p n)")
-    init = None if initial_states is None else rearrange(initial_states, "b h p n -> b h (p n)")
+    flat = chunk_states.flatten(-2)
+    init = None if initial_states is None else initial_states.flatten(-2)
     prev, final = _state_passing._state_passing_fwd(
         flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
         out_dtype=out_dtype,
     )  # fmt: skip
-    dstate = chunk_states.shape[-1]
-    return rearrange(prev, "b c h (p n) -> b c h p n", n=dstate), rearrange(final, "b h (p n) -> b h p n", n=dstate)
+    p, n = chunk_states.shape[-2:]
+    return prev.unflatten(-1, (p, n)), final.unflatten(-1, (p, n))
 
 
 @triton.jit
 def _fold_chunks_kernel(
-    x_ptr, dA_ptr, out_ptr, seq_idx_ptr, nchunks, dim, seqlen, chunk_size,
+    x_ptr, dA_ptr, out_ptr, seq_idx_ptr, log_a_ptr, nchunks, dim, seqlen, chunk_size,
     stride_x_b, stride_x_c, stride_x_h, stride_x_d,
     stride_dA_b, stride_dA_h, stride_dA_c,
     stride_out_b, stride_out_h, stride_out_d,
-    stride_seq_b, stride_seq_l,
-    REVERSE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, BLOCK: tl.constexpr,
+    stride_seq_b, stride_seq_l, stride_la_b, stride_la_h,
+    REVERSE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, LOG_A: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_b, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -201,9 +201,12 @@ def _fold_chunks_kernel(
     dA_ptr += pid_b * stride_dA_b + pid_h * stride_dA_h
     seq_idx_ptr += pid_b * stride_seq_b
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    total = tl.zeros((1,), dtype=tl.float32)
     for i in range(nchunks):
         c = nchunks - 1 - i if REVERSE else i
-        scale = tl.exp(tl.load(dA_ptr + c * stride_dA_c).to(tl.float32))
+        log_decay = tl.load(dA_ptr + c * stride_dA_c).to(tl.float32)
+        total += log_decay
+        scale = tl.exp(log_decay)
         if HAS_SEQ_IDX:
             # the carry crosses chunk c only if its last token is in the document the carry belongs to
             # (the one the previous chunk ended in; label 0 before the first chunk), as in mamba-ssm
@@ -212,9 +215,17 @@ def _fold_chunks_kernel(
             scale = tl.where(last == prev, scale, 0.0)
         acc = scale * acc + tl.load(x_ptr + c * stride_x_c, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + pid_b * stride_out_b + pid_h * stride_out_h + offs * stride_out_d, acc, mask=mask)
+    if LOG_A:
+        # the segment's total log-decay, -inf where a document starts inside (canonical labels: the last
+        # token's label is not 0): the incoming state never reaches the end
+        if HAS_SEQ_IDX:
+            ends_inside = tl.load(seq_idx_ptr + (seqlen - 1) * stride_seq_l + tl.zeros((1,), dtype=tl.int32)) != 0
+            total = tl.where(ends_inside, float("-inf"), total)
+        one = tl.arange(0, 1)
+        tl.store(log_a_ptr + pid_b * stride_la_b + pid_h * stride_la_h + one, total, mask=(one + pid_m) == 0)
 
 
-def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None):
+def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, log_a=False):
     """acc <- s_c * acc + x[c] over the chunks, from zero; fp32 (b, h, p, n).
 
     x: (b, c, h, p, n) per-chunk values; dA_last: (b, h, c) each chunk's total log-decay; s_c =
@@ -225,38 +236,126 @@ def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None):
     state entering the segment when its end receives none, L. The same recurrences, in the same
     order and precision, as mamba-ssm's _state_passing_fwd (final_states) and _state_passing_bwd
     (dinitial_states), but the per-chunk outputs those write and we would throw away are never
-    stored: one read of x.
+    stored: one read of x. log_a=True: also returns the segment's total log-decay (b, h) fp32 from
+    the same launch, the sum of dA_last over the chunks (-inf for a row whose labels end past 0).
     """
     b, nchunks, h, p, n = x.shape
     flat = x.reshape(b, nchunks, h, p * n)
     out = torch.empty(b, h, p * n, device=x.device, dtype=torch.float32)
+    total = torch.empty(b, h, device=x.device, dtype=torch.float32) if log_a else out
     block = min(512, triton.next_power_of_2(p * n))
     grid = (triton.cdiv(p * n, block), b, h)
     has_seq = seq_idx is not None
     seq_strides = seq_idx.stride() if has_seq else (0, 0)
     with torch.cuda.device(x.device.index):
         _fold_chunks_kernel[grid](
-            flat, dA_last, out, seq_idx if has_seq else flat, nchunks, p * n,
+            flat, dA_last, out, seq_idx if has_seq else flat, total, nchunks, p * n,
             seq_idx.shape[1] if has_seq else 0, chunk_size if has_seq else 0,
-            *flat.stride(), *dA_last.stride(), *out.stride(), *seq_strides,
-            REVERSE=reverse, HAS_SEQ_IDX=has_seq, BLOCK=block, num_warps=4,
+            *flat.stride(), *dA_last.stride(), *out.stride(), *seq_strides, *(total.stride() if log_a else (0, 0)),
+            REVERSE=reverse, HAS_SEQ_IDX=has_seq, LOG_A=log_a, BLOCK=block, num_warps=4,
         )  # fmt: skip
-    return out.view(b, h, p, n)
+    return (out.view(b, h, p, n), total) if log_a else out.view(b, h, p, n)
+
+
+@triton.jit
+def _ddA_tail_kernel(
+    ddA_ptr, next_ptr, prev_ptr, chunk_ptr, chunk_size,
+    stride_b, stride_h, stride_c, stride_l,
+    stride_n_b, stride_n_h, stride_n_c, stride_n_l,
+    stride_p_b, stride_p_h, stride_p_c, stride_p_l,
+    stride_k_b, stride_k_h, stride_k_c,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid_b, pid_h, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < chunk_size
+    prev = tl.load(prev_ptr + pid_b * stride_p_b + pid_h * stride_p_h + pid_c * stride_p_c + offs * stride_p_l,
+                   mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+    last = tl.load(chunk_ptr + pid_b * stride_k_b + pid_h * stride_k_h + pid_c * stride_k_c).to(tl.float32)
+    prev = tl.where(offs == chunk_size - 1, prev + last, prev)
+    tail = tl.cumsum(prev, axis=0, reverse=True)
+    nxt = tl.load(next_ptr + pid_b * stride_n_b + pid_h * stride_n_h + pid_c * stride_n_c + offs * stride_n_l,
+                  mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+    ptrs = ddA_ptr + pid_b * stride_b + pid_h * stride_h + pid_c * stride_c + offs * stride_l
+    ddA = tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, ddA + (nxt + tail), mask=mask)
+
+
+def _ddA_tail(ddA, ddA_next, ddA_prev, ddA_chunk):
+    """ddA += ddA_next + reverse-cumsum(ddA_prev with ddA_chunk added at each chunk's last position), in place.
+
+    ddA, ddA_next, ddA_prev: (b, h, c, chunk_size) fp32, ddA_chunk: (b, h, c): the gradients of the cumulative
+    log-decays that upstream's backward sums with ``ddA_prev[..., -1] += ddA_chunk`` and
+    ``ddA += ddA_next + ddA_prev.flip(-1).cumsum(-1).flip(-1)``, in one launch (ddA_prev is not modified).
+    """
+    b, h, c, chunk_size = ddA.shape
+    with torch.cuda.device(ddA.device.index):
+        _ddA_tail_kernel[(b, h, c)](
+            ddA, ddA_next, ddA_prev, ddA_chunk, chunk_size, *ddA.stride(), *ddA_next.stride(), *ddA_prev.stride(),
+            *ddA_chunk.stride(), BLOCK=triton.next_power_of_2(chunk_size), num_warps=4,
+        )  # fmt: skip
+    return ddA
+
+
+def _flat_rows(t):
+    """t (b, l, ...) as ((b l), ...) rows if that is a view, else None (writes must land in t itself)."""
+    if t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1):
+        return t.flatten(0, 1)
+    return None
+
+
+def _chunk_scan_fwd_into(cb, x, dt, dA_cumsum, C, states, D, z, seq_idx, out):
+    """mamba-ssm's ``_chunk_scan_fwd`` (same kernel, same arguments) writing the gated output into ``out``,
+    (b, l, h, p), which may be a view of a longer tensor (a tile of the segment's output), instead of a
+    fresh tensor. The kernel indexes the pre-gate output y (fresh, returned) with ``out``'s strides, so
+    only the batch stride may differ, and only for batch 1. Returns (out, y)."""
+    batch, seqlen, nheads, headdim = x.shape
+    _, _, nchunks, chunk_size = dt.shape
+    _, _, ngroups, dstate = C.shape
+    y = torch.empty(batch, seqlen, nheads, headdim, device=x.device, dtype=x.dtype)
+    if out.shape != y.shape or out.dtype != y.dtype or (y.stride()[1:] != out.stride()[1:]) or batch != 1:
+        raise AssertionError(f"cannot write the chunk scan into {tuple(out.shape)} {out.stride()} {out.dtype}")
+
+    def grid(meta):
+        return (triton.cdiv(chunk_size, meta["BLOCK_SIZE_M"]) * triton.cdiv(headdim, meta["BLOCK_SIZE_N"]),
+                batch * nchunks, nheads)  # fmt: skip
+
+    seq_strides = (seq_idx.stride(0), seq_idx.stride(1)) if seq_idx is not None else (0, 0)
+    with torch.cuda.device(x.device.index):
+        _chunk_scan._chunk_scan_fwd_kernel[grid](
+            cb, x, z, out, y, dt, dA_cumsum, seq_idx, C, states, D,
+            chunk_size, headdim, dstate, batch, seqlen, nheads // ngroups,
+            *cb.stride(), *x.stride(), *z.stride(), *out.stride(),
+            dt.stride(0), dt.stride(2), dt.stride(1), dt.stride(3),
+            dA_cumsum.stride(0), dA_cumsum.stride(2), dA_cumsum.stride(1), dA_cumsum.stride(3),
+            *seq_strides, *C.stride(), *states.stride(), D.stride(0) if D is not None else 0,
+            True, D is not None, D.dim() == 2 if D is not None else True,
+            BLOCK_SIZE_DSTATE=max(triton.next_power_of_2(dstate), 16), HAS_Z=True, HAS_SEQ_IDX=seq_idx is not None,
+            IS_TRITON_22=_chunk_scan.TRITON_22,
+        )  # fmt: skip
+    return out, y
+
+
+def _can_write_scan_into(out, x):
+    return out is not None and x.shape[0] == 1 and out.stride(-1) == 1 and out.stride(1) == x.shape[-2] * x.shape[-1]
 
 
 def _rms_args(y, z, spec: CoreSpec):
     """(b, l, h, p) y and z -> the 2-D rows the gated RMSNorm kernels take."""
-    return rearrange(y, "b l h p -> (b l) (h p)"), rearrange(z, "b l h p -> (b l) (h p)")
+    return y.reshape(-1, spec.d_inner), z.reshape(-1, spec.d_inner)
 
 
 # ---------------------------------------------------------------------------------------------
 # the segment contract
 # ---------------------------------------------------------------------------------------------
 
+WRITES_INTO = True  # segment_fwd takes out=, segment_bwd dzxbcdt=: buffers (views of the tiles' whole) to fill
+
 
 def segment_fwd(
-    zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False
-):
+    zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False,
+    out=None,
+):  # fmt: skip
     """Forward of one causal segment (segments packed on the batch axis), a generator with the
     protocol of ``ops/reference.py``'s (see ``ops/segment.py``).
 
@@ -265,7 +364,8 @@ def segment_fwd(
     seq_idx: (batch, seqlen) int32 canonical labels or None. Yields (S_ext, log_a) (fp32), is sent
     the handle to S_in (fp32), returns (out (batch, seqlen, nheads*headdim) in zxbcdt's dtype, y): y is
     the pre-gate output when keep_y (what upstream's op saves; the backward then skips one
-    _chunk_scan_fwd), else None.
+    _chunk_scan_fwd), else None. out: a (batch, seqlen, nheads*headdim) buffer (a view of a longer
+    one) to write the output into where the kernels can (the returned out is then that buffer).
     """
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
@@ -274,30 +374,35 @@ def segment_fwd(
         zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx
     )
     dA_last = dA_cumsum[:, :, :, -1]
-    S_ext = _fold_chunks(chunk_states, dA_last, reverse=False, seq_idx=seq_idx, chunk_size=spec.chunk_size)
-    log_a = dA_last.sum(dim=-1)  # [b, h]: the segment's total decay, exp(log_a)
-    if seq_idx is not None:  # a document starts inside: the incoming state never reaches the end
-        log_a = torch.where((seq_idx[:, -1] != 0)[:, None], float("-inf"), log_a)
+    # S_ext and log_a (the segment's total decay, exp(log_a); -inf where a document starts inside) in one launch
+    S_ext, log_a = _fold_chunks(
+        chunk_states, dA_last, reverse=False, seq_idx=seq_idx, chunk_size=spec.chunk_size, log_a=True
+    )
     handle = yield S_ext, log_a
     CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)  # overlaps
     S_in = handle.wait()
     prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, C.dtype, seq_idx, spec.chunk_size)
     del chunk_states
     if rmsnorm_weight is None:
-        out, y = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z, seq_idx=seq_idx)
-        return rearrange(out, "b l h p -> b l (h p)"), (y if keep_y else None)  # y: before the gate
+        if _can_write_scan_into(out, x):
+            into = out.unflatten(-1, x.shape[-2:])
+            _, y = _chunk_scan_fwd_into(CB, x, dt, dA_cumsum, C, prev_states, D, z, seq_idx, into)
+            return out, (y if keep_y else None)
+        res, y = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z, seq_idx=seq_idx)
+        return res.flatten(-2), (y if keep_y else None)  # y: before the gate
     y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=None, seq_idx=seq_idx)
     y_rms, z_rms = _rms_args(y, z, spec)
-    out, _, _ = _layernorm._layer_norm_fwd(
-        y_rms, rmsnorm_weight.contiguous(), None, spec.rmsnorm_eps, z_rms, group_size=spec.d_inner // spec.ngroups,
-        norm_before_gate=spec.norm_before_gate, is_rms_norm=True,
+    out_rows = None if out is None else _flat_rows(out)
+    res, _, _ = _layernorm._layer_norm_fwd(
+        y_rms, rmsnorm_weight.contiguous(), None, spec.rmsnorm_eps, z_rms, out=out_rows,
+        group_size=spec.d_inner // spec.ngroups, norm_before_gate=spec.norm_before_gate, is_rms_norm=True,
     )  # fmt: skip
-    return rearrange(out, "(b l) d -> b l d", b=batch), (y if keep_y else None)
+    return (out if out_rows is not None else res.view(batch, seqlen, -1)), (y if keep_y else None)
 
 
 def segment_bwd(
     dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, seq_idx=None,
-    kept=None,
+    kept=None, dzxbcdt=None,
 ):  # fmt: skip
     """Backward of ``segment_fwd`` by recomputation, a generator with the protocol of ``ops/reference.py``'s.
 
@@ -306,12 +411,14 @@ def segment_bwd(
     segment overlaps it), returns the gradients of (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A,
     D, rmsnorm_weight) (None for None inputs). kept: the list segment_fwd's y was put in; it is
     popped, so that y is freed once the gate's backward has used it. None or empty: y is recomputed.
+    dzxbcdt: a buffer shaped like zxbcdt (a view of a longer one) that receives the gradient of zxbcdt
+    (returned as the first gradient) instead of a fresh tensor.
     """
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
     chunk = spec.chunk_size
     D = D.contiguous()
-    dout = rearrange(dout if dout.stride(-1) == 1 else dout.contiguous(), "b l (h p) -> b l h p", p=spec.headdim)
+    dout = (dout if dout.stride(-1) == 1 else dout.contiguous()).unflatten(-1, (spec.nheads, spec.headdim))
     z, xBC, dt_raw, x, B, C, dt, dA_cumsum, chunk_states = _scan_inputs(
         zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx
     )
@@ -326,14 +433,15 @@ def segment_bwd(
         y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None, seq_idx=seq_idx)
 
     # gradient buffers: views into dzxbcdt (z, dt) and into one xBC-shaped buffer (x, B, C)
-    dzxbcdt = torch.empty_like(zxbcdt)
+    if dzxbcdt is None or (rmsnorm_weight is not None and _flat_rows(dzxbcdt) is None):
+        dzxbcdt = torch.empty_like(zxbcdt)  # (the gated RMSNorm's backward writes dz as 2-D rows)
     dz, dxBC_given, ddt_given = split_zxbcdt(dzxbcdt, spec)
     dxBC = torch.empty_like(xBC)
     dx, dB, dC = _split_xBC(dxBC, spec)
 
     # output gate / gated RMSNorm: dout -> gradient of y
     if rmsnorm_weight is None:
-        dz = rearrange(dz, "b l (h p) -> b l h p", p=spec.headdim)
+        dz = dz.unflatten(-1, (spec.nheads, spec.headdim))
         dz, dy, dD_gate = _chunk_scan._chunk_scan_bwd_dz(x, z, y, dout, chunk_size=chunk, has_ddAcs=False, D=D, dz=dz)
         drmsnorm_weight = None
     else:
@@ -343,18 +451,17 @@ def segment_bwd(
         _, _, rstd = _layernorm._layer_norm_fwd(y_rms, weight, None, spec.rmsnorm_eps, z_rms, group_size=group_size,
                                                 norm_before_gate=spec.norm_before_gate, is_rms_norm=True)  # fmt: skip
         dy_rms, drmsnorm_weight, _, _ = _layernorm._layer_norm_bwd(
-            rearrange(dout, "b l h p -> (b l) (h p)"), y_rms, weight, None, spec.rmsnorm_eps, None, rstd, z_rms,
-            group_size=group_size, norm_before_gate=spec.norm_before_gate, is_rms_norm=True,
-            dz=rearrange(dz, "b l d -> (b l) d"),
+            dout.reshape(-1, spec.d_inner), y_rms, weight, None, spec.rmsnorm_eps, None, rstd, z_rms,
+            group_size=group_size, norm_before_gate=spec.norm_before_gate, is_rms_norm=True, dz=_flat_rows(dz),
         )  # fmt: skip
-        dy = rearrange(dy_rms, "(b l) (h p) -> b l h p", b=batch, p=spec.headdim)
+        dy = dy_rms.view(batch, seqlen, spec.nheads, spec.headdim)
         dD_gate = None
         del y_rms  # a view: it would keep y's memory alive
     del y
 
     # L: the gradient reaching S_in when S_out receives none
     dprev = _chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, seq_idx=seq_idx, dtype=torch.float32)
-    prev_flat, dprev_flat = (rearrange(t, "b c h p n -> b c h (p n)") for t in (prev_states, dprev))
+    prev_flat, dprev_flat = prev_states.flatten(-2), dprev.flatten(-2)
     dA_last = dA_cumsum[:, :, :, -1]
     handle = yield _fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk)
 
@@ -362,7 +469,7 @@ def segment_bwd(
     dCB = _chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, seq_idx=seq_idx, ngroups=spec.ngroups).to(CB.dtype)
     ddA = _chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)  # CB is masked across documents
 
-    dS_out = rearrange(handle.wait(), "b h p n -> b h (p n)")
+    dS_out = handle.wait().flatten(-2)
     # with the gradient the later segments send, and (as upstream) the states rounded to the
     # compute dtype in the same pass, where the recomputation did not need them
     dstates, ddA_chunk_cumsum, _, *converted = _state_passing._state_passing_bwd(
@@ -370,14 +477,14 @@ def segment_bwd(
         dstates_dtype=x.dtype, states_dtype=x.dtype if prev_lowp is None else None, chunk_size=chunk,
     )  # fmt: skip
     if prev_lowp is None:
-        prev_lowp = rearrange(converted[0], "b c h (p n) -> b c h p n", n=spec.dstate)
+        prev_lowp = converted[0].unflatten(-1, (spec.headdim, spec.dstate))
     del prev_states, prev_flat, dprev, dprev_flat, converted
     dC_states, ddA_cumsum_prev = _chunk_scan._chunk_scan_bwd_dC(
         prev_lowp, dA_cumsum, dy, seq_idx=seq_idx, C=C, ngroups=spec.ngroups
     )
-    _bmm._bmm_chunk_bwd(B, rearrange(dCB, "... l s -> ... s l"), residual=dC_states, out=dC)
+    _bmm._bmm_chunk_bwd(B, dCB.transpose(-1, -2), residual=dC_states, out=dC)
     del dC_states, prev_lowp
-    dstates = rearrange(dstates, "b c h (p n) -> b c h p n", n=spec.dstate)
+    dstates = dstates.unflatten(-1, (spec.headdim, spec.dstate))
     dx, ddt, dD_x = _combined._chunk_scan_chunk_state_bwd_dx(
         x, dt, dA_cumsum, B, CB, dy, dstates, D=D, seq_idx=seq_idx, dx=dx
     )
@@ -393,13 +500,12 @@ def segment_bwd(
         _conv_layout(xBC), conv1d_weight, conv1d_bias, _conv_layout(dxBC), seq_idx, init, None,
         _conv_layout(dxBC_given), init is not None, _silu(spec),
     )  # fmt: skip
-    dxBC_done = rearrange(dxBC_done, "b d s -> b s d")
+    dxBC_done = dxBC_done.transpose(1, 2)
     if dxBC_done.data_ptr() != dxBC_given.data_ptr() or dxBC_done.stride() != dxBC_given.stride():
         dxBC_given.copy_(dxBC_done)
     yield None if dinit is None else dinit.transpose(1, 2)  # -> (batch, d_conv-1, conv_dim), on its way back
 
-    ddA_cumsum_prev[..., -1] += ddA_chunk_cumsum
-    ddA += ddA_next + ddA_cumsum_prev.flip([-1]).cumsum(dim=-1).flip([-1])
+    ddA = _ddA_tail(ddA, ddA_next, ddA_cumsum_prev, ddA_chunk_cumsum)  # upstream's six small ops in one launch
     _, dA, ddt_bias = _chunk_state._chunk_cumsum_bwd(
         ddA, ddt, dt_raw.clone(), A, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit, ddt=ddt_given
     )  # upstream clones dt here too (a Triton "invalid device context" workaround)
