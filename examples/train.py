@@ -102,7 +102,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--offload-activations",
         action="store_true",
-        help="with --activation-checkpointing: keep the checkpoints in CPU memory",
+        help="with --activation-checkpointing: keep the checkpoints in pinned host memory, past the GPU budget "
+        "(ds_mamba_spcp.memory.offload; the host memory it needs is checked before the run)",
+    )
+    p.add_argument(
+        "--offload-gpu-budget-gib",
+        type=float,
+        default=0.0,
+        help="--offload-activations: GiB of checkpoints per rank kept on the GPU before any goes to the host "
+        "(the first blocks'; default %(default)s: all but the newest go)",
+    )
+    p.add_argument(
+        "--offload-host-headroom-gib",
+        type=float,
+        default=8.0,
+        help="--offload-activations: host memory left free beyond the checkpoints when checking (default %(default)s)",
+    )
+    p.add_argument(
+        "--offload-impl",
+        choices=["pool", "library"],
+        default="pool",
+        help="--offload-activations: pool (this package's pinned pool, both paths) or library (DeepSpeed's "
+        "checkpoint_in_cpu under the launcher, torch's save_on_cpu in one process: unchecked, for comparison)",
     )
     p.add_argument(
         "--loss-tile",
@@ -125,6 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--steps must be >= 1")
     if args.offload_activations and not args.activation_checkpointing:
         p.error("--offload-activations needs --activation-checkpointing")
+    if args.offload_gpu_budget_gib < 0 or args.offload_host_headroom_gib < 0:
+        p.error("--offload-gpu-budget-gib and --offload-host-headroom-gib take GiB >= 0")
     if args.doc_len is not None and (not args.packed or args.doc_len < 1):
         p.error("--doc-len takes a positive length, with --packed")
     check_checkpoint_args(p, args)
@@ -281,11 +304,24 @@ def forward_loss(model, forward, batch: dict, group, scale: float, args):
                                            grad_scale=scale)  # fmt: skip
 
 
-def block_checkpointing(model: MambaLM, args, mpu=None) -> None:
-    """--activation-checkpointing: every block recomputed in backward. Launched runs use DeepSpeed's
-    activation checkpointing (``deepspeed.checkpointing``; --offload-activations keeps the checkpoints in
-    CPU memory), the single-process reference torch's equivalent (``save_on_cpu`` for the offload)."""
+def block_checkpointing(model: MambaLM, args, mpu=None, offload_plan=None) -> None:
+    """--activation-checkpointing: every block recomputed in backward.
+
+    With --offload-activations (``--offload-impl pool``, the default) both paths use this package's
+    ``OffloadedCheckpoint``: GPU budget first, then pinned host memory, at most ``offload_plan.host_bytes``
+    (the plan ``check_offload`` approved). Otherwise launched runs use DeepSpeed's activation checkpointing
+    (``deepspeed.checkpointing``; ``--offload-impl library`` adds its ``checkpoint_in_cpu``), the
+    single-process reference torch's equivalent (``save_on_cpu`` for the library offload)."""
     if not args.activation_checkpointing:
+        return
+    if args.offload_activations and args.offload_impl == "pool":
+        from ds_mamba_spcp.memory import CheckpointOffloader, OffloadedCheckpoint
+
+        offloader = CheckpointOffloader(
+            gpu_budget_bytes=int(args.offload_gpu_budget_gib * 2**30),
+            host_limit_bytes=None if offload_plan is None else offload_plan.host_bytes,
+        )
+        model.checkpoint = OffloadedCheckpoint(offloader)
         return
     if launched():
         import deepspeed
@@ -302,6 +338,25 @@ def block_checkpointing(model: MambaLM, args, mpu=None) -> None:
             return checkpoint(block, *inputs, use_reentrant=False)
 
     model.checkpoint = torch_checkpoint
+
+
+def check_offload(args, ds_config: dict, tokens_per_rank: int, launched_run: bool):
+    """--offload-activations (pool): the plan of this run's checkpoints from their shapes, checked against
+    the host's memory before anything is built (``HostMemoryError`` on every rank alike when it does not
+    fit). None without offload."""
+    if not (args.activation_checkpointing and args.offload_activations and args.offload_impl == "pool"):
+        return None
+    from ds_mamba_spcp.memory import block_checkpoint_bytes, check_host_memory, plan_offload
+
+    half = launched_run and any(ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16", "bfloat16"))
+    micro, _ = _grad_accumulation(ds_config)
+    sizes = block_checkpoint_bytes(tokens_per_rank, args.d_model, args.n_layers, 2 if half else 4, batch=micro)
+    plan = plan_offload(sizes, int(args.offload_gpu_budget_gib * 2**30))
+    verdict = check_host_memory(plan, headroom_bytes=int(args.offload_host_headroom_gib * 2**30))
+    if not launched_run or int(os.environ.get("RANK", 0)) == 0:
+        print(f"offload: {plan.describe()}; host check {verdict.needed / 2**30:.1f} GiB needed of "
+              f"{verdict.available / 2**30:.1f} GiB available", flush=True)  # fmt: skip
+    return plan
 
 
 def mixer_backend(model) -> str:
@@ -383,6 +438,7 @@ def run_single(args, ds_config: dict) -> list[dict]:
     from ds_mamba_spcp.module import wrap_mamba2_mixers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    offload_plan = check_offload(args, ds_config, args.seq_len, launched_run=False)  # before building
     model = build_model(args)
     # A group of one on the plain-PyTorch reference op on CPU (mamba-ssm's own kernels need CUDA).
     cfg = load_mamba_sp_config(ds_config)
@@ -391,7 +447,7 @@ def run_single(args, ds_config: dict) -> list[dict]:
                                          "input_layout": "contiguous"})  # fmt: skip
     wrap_mamba2_mixers(model, None, one)
     model.to(device).train()
-    block_checkpointing(model, args)
+    block_checkpointing(model, args, offload_plan=offload_plan)
     print(f"single process on {device}, Mamba2 backend {mixer_backend(model)}: {_describe(model, args)}", flush=True)
     return train_single_process(
         args, ds_config, model, device,
@@ -593,10 +649,11 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2*sp = {2 * sp} for the zigzag layout")
     plan = resume_plan(args, ds_config, sp) if args.resume else None  # before initialize: it may change the config
 
+    offload_plan = check_offload(args, ds_config, args.seq_len // sp, launched_run=True)  # before building
     seed_generators(args.seed)  # python's and numpy's too: the same states on every rank (a checkpoint keeps them)
     model = build_model(args)
     parallelize(model, group, ds_config)
-    block_checkpointing(model, args, mpu)
+    block_checkpointing(model, args, mpu, offload_plan)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=plan.ds_config if plan else ds_config, mpu=mpu,
