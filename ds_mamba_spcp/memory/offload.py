@@ -296,7 +296,8 @@ def _register(nbytes: int) -> torch.Tensor:
             f"cudaHostRegister of {nbytes / GiB:.2f} GiB of host memory failed (cudaError {rc}): the host may be "
             "out of lockable memory; keep more checkpoints on the GPU (--offload-gpu-budget-gib) or use fewer tokens"
         )
-    weakref.finalize(raw, cudart.cudaHostUnregister, buf.data_ptr())
+    # on the view the pool keeps (``raw``'s Python object goes at return; its storage lives on in ``buf``)
+    weakref.finalize(buf, cudart.cudaHostUnregister, buf.data_ptr())
     return buf
 
 
