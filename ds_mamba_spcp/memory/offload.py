@@ -404,6 +404,7 @@ class CheckpointOffloader:
             saved = _Saved(self, len(self._order), x, "pending")
             self._pending = saved
         self._order.append(weakref.ref(saved))
+        self.stats["saved"] += 1
         return saved
 
     def _live(self) -> bool:
