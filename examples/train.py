@@ -401,6 +401,9 @@ class StepLog:
             rec["grad_norm"] = float(grad_norm)  # the global gradient norm before clipping
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        hwm = _host_peak_rss()
+        if hwm is not None:
+            rec["host_peak_rss_gib"] = hwm / 2**30  # this process's peak resident memory (pinned pool included)
         self.records.append(rec)
         if not self.enabled:
             return
@@ -415,6 +418,18 @@ class StepLog:
         self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+def _host_peak_rss() -> int | None:
+    """VmHWM of /proc/self/status in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _log_lines_before(path: str, first_step: int) -> list[str]:

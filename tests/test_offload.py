@@ -101,17 +101,29 @@ def _refuse_on_rank(rank, world):
     # rank 1 sees less memory: both ranks must take the smallest and raise the same words
     memory = HostMemory((40 if rank == 0 else 30) * GiB)
     plan = plan_offload(block_checkpoint_bytes(262144, 1536, 48, 2), 0)  # 35.25 GiB per rank
+    out = []
     try:
         check_host_memory(plan, headroom_bytes=0, local_ranks=1, memory=memory)
+        out.append(None)
     except HostMemoryError as e:
-        return str(e)
-    return None
+        out.append(str(e))
+    # examples/train.py under the launcher: refused before the model is built, on both ranks
+    train = load_train()
+    args = train.parse_args(TINY + ["--steps", "1", "--activation-checkpointing", "--offload-activations",
+                                    "--offload-host-headroom-gib", "1e9"])  # fmt: skip
+    try:
+        train.run_distributed(args, sgd_config("state_passing.json", 1))
+        out.append(None)
+    except HostMemoryError as e:
+        out.append(str(e))
+    return out
 
 
 def test_refusal_is_the_same_on_every_rank():
-    messages = run_ranks(_refuse_on_rank, 2, timeout=120)
-    assert messages[0] is not None and messages[0] == messages[1], messages
-    assert "30.0 GiB are available" in messages[0]
+    (check0, train0), (check1, train1) = run_ranks(_refuse_on_rank, 2, timeout=180)
+    assert check0 is not None and check0 == check1, (check0, check1)
+    assert "30.0 GiB are available" in check0
+    assert train0 is not None and train0 == train1 and "2 rank(s)" in train0, (train0, train1)
 
 
 def test_train_refuses_before_building():
