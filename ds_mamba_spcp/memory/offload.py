@@ -46,6 +46,10 @@ DEFAULT_HOST_HEADROOM_GIB = 8.0
 PAGE = 4096
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 4 else f"{nbytes / 2**20:.1f} MiB"
+
+
 class HostMemoryError(RuntimeError):
     """The host cannot hold the offloaded checkpoints: raised before the run (or by the pool)."""
 
@@ -88,10 +92,11 @@ class OffloadPlan:
 
     def describe(self) -> str:
         n = len(self.checkpoint_bytes)
+        newest = ", the newest on the GPU" if self.newest is not None else ""
         return (
             f"{n} block checkpoints: {len(self.on_gpu)} on the GPU within the budget of "
-            f"{self.gpu_budget_bytes / GiB:.2f} GiB, {len(self.on_host)} in pinned host memory "
-            f"({self.host_bytes / GiB:.2f} GiB per rank), the newest on the GPU"
+            f"{_size(self.gpu_budget_bytes)}, {len(self.on_host)} in host memory ({_size(self.host_bytes)} per "
+            f"rank){newest}"
         )
 
 
@@ -230,7 +235,7 @@ class HostCheck:
         )
         return (
             f"offloading the block checkpoints needs {self.needed / GiB:.1f} GiB of host memory on this host, "
-            f"{self.available / GiB:.1f} GiB are available: {n} rank(s) x {per_rank / GiB:.1f} GiB of "
+            f"{self.available / GiB:.1f} GiB are available: {n} rank(s) x {_size(per_rank)} of "
             f"checkpoints ({self.plan.describe()}) + {self.headroom / GiB:.1f} GiB headroom "
             f"(--offload-host-headroom-gib). Fixes: fewer tokens per rank (--seq-len), {gpu_fix}, or more ranks "
             "per sequence (sequence_parallel_size) over more hosts."
@@ -289,6 +294,7 @@ def _register(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     offset = -raw.data_ptr() % PAGE  # page-aligned start: what cudaHostRegister has always accepted
     buf = raw[offset : offset + nbytes]
+    buf.zero_()  # fault the pages in on torch's threads: registering present pages is faster than faulting them there
     cudart = torch.cuda.cudart()
     rc = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0))
     if rc != 0:
