@@ -359,10 +359,10 @@ class _Saved:
     """One checkpoint: on the GPU (kept or pending), in a pool slot on the host, or fetched back."""
 
     __slots__ = ("__weakref__", "index", "nbytes", "shape", "dtype", "device", "where", "gpu", "slot",
-                 "fetched", "owner")  # fmt: skip
+                 "fetched", "owner", "generation")  # fmt: skip
 
     def __init__(self, owner: CheckpointOffloader, index: int, x: torch.Tensor, where: str):
-        self.owner, self.index, self.where = owner, index, where
+        self.owner, self.index, self.where, self.generation = owner, index, where, owner.generation
         self.nbytes, self.shape, self.dtype, self.device = x.numel() * x.element_size(), x.shape, x.dtype, x.device
         self.gpu, self.slot, self.fetched = x, None, None
 
@@ -387,6 +387,7 @@ class CheckpointOffloader:
         self._order: list[weakref.ref] = []  # this pass's checkpoints, in forward order
         self._pending: _Saved | None = None
         self._kept_bytes = 0
+        self.generation = 0  # counts forward passes: a restore prefetches within its own pass only
         self.stats = defaultdict(int)
 
     # -- forward
@@ -400,6 +401,7 @@ class CheckpointOffloader:
                                "serves one model on one device")  # fmt: skip
         if not self._live():
             self._order.clear()  # a new forward pass
+            self.generation += 1
         self._start_pending()
         nbytes = x.numel() * x.element_size()
         if keeps_on_gpu(self._kept_bytes, nbytes, self.gpu_budget_bytes):
@@ -454,8 +456,8 @@ class CheckpointOffloader:
                 x.record_stream(torch.cuda.current_stream(x.device))
         saved.gpu = saved.fetched = None
         saved.where = "done"
-        if saved.index > 0:
-            previous = self._order[saved.index - 1]() if saved.index - 1 < len(self._order) else None
+        if saved.index > 0 and saved.generation == self.generation:
+            previous = self._order[saved.index - 1]()
             if previous is not None and previous.where == "host":
                 self._fetch(previous)  # prefetch: overlaps this block's recompute and backward
                 self.stats["prefetched"] += 1
