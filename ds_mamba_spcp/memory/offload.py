@@ -7,8 +7,9 @@ d_model), ``n_layers x tokens x d_model x itemsize`` bytes per rank, 144 KiB per
     forward, block i       x_i fits the GPU budget (running total of the kept ones)?  keep it on the GPU
                            else: pending; when x_{i+1} arrives, D2H on the copy stream into a pool slot
     backward, block i      x_i back: on the GPU already, prefetched, or H2D now (the compute stream waits
-                           for that copy only); then the H2D of x_{i-1} starts (prefetch), the block is
-                           recomputed and differentiated while it runs
+                           for that copy only); then the H2D of x_{i-1} is queued (prefetch: it starts when
+                           the work queued before it is done), and block i is recomputed and differentiated
+                           while it runs
 
 The newest checkpoint never leaves the GPU (backward needs it first), so the host holds
 ``len(plan.on_host)`` checkpoints and the GPU the budget's, the newest and one prefetched.
@@ -451,9 +452,8 @@ class CheckpointOffloader:
             if saved.where == "host":
                 self._fetch(saved)
             x = saved.fetched
-            if self.cuda:
+            if self.cuda:  # the compute stream waits for this H2D (and nothing after it: none is queued yet)
                 torch.cuda.current_stream(x.device).wait_stream(self.copy_stream)
-                x.record_stream(torch.cuda.current_stream(x.device))
         saved.gpu = saved.fetched = None
         saved.where = "done"
         if saved.index > 0 and saved.generation == self.generation:
@@ -464,15 +464,20 @@ class CheckpointOffloader:
         return x
 
     def _fetch(self, saved: _Saved) -> None:
-        """H2D of a host checkpoint into a fresh device tensor (on the copy stream on GPU); the slot goes
-        back to the pool (the next write into it is ordered after this copy on the same stream)."""
+        """H2D of a host checkpoint into a fresh device tensor (the copy on the copy stream on GPU); the slot
+        goes back to the pool (the next write into it is ordered after this copy on the same stream).
+
+        The tensor is allocated on the compute stream, so its memory comes from (and returns to) the
+        compute stream's pool instead of staying reserved for the copy stream; the copy waits for the
+        compute work queued so far (whose freed memory the allocation may reuse), i.e. it runs while the
+        block about to be recomputed runs."""
+        x = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
         host = saved.slot.view(saved.dtype).view(saved.shape)
         if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(self.copy_stream):
-                x = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
                 x.copy_(host, non_blocking=True)
         else:
-            x = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
             x.copy_(host)
         self.pool.release(saved.slot)
         saved.slot, saved.fetched, saved.where = None, x, "fetched"
