@@ -26,9 +26,10 @@ One process, one rank: each preset (train_runs.py's: vocab 50280, d_state 128, h
                             ``ds_mamba_spcp.memory.offload`` at GPU budget 0 (all but the newest in pinned
                             host memory)
     host                    /proc/self/status (VmRSS, RssAnon, RssShmem) around the offloaded step and the
-                            pool's bytes; and one checkpoint's size pinned two ways: torch's pinned
-                            allocator (``pin_memory=True``, what save_on_cpu and DeepSpeed's checkpoint_in_cpu
-                            use) against this package's exact-size pool
+                            pool's bytes; one checkpoint's size pinned two ways: torch's pinned allocator
+                            (``pin_memory=True``, what save_on_cpu and DeepSpeed's checkpoint_in_cpu use)
+                            against this package's exact-size pool; and a step with DeepSpeed's
+                            ``checkpoint_in_cpu`` (its GPU peak and host growth), last per length
 
 Per component the JSON keeps the bytes at each length; the Markdown table gives GiB at each length and
 the slope in KiB per token between the two lengths (what one more token costs; constant parts cancel).
@@ -209,11 +210,37 @@ def step(engine, model, batch, group, offloader, gpu: Gpu) -> dict:
     engine.backward(loss)
     engine.step()
     del hidden, loss
+    delta = _delta(_status(), host0)
+    delta["rss"] = delta["RssAnon"] + delta["RssShmem"]  # where pinned memory shows: registered (anon) or shared
     return dict(
         forward_retained=_minus(a1, a0), peak_over_fixed=_minus(gpu.peak(), a0), peak=gpu.peak(),
-        host_delta=_delta(_status(), host0), pool_bytes=offloader.pool.reserved_bytes if offloader.pool else 0,
+        host_delta=delta, pool_bytes=offloader.pool.reserved_bytes if offloader.pool else 0,
         checkpoints_offloaded=offloader.stats["offloaded"], checkpoints_saved=offloader.stats["saved"],
     )  # fmt: skip
+
+
+def step_library(engine, model, batch, group, gpu: Gpu) -> dict:
+    """One training step with DeepSpeed's own offload (``checkpoint_in_cpu``, what ``--offload-impl library``
+    runs under the launcher): its GPU peak and the host memory it takes (PyTorch's pinned allocator)."""
+    import deepspeed
+
+    from ds_mamba_spcp.data import sequence_parallel_tiled_cross_entropy
+
+    deepspeed.checkpointing.configure(None, checkpoint_in_cpu=True)
+    model.checkpoint = deepspeed.checkpointing.checkpoint
+    gc.collect()
+    gpu.reset_peak()
+    a0, host0 = gpu.allocated(), _status()
+    hidden = engine(batch["input_ids"], return_hidden=True)
+    loss, _ = sequence_parallel_tiled_cross_entropy(hidden, model.logits, batch["shift_labels"], group,
+                                                    tile_tokens=LOSS_TILE)  # fmt: skip
+    engine.backward(loss)
+    engine.step()
+    del hidden, loss
+    deepspeed.checkpointing.configure(None, checkpoint_in_cpu=False)
+    delta = _delta(_status(), host0)
+    delta["rss"] = delta["RssAnon"] + delta["RssShmem"]
+    return dict(peak=gpu.peak(), peak_over_fixed=_minus(gpu.peak(), a0), host_delta=delta)
 
 
 def one_block(model, seqlen: int, dtype, device, gpu: Gpu) -> dict:
@@ -279,6 +306,9 @@ def measure(preset: str, preset_args: list[str], lengths: list[int], device, cpu
         )  # fmt: skip
         if gpu.on:
             rec["pinned_probe"] = pinned_probe(each)
+            # last: PyTorch's pinned allocator keeps what it allocated cached (the probe above would reuse it).
+            # GPU only: DeepSpeed 0.19.8's blocking CPU path (no side stream) hands the block a 0-d tensor.
+            rec["step_library"] = step_library(engine, model, batch, group, gpu)
         records.append(rec)
         print(f"{preset} L={seqlen}: step peak {_gib(on_gpu['peak'])} GiB (checkpoints on the GPU), "
               f"{_gib(offloaded['peak'])} GiB offloaded, host pool {_gib(offloaded['pool_bytes'])} GiB",
@@ -312,9 +342,10 @@ ROWS = [  # (component, path into a record)
     ("step peak, checkpoints on the GPU", ("step_gpu_checkpoints", "peak")),
     ("step peak, offloaded (budget 0)", ("step_offloaded", "peak")),
     ("host: pinned pool (offloaded)", ("step_offloaded", "pool_bytes")),
-    ("host: RssAnon growth, first offloaded step", ("step_offloaded", "host_delta", "RssAnon")),
-    ("host: RssShmem growth, first offloaded step", ("step_offloaded", "host_delta", "RssShmem")),
+    ("host: RSS growth, first offloaded step (pool)", ("step_offloaded", "host_delta", "rss")),
     ("host: VmRSS growth, second offloaded step", ("step_offloaded_again", "host_delta", "VmRSS")),
+    ("step peak, DeepSpeed's checkpoint_in_cpu", ("step_library", "peak")),
+    ("host: RSS growth, DeepSpeed's checkpoint_in_cpu step", ("step_library", "host_delta", "rss")),
     ("host: one checkpoint pinned by torch (RSS growth)", ("pinned_probe", "torch_pin_memory", "rss")),
     ("host: one checkpoint in the exact pool (RSS growth)", ("pinned_probe", "exact_pool", "rss")),
 ]

@@ -326,6 +326,11 @@ def block_checkpointing(model: MambaLM, args, mpu=None, offload_plan=None) -> No
     if launched():
         import deepspeed
 
+        if args.offload_activations and not torch.cuda.is_available():
+            raise ValueError(
+                "--offload-impl library under the launcher needs a GPU: DeepSpeed 0.19.8's checkpoint_in_cpu without "
+                "a side stream hands the recomputed block an empty tensor; use --offload-impl pool (the default)"
+            )
         deepspeed.checkpointing.configure(mpu, checkpoint_in_cpu=args.offload_activations)
         model.checkpoint = deepspeed.checkpointing.checkpoint
         return

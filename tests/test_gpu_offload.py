@@ -2,7 +2,7 @@
 
     MAMBA_DETERMINISTIC=1 python -m pytest -m gpu -q -s tests/test_gpu_offload.py
 
-A Mamba2 LM (d_model 256 x 8 layers, bf16, the Triton backend, a group of one) at 24,576 tokens, one
+A Mamba2 LM (d_model 256 x 12 layers, bf16, the Triton backend, a group of one) at 24,576 tokens, one
 forward and backward with every block recomputed: ``OffloadedCheckpoint`` with a budget that keeps every
 checkpoint on the GPU (no offload: the baseline), with budget 0 (all but the newest to pinned host memory,
 async on the copy stream, prefetched) and with a budget of 3 checkpoints (the split). Checked:
@@ -12,7 +12,9 @@ async on the copy stream, prefetched) and with a budget of 3 checkpoints (the sp
    backward sums in a run-to-run varying order (docs/checkpointing.md): those within 1e-2 relative RMS
    (bf16's last bit is 2^-8 relative; a wrong or stale checkpoint moves them by O(1)).
 2. The GPU peak (``max_memory_allocated`` over the pass) at budget 0 is lower than the baseline's by at
-   least ``n_layers - 3`` checkpoints (at most the newest, the one being recomputed and one prefetched stay).
+   least ``n_layers - 4`` checkpoints: by the plan at most the newest, the one being recomputed and one
+   prefetched are on the GPU at once, where the baseline holds all of them (``n_layers - 2`` fewer at the
+   peak); two checkpoints of slack for copies whose memory the allocator frees only once they ran.
 3. The pool holds exactly the plan's bytes, in page-locked memory, and a second step allocates nothing new.
 """
 
@@ -27,7 +29,7 @@ import torch  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-N_LAYERS, D_MODEL, SEQLEN, VOCAB = 8, 256, 24576, 256
+N_LAYERS, D_MODEL, SEQLEN, VOCAB = 12, 256, 24576, 256
 CONV = ("conv1d.weight", "conv1d.bias")
 CONV_TOL = 1e-2
 
@@ -99,5 +101,5 @@ def test_offload_same_grads_lower_peak():
         slots = [b for bufs in offloader.pool._free.values() for b in bufs]
         assert slots and all(b.is_pinned() for b in slots)
     saved = base_peak - report[0]["peak_gib"] * 2**30
-    assert saved >= (N_LAYERS - 3) * each, f"offload saved {saved / 2**20:.0f} MiB of GPU peak, expected >= " \
-        f"{(N_LAYERS - 3) * each / 2**20:.0f} MiB"  # fmt: skip
+    assert saved >= (N_LAYERS - 4) * each, f"offload saved {saved / 2**20:.0f} MiB of GPU peak, expected >= " \
+        f"{(N_LAYERS - 4) * each / 2**20:.0f} MiB"  # fmt: skip
