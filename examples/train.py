@@ -148,6 +148,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--offload-activations needs --activation-checkpointing")
     if args.offload_gpu_budget_gib < 0 or args.offload_host_headroom_gib < 0:
         p.error("--offload-gpu-budget-gib and --offload-host-headroom-gib take GiB >= 0")
+    if args.offload_gpu_budget_gib and not (args.offload_activations and args.offload_impl == "pool"):
+        p.error("--offload-gpu-budget-gib applies to --offload-activations with --offload-impl pool (the default)")
     if args.doc_len is not None and (not args.packed or args.doc_len < 1):
         p.error("--doc-len takes a positive length, with --packed")
     check_checkpoint_args(p, args)
