@@ -323,6 +323,8 @@ def block_checkpointing(model: MambaLM, args, mpu=None, offload_plan=None) -> No
             gpu_budget_bytes=int(args.offload_gpu_budget_gib * 2**30),
             host_limit_bytes=None if offload_plan is None else offload_plan.host_bytes,
         )
+        if offload_plan is not None:  # the host slots now, before the first step (pinned where the model is on a GPU)
+            offloader.reserve(offload_plan, pin=torch.cuda.is_available())
         model.checkpoint = OffloadedCheckpoint(offloader)
         return
     if launched():
@@ -653,6 +655,9 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         deepspeed.init_distributed(dist_backend="gloo" if args.shared_gpu else None, verbose=args.verbose,
                                    timeout=dist_timeout(args))  # fmt: skip
     world, rank = dist.get_world_size(), dist.get_rank()
+    if torch.cuda.is_available() and not args.shared_gpu:
+        # the device DeepSpeed binds this rank to, now: the offload's check and pinned pool run before initialize
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "data_parallel_size" in ds_config:
         raise ValueError(
             'drop "data_parallel_size" from the ds_config: this script builds the sequence-parallel groups itself '

@@ -212,6 +212,19 @@ def test_offload_is_bitwise_a_move(reference, kept):
     assert offloader.stats["prefetched"] == 2 * len(plan.on_host)
 
 
+def test_reserved_pool_is_used_as_planned(reference):
+    model, batch, plain = reference
+    each = batch["input_ids"].numel() * model.embedding.embedding_dim * 8
+    plan = plan_offload([each] * N_LAYERS, 0)
+    offloader = CheckpointOffloader(0, host_limit_bytes=plan.host_bytes)
+    offloader.reserve(plan, pin=False)  # what train.py does before the first step
+    assert offloader.pool.reserved_bytes == plan.host_bytes and offloader.pool.in_use_bytes == 0
+    got = _loss_and_grads(model, batch, OffloadedCheckpoint(offloader))
+    assert _same(got, plain) == [] and offloader.pool.reserved_bytes == plan.host_bytes  # nothing allocated later
+    with pytest.raises(HostMemoryError, match="checked before the run"):
+        offloader.pool.acquire(each + 1)  # past the checked bytes: refused, not allocated
+
+
 def test_negative_control_a_shared_slot_is_caught(reference, monkeypatch):
     model, batch, plain = reference
     shared = {}

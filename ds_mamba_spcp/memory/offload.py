@@ -297,7 +297,7 @@ def _register(nbytes: int) -> torch.Tensor:
     buf = raw[offset : offset + nbytes]
     buf.zero_()  # fault the pages in on torch's threads: registering present pages is faster than faulting them there
     cudart = torch.cuda.cudart()
-    rc = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0))
+    rc = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 1))  # cudaHostRegisterPortable: pinned for every context
     if rc != 0:
         raise HostMemoryError(
             f"cudaHostRegister of {nbytes / GiB:.2f} GiB of host memory failed (cudaError {rc}): the host may be "
@@ -384,22 +384,40 @@ class CheckpointOffloader:
         self.gpu_budget_bytes = int(gpu_budget_bytes)
         self.host_limit_bytes = host_limit_bytes
         # made at the first checkpoint, on its device (the model may move after this object is built)
-        self.cuda, self.pool, self.copy_stream = False, None, None
+        self.cuda, self.pool, self.copy_stream, self._device = False, None, None, None
         self._order: list[weakref.ref] = []  # this pass's checkpoints, in forward order
         self._pending: _Saved | None = None
         self._kept_bytes = 0
         self.generation = 0  # counts forward passes: a restore prefetches within its own pass only
         self.stats = defaultdict(int)
 
+    def reserve(self, plan: OffloadPlan, pin: bool) -> None:
+        """Allocates the pool's slots for ``plan`` now (page-locked when ``pin``: checkpoints on a GPU), so that
+        a failure to pin shows before training and the first step allocates nothing."""
+        if self.pool is None:
+            self.pool = PinnedPool(pin=pin, limit_bytes=self.host_limit_bytes)
+        slots = [self.pool.acquire(plan.checkpoint_bytes[i]) for i in plan.on_host]
+        for slot in slots:
+            self.pool.release(slot)
+
+    def _bind(self, device: torch.device) -> None:
+        """At the first checkpoint: its device decides the copies (streams on CUDA) and the pool's pinning."""
+        self.cuda = device.type == "cuda"
+        if self.pool is None:
+            self.pool = PinnedPool(pin=self.cuda, limit_bytes=self.host_limit_bytes)
+        elif self.pool.pin != self.cuda:
+            raise RuntimeError(f"the pool was reserved {'pinned' if self.pool.pin else 'unpinned'} but the checkpoints "
+                               f"are on {device}: reserve(pin=...) must match the model's device")  # fmt: skip
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._device = device
+
     # -- forward
     def save(self, x: torch.Tensor) -> _Saved:
-        if self.pool is None:
-            self.cuda = x.device.type == "cuda"
-            self.pool = PinnedPool(pin=self.cuda, limit_bytes=self.host_limit_bytes)
-            self.copy_stream = torch.cuda.Stream(x.device) if self.cuda else None
-        elif self.cuda != (x.device.type == "cuda"):
-            raise RuntimeError(f"a checkpoint on {x.device} after checkpoints on another device type: one offloader "
-                               "serves one model on one device")  # fmt: skip
+        if self._device is None:
+            self._bind(x.device)
+        elif x.device != self._device:
+            raise RuntimeError(f"a checkpoint on {x.device} after checkpoints on {self._device}: one offloader serves "
+                               "one model on one device")  # fmt: skip
         if not self._live():
             self._order.clear()  # a new forward pass
             self.generation += 1
