@@ -3,9 +3,11 @@ sequence that trains, and step time and tokens/s per length.
 
 Each trial is a fresh ``torchrun --nproc_per_node N examples/train.py`` process (so one OOM cannot
 fragment the next trial's memory) that trains ``--steps`` steps in bf16 through DeepSpeed; a trial
-succeeds when every step is logged. Records: status ("ok", "oom", "error", "timeout"), the peak GPU
-memory of rank 0 over the steps (``torch.cuda.max_memory_allocated``), the median step time of the
-steps after the first, tokens/s.
+succeeds when every step is logged. Records: status ("ok", "oom", "refused": the host memory check of
+``--offload`` said no before the run, "killed": SIGKILL, the host's out-of-memory killer most likely,
+"error", "timeout"), the peak GPU memory of rank 0 over the steps (``torch.cuda.max_memory_allocated``),
+its peak host memory (VmHWM), the median step time of the steps after the first, tokens/s, and the
+offload settings.
 
     # the longest sequence on one GPU: double from 256K until a trial fails, then bisect to 64K
     python benchmarks/train_runs.py --preset mamba-130m --search 262144 --resolution 65536 \\
@@ -16,9 +18,10 @@ Presets (Mamba2 LMs, vocab 50280, d_state 128, headdim 64, expand 2, chunk 256, 
 ``mamba-130m`` d_model 768 x 24 layers; ``mamba-780m`` d_model 1536 x 48 layers; ``mamba-370m-24``
 d_model 1024 x 24 layers (the end-to-end runs' model). Long runs use activation checkpointing per block
 (DeepSpeed's), the tiled loss (8K tokens of logits at a time) and the op's tiles past the kernels' cap;
-``--offload`` keeps the checkpoints in CPU memory; ``--block-tile-tokens N`` recomputes each block in
-sequence tiles of N tokens (``ds_mamba_spcp.memory.tiled_block``). The JSON (rewritten after every trial) and a Markdown
-table land beside ``--out``.
+``--offload`` keeps the checkpoints in pinned host memory (``ds_mamba_spcp.memory.offload``: GPU budget
+first, ``--offload-gpu-budget-gib``; the host memory checked before the run); ``--block-tile-tokens N``
+recomputes each block in sequence tiles of N tokens (``ds_mamba_spcp.memory.tiled_block``). The JSON
+(rewritten after every trial) and a Markdown table land beside ``--out``.
 """
 
 from __future__ import annotations
@@ -82,7 +85,9 @@ def trial(args, seqlen: int, workdir: str) -> dict:
     if args.checkpointing:
         cmd += ["--activation-checkpointing", "--loss-tile", str(args.loss_tile)]
     if args.offload:
-        cmd += ["--offload-activations"]
+        cmd += ["--offload-activations", "--offload-impl", args.offload_impl,
+                "--offload-gpu-budget-gib", str(args.offload_gpu_budget_gib),
+                "--offload-host-headroom-gib", str(args.offload_host_headroom_gib)]  # fmt: skip
     if args.block_tile_tokens:
         cmd += ["--block-tile-tokens", str(args.block_tile_tokens)]
     cmd += args.extra.split()
@@ -90,10 +95,17 @@ def trial(args, seqlen: int, workdir: str) -> dict:
     rec = dict(preset=args.preset, gpus=args.gpus, mode=args.mode, seqlen=seqlen, steps=args.steps,
                checkpointing=args.checkpointing, offload=args.offload, loss_tile=args.loss_tile,
                block_tile_tokens=args.block_tile_tokens or None)  # fmt: skip
+    if args.offload:
+        rec.update(offload_impl=args.offload_impl, offload_gpu_budget_gib=args.offload_gpu_budget_gib,
+                   offload_host_headroom_gib=args.offload_host_headroom_gib)  # fmt: skip
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.trial_timeout)
         out = proc.stdout + proc.stderr
         status = "ok" if proc.returncode == 0 else ("oom" if "out of memory" in out.lower() else "error")
+        if proc.returncode != 0 and "HostMemoryError" in out:
+            status = "refused"  # the host memory check before the run (ds_mamba_spcp.memory.offload)
+        elif proc.returncode in (-9, 137) or "exitcode  : -9" in out or "Signal 9" in out:
+            status = "killed"  # SIGKILL: the host's out-of-memory killer, most likely
     except subprocess.TimeoutExpired as e:
         out, status = (e.stdout or "") + (e.stderr or "") if isinstance(e.stdout, str) else "", "timeout"
     rec["wall_s"] = round(time.monotonic() - t0, 1)
@@ -109,11 +121,15 @@ def trial(args, seqlen: int, workdir: str) -> dict:
         rec["step_s"] = statistics.median(s["step_s"] for s in later)
         rec["tokens_per_s"] = statistics.median(s["tokens_per_s"] for s in later)
         rec["peak_mem_gib"] = max(s.get("peak_mem_gib", 0.0) for s in steps)
+        if any("host_peak_rss_gib" in s for s in steps):
+            rec["host_peak_rss_gib"] = max(s.get("host_peak_rss_gib", 0.0) for s in steps)
         rec["losses"] = [s["loss"] for s in steps]
     backend = re.search(r"Mamba2 backend (\S+)", out)
     rec["mamba_backend"] = backend.group(1).rstrip(":") if backend else None
     if status != "ok":
         lines = [line for line in out.splitlines() if re.search(r"OutOfMemoryError|Error:|error:", line)]
+        refusal = [line for line in out.splitlines() if "HostMemoryError" in line]
+        lines = refusal or lines
         rec["reason"] = (lines[-1] if lines else out[-300:]).strip()[:400]
     return rec
 
@@ -131,27 +147,31 @@ def environment(args) -> dict:
 
 def _setting(r: dict) -> str:
     """The memory settings of a record, as its notes say them ("" for the plain checkpointed run)."""
-    return ", ".join(
-        (["offload"] if r["offload"] else [])
-        + ([f"block tiles {r['block_tile_tokens']:,}"] if r.get("block_tile_tokens") else [])
-    )
+    notes = []
+    if r["offload"]:
+        impl = r.get("offload_impl", "library")  # records before issue 24: DeepSpeed's checkpoint_in_cpu
+        notes.append(f"offload ({impl}, GPU budget {r.get('offload_gpu_budget_gib', 0):g} GiB)")
+    if r.get("block_tile_tokens"):
+        notes.append(f"block tiles {r['block_tile_tokens']:,}")
+    return ", ".join(notes)
 
 
 def markdown(payload: dict) -> str:
     h = payload["header"]
     lines = [f"# Training runs ({h.get('gpu')}, {h['date']}, commit {h.get('git_commit')})", ""]
-    lines += ["| preset | GPUs | mode | global L | status | step s | tokens/s | peak GiB | notes |",
-              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["| preset | GPUs | mode | global L | status | step s | tokens/s | peak GiB | host peak GiB | notes |",
+              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in payload["records"]:
         note = _setting(r)
         if r["status"] == "oom":
             note = "CUDA out of memory"
         elif r["status"] != "ok":
-            note = r.get("reason", "")
+            note = f"{note}: {r.get('reason', '')}" if note else r.get("reason", "")
         lines.append(
             f"| {r['preset']} | {r['gpus']} | {r['mode']} | {r['seqlen']:,} | {r['status']} | "
             f"{r.get('step_s', float('nan')):.2f} | {r.get('tokens_per_s', float('nan')):,.0f} | "
-            f"{r.get('peak_mem_gib', float('nan')):.1f} | {note[:80]} |"
+            f"{r.get('peak_mem_gib', float('nan')):.1f} | {r.get('host_peak_rss_gib', float('nan')):.1f} | "
+            f"{note[:160]} |"
         )
     ok = [r for r in payload["records"] if r["status"] == "ok"]
     for preset, setting in sorted({(r["preset"], _setting(r)) for r in ok}):
@@ -186,7 +206,14 @@ def main(argv=None):
         help="activation checkpointing per block and the tiled loss (default on)",
     )
     p.add_argument("--loss-tile", type=int, default=8192)
-    p.add_argument("--offload", action="store_true", help="activation checkpoints in CPU memory")
+    p.add_argument("--offload", action="store_true", help="activation checkpoints in pinned host memory "
+                   "(examples/train.py --offload-activations)")  # fmt: skip
+    p.add_argument("--offload-impl", choices=("pool", "library"), default="pool",
+                   help="pool: ds_mamba_spcp.memory.offload; library: DeepSpeed's checkpoint_in_cpu")  # fmt: skip
+    p.add_argument("--offload-gpu-budget-gib", type=float, default=0.0,
+                   help="GiB of checkpoints kept on the GPU before any goes to the host")  # fmt: skip
+    p.add_argument("--offload-host-headroom-gib", type=float, default=8.0,
+                   help="host memory left free beyond the checkpoints in the check before each trial")  # fmt: skip
     p.add_argument(
         "--block-tile-tokens",
         type=int,

@@ -102,7 +102,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--offload-activations",
         action="store_true",
-        help="with --activation-checkpointing: keep the checkpoints in CPU memory",
+        help="with --activation-checkpointing: keep the checkpoints in pinned host memory, past the GPU budget "
+        "(ds_mamba_spcp.memory.offload; the host memory it needs is checked before the run)",
+    )
+    p.add_argument(
+        "--offload-gpu-budget-gib",
+        type=float,
+        default=0.0,
+        help="--offload-activations: GiB of checkpoints per rank kept on the GPU before any goes to the host "
+        "(the first blocks'; default %(default)s: all but the newest go)",
+    )
+    p.add_argument(
+        "--offload-host-headroom-gib",
+        type=float,
+        default=8.0,
+        help="--offload-activations: host memory left free beyond the checkpoints when checking (default %(default)s)",
+    )
+    p.add_argument(
+        "--offload-impl",
+        choices=["pool", "library"],
+        default="pool",
+        help="--offload-activations: pool (this package's pinned pool, both paths) or library (DeepSpeed's "
+        "checkpoint_in_cpu under the launcher, torch's save_on_cpu in one process: unchecked, for comparison)",
     )
     p.add_argument(
         "--block-tile-tokens",
@@ -134,6 +155,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--offload-activations needs --activation-checkpointing")
     if args.block_tile_tokens is not None and (not args.activation_checkpointing or args.block_tile_tokens < 1):
         p.error("--block-tile-tokens takes a positive number of tokens, with --activation-checkpointing")
+    if args.offload_gpu_budget_gib < 0 or args.offload_host_headroom_gib < 0:
+        p.error("--offload-gpu-budget-gib and --offload-host-headroom-gib take GiB >= 0")
+    if args.offload_gpu_budget_gib and not (args.offload_activations and args.offload_impl == "pool"):
+        p.error("--offload-gpu-budget-gib applies to --offload-activations with --offload-impl pool (the default)")
     if args.doc_len is not None and (not args.packed or args.doc_len < 1):
         p.error("--doc-len takes a positive length, with --packed")
     check_checkpoint_args(p, args)
@@ -306,17 +331,38 @@ def with_block_tiles(ds_config: dict, args) -> dict:
     return ds_config
 
 
-def block_checkpointing(model: MambaLM, args, mpu=None) -> None:
-    """--activation-checkpointing: every block recomputed in backward. Launched runs use DeepSpeed's
-    activation checkpointing (``deepspeed.checkpointing``; --offload-activations keeps the checkpoints in
-    CPU memory), the single-process reference torch's equivalent (``save_on_cpu`` for the offload). A
-    Mamba2 block whose section sets ``block_tile_tokens`` (--block-tile-tokens) is its own checkpoint,
-    recomputed tile by tile (``Block.tiled``; with the offload its checkpoint goes through ``save_on_cpu``)."""
+def block_checkpointing(model: MambaLM, args, mpu=None, offload_plan=None) -> None:
+    """--activation-checkpointing: every block recomputed in backward.
+
+    With --offload-activations (``--offload-impl pool``, the default) both paths use this package's
+    ``OffloadedCheckpoint``: GPU budget first, then pinned host memory, at most ``offload_plan.host_bytes``
+    (the plan ``check_offload`` approved). Otherwise launched runs use DeepSpeed's activation checkpointing
+    (``deepspeed.checkpointing``; ``--offload-impl library`` adds its ``checkpoint_in_cpu``), the
+    single-process reference torch's equivalent (``save_on_cpu`` for the library offload). A Mamba2 block
+    whose section sets ``block_tile_tokens`` (--block-tile-tokens) is its own checkpoint, recomputed tile by
+    tile (``Block.tiled``); with the offload its input goes to the same offloader (pool) or through
+    ``save_on_cpu`` (library)."""
     if not args.activation_checkpointing:
         return
-    if launched():
+    offloader = None
+    if args.offload_activations and args.offload_impl == "pool":
+        from ds_mamba_spcp.memory import CheckpointOffloader, OffloadedCheckpoint
+
+        offloader = CheckpointOffloader(
+            gpu_budget_bytes=int(args.offload_gpu_budget_gib * 2**30),
+            host_limit_bytes=None if offload_plan is None else offload_plan.host_bytes,
+        )
+        if offload_plan is not None:  # the host slots now, before the first step (pinned where the model is on a GPU)
+            offloader.reserve(offload_plan, pin=torch.cuda.is_available())
+        base = OffloadedCheckpoint(offloader)
+    elif launched():
         import deepspeed
 
+        if args.offload_activations and not torch.cuda.is_available():
+            raise ValueError(
+                "--offload-impl library under the launcher needs a GPU: DeepSpeed 0.19.8's checkpoint_in_cpu without "
+                "a side stream hands the recomputed block an empty tensor; use --offload-impl pool (the default)"
+            )
         deepspeed.checkpointing.configure(mpu, checkpoint_in_cpu=args.offload_activations)
         base = deepspeed.checkpointing.checkpoint
     else:
@@ -331,12 +377,34 @@ def block_checkpointing(model: MambaLM, args, mpu=None) -> None:
     def block_checkpoint(block, x, seq_idx, doc_ids):
         if not block.tile_tokens():
             return base(block, x, seq_idx, doc_ids)
+        if offloader is not None:  # the tiled block's input is its checkpoint: the offloader places it
+            with offloader.saved_tensors_hooks(x):
+                return block.tiled(x, seq_idx)
         if not args.offload_activations:
             return block.tiled(x, seq_idx)
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
             return block.tiled(x, seq_idx)
 
     model.checkpoint = block_checkpoint
+
+
+def check_offload(args, ds_config: dict, tokens_per_rank: int, launched_run: bool):
+    """--offload-activations (pool): the plan of this run's checkpoints from their shapes, checked against
+    the host's memory before anything is built (``HostMemoryError`` on every rank alike when it does not
+    fit). None without offload."""
+    if not (args.activation_checkpointing and args.offload_activations and args.offload_impl == "pool"):
+        return None
+    from ds_mamba_spcp.memory import block_checkpoint_bytes, check_host_memory, plan_offload
+
+    half = launched_run and any(ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16", "bfloat16"))
+    micro, _ = _grad_accumulation(ds_config)
+    sizes = block_checkpoint_bytes(tokens_per_rank, args.d_model, args.n_layers, 2 if half else 4, batch=micro)
+    plan = plan_offload(sizes, int(args.offload_gpu_budget_gib * 2**30))
+    verdict = check_host_memory(plan, headroom_bytes=int(args.offload_host_headroom_gib * 2**30))
+    if not launched_run or int(os.environ.get("RANK", 0)) == 0:
+        print(f"offload: {plan.describe()}; host check {verdict.needed / 2**30:.1f} GiB needed of "
+              f"{verdict.available / 2**30:.1f} GiB available", flush=True)  # fmt: skip
+    return plan
 
 
 def mixer_backend(model) -> str:
@@ -381,6 +449,9 @@ class StepLog:
             rec["grad_norm"] = float(grad_norm)  # the global gradient norm before clipping
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        hwm = _host_peak_rss()
+        if hwm is not None:
+            rec["host_peak_rss_gib"] = hwm / 2**30  # this process's peak resident memory (pinned pool included)
         self.records.append(rec)
         if not self.enabled:
             return
@@ -395,6 +466,18 @@ class StepLog:
         self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+def _host_peak_rss() -> int | None:
+    """VmHWM of /proc/self/status in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _log_lines_before(path: str, first_step: int) -> list[str]:
@@ -419,6 +502,7 @@ def run_single(args, ds_config: dict) -> list[dict]:
 
     ds_config = with_block_tiles(ds_config, args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    offload_plan = check_offload(args, ds_config, args.seq_len, launched_run=False)  # before building
     model = build_model(args)
     # A group of one on the plain-PyTorch reference op on CPU (mamba-ssm's own kernels need CUDA).
     cfg = load_mamba_sp_config(ds_config)
@@ -427,7 +511,7 @@ def run_single(args, ds_config: dict) -> list[dict]:
                                          "input_layout": "contiguous"})  # fmt: skip
     wrap_mamba2_mixers(model, None, one)
     model.to(device).train()
-    block_checkpointing(model, args)
+    block_checkpointing(model, args, offload_plan=offload_plan)
     print(f"single process on {device}, Mamba2 backend {mixer_backend(model)}: {_describe(model, args)}", flush=True)
     return train_single_process(
         args, ds_config, model, device,
@@ -612,6 +696,9 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
                                    timeout=dist_timeout(args))  # fmt: skip
     world, rank = dist.get_world_size(), dist.get_rank()
     ds_config = with_block_tiles(ds_config, args)
+    if torch.cuda.is_available() and not args.shared_gpu:
+        # the device DeepSpeed binds this rank to, now: the offload's check and pinned pool run before initialize
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "data_parallel_size" in ds_config:
         raise ValueError(
             'drop "data_parallel_size" from the ds_config: this script builds the sequence-parallel groups itself '
@@ -636,10 +723,11 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2*sp = {2 * sp} for the zigzag layout")
     plan = resume_plan(args, ds_config, sp) if args.resume else None  # before initialize: it may change the config
 
+    offload_plan = check_offload(args, ds_config, args.seq_len // sp, launched_run=True)  # before building
     seed_generators(args.seed)  # python's and numpy's too: the same states on every rank (a checkpoint keeps them)
     model = build_model(args)
     parallelize(model, group, ds_config)
-    block_checkpointing(model, args, mpu)
+    block_checkpointing(model, args, mpu, offload_plan)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=plan.ds_config if plan else ds_config, mpu=mpu,

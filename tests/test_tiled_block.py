@@ -85,6 +85,36 @@ def test_tiled_equals_untiled_fp64(variant, tiles):
     assert err <= TOL, f"{variant}, tiles of {TILES[tiles]}: {key} is {err:.2e} off the untiled block"
 
 
+@pytest.mark.parametrize("budget", [0, 1 << 30])
+def test_offloaded_input_is_bitwise_a_move(budget):
+    """Two tiled blocks whose inputs are saved through one CheckpointOffloader (examples/train.py with
+    --offload-activations): output and every gradient bitwise those without it (a pure move, nothing
+    reordered), and the inputs are placed as planned: with no budget the first goes to a host slot (the
+    newest never leaves the device), within the budget both stay."""
+    from ds_mamba_spcp.memory import CheckpointOffloader
+
+    block = _block("rms_Dh_g2_bias_dtlim")
+    x, dout = _inputs()
+
+    def tiled(x):
+        return tiled_block(x, block.norm, block.mixer, TILES["three_uneven"])
+
+    ref = _run(block, lambda x: tiled(tiled(x)), x, dout)
+    offloader = CheckpointOffloader(gpu_budget_bytes=budget)
+
+    def offloaded(x):
+        for _ in range(2):
+            with offloader.saved_tensors_hooks(x):
+                x = tiled(x)
+        return x
+
+    got = _run(block, offloaded, x, dout)
+    assert [k for k in ref if not torch.equal(got[k], ref[k])] == []
+    stats = dict(offloader.stats)
+    assert stats["saved"] == 2 and stats.get("offloaded", 0) == (0 if budget else 1), stats
+    assert stats.get("kept", 0) == (2 if budget else 0), stats
+
+
 @pytest.mark.parametrize("tile_tokens", [15, 7, 10, 2])
 def test_packed_rows_fp64(tile_tokens):
     block = _block("rms_Dh_g2_bias_dtlim")

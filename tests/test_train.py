@@ -59,6 +59,12 @@ CASES.update({
     "hybrid-ckpt-tiled_loss-state_passing-zero1": (
         "hybrid", "state_passing.json", 1, "auto", ("--activation-checkpointing", "--loss-tile", "7"),
     ),
+    # issue 24: the checkpoints through ds_mamba_spcp.memory.offload (its checkpoint function on both paths)
+    "hybrid-ckpt-offload-tiled_loss-state_passing-zero1": (
+        "hybrid", "state_passing.json", 1, "auto",
+        ("--activation-checkpointing", "--offload-activations", "--offload-host-headroom-gib", "0.5", "--loss-tile",
+         "7"),  # a small headroom: the check before the run must not depend on the CI machine's 8 GiB
+    ),
     # negative controls: the other stage's convention must fail the same tolerance
     "control-zero3-summed": ("mamba", "state_passing.json", 3, "1", ()),
     "control-zero1-doubled": ("mamba", "state_passing.json", 1, "2", ()),

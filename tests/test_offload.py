@@ -1,0 +1,252 @@
+"""ds_mamba_spcp.memory.offload on CPU: the split, the host check and its refusal, and offload as a pure move.
+
+Offload only moves each block's input to a pool slot and back; nothing is recomputed differently, so in
+fp64 on CPU the loss and every gradient must be bitwise those of the same model without offload (and of
+torch's own checkpoint and of no checkpointing at all: the recompute runs the same ops on the same
+inputs). The negative control hands every checkpoint the same pool slot (a plausible pool bug: a slot
+reused before its checkpoint came back); block 0 then recomputes from block 1's input and its gradients
+change. The GPU twin (pinned, async, lower peak) is tests/test_gpu_offload.py.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from ds_mamba_spcp.memory import (
+    CheckpointOffloader,
+    HostMemory,
+    HostMemoryError,
+    OffloadedCheckpoint,
+    PinnedPool,
+    block_checkpoint_bytes,
+    check_host_memory,
+    plan_offload,
+)
+from ds_mamba_spcp.memory import offload as offload_mod
+from tests.conftest import TINY, load_train, sgd_config
+from tests.dist_utils import run_ranks
+
+GiB = 2**30
+N_LAYERS = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# the split and the host check
+# ---------------------------------------------------------------------------------------------
+
+
+def test_split_gpu_first_newest_stays():
+    sizes = block_checkpoint_bytes(1024, 8, N_LAYERS, 2)  # 16 KiB each
+    each = sizes[0]
+    none = plan_offload(sizes, 0)
+    assert none.on_gpu == () and none.on_host == (0, 1, 2) and none.newest == 3
+    assert none.host_bytes == 3 * each and none.gpu_bytes == 2 * each  # the newest + one prefetched
+    two = plan_offload(sizes, 2 * each + 1)  # the budget takes whole checkpoints, the first ones
+    assert two.on_gpu == (0, 1) and two.on_host == (2,) and two.newest == 3 and two.host_bytes == each
+    everything = plan_offload(sizes, 10 * each)
+    assert everything.on_gpu == (0, 1, 2, 3) and everything.on_host == () and everything.newest is None
+    assert everything.host_bytes == 0
+    with pytest.raises(ValueError, match="GPU budget"):
+        plan_offload(sizes, -1)
+
+
+def test_host_check_refuses_with_the_numbers_and_a_budget_that_fits():
+    sizes = block_checkpoint_bytes(1048576, 1536, 48, 2)  # the 780M at 1M tokens: 3 GiB per checkpoint
+    plan = plan_offload(sizes, 0)
+    assert plan.host_bytes == 47 * 3 * GiB
+    with pytest.raises(HostMemoryError) as e:
+        check_host_memory(plan, headroom_bytes=8 * GiB, local_ranks=1, memory=HostMemory(118 * GiB))
+    msg = str(e.value)
+    for part in ("149.0 GiB of host memory", "118.0 GiB are available", "--seq-len", "sequence_parallel_size",
+                 "--offload-gpu-budget-gib 33.00"):  # fmt: skip
+        assert part in msg, (part, msg)
+    # the budget it names fits: 11 checkpoints on the GPU, 36 x 3 GiB + 8 GiB <= 118 GiB
+    fits = check_host_memory(plan_offload(sizes, 33 * GiB), headroom_bytes=8 * GiB, local_ranks=1,
+                             memory=HostMemory(118 * GiB))  # fmt: skip
+    assert fits.ok and fits.needed == 36 * 3 * GiB + 8 * GiB
+    with pytest.raises(HostMemoryError):  # one GiB less of budget: one more checkpoint on the host, too much
+        check_host_memory(plan_offload(sizes, 32 * GiB), headroom_bytes=8 * GiB, local_ranks=1,
+                          memory=HostMemory(118 * GiB))  # fmt: skip
+    # the ranks of one host share it; a cgroup limit tighter than MemAvailable wins
+    half = plan_offload(block_checkpoint_bytes(262144, 1536, 48, 2), 0)  # 47 x 0.75 GiB
+    check_host_memory(half, headroom_bytes=0, local_ranks=1, memory=HostMemory(36 * GiB))
+    with pytest.raises(HostMemoryError, match="2 rank"):
+        check_host_memory(half, headroom_bytes=0, local_ranks=2, memory=HostMemory(36 * GiB))
+    with pytest.raises(HostMemoryError, match="20.0 GiB are available"):
+        check_host_memory(half, headroom_bytes=0, local_ranks=1, memory=HostMemory(36 * GiB, cgroup_free=20 * GiB))
+
+
+def test_cgroup_limits_are_read(tmp_path):
+    v1 = tmp_path / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text(str(10 * GiB))
+    (v1 / "memory.usage_in_bytes").write_text(str(7 * GiB))
+    (v1 / "memory.stat").write_text(f"cache 5\ntotal_inactive_file {GiB}\n")
+    free, limit, _ = offload_mod._cgroup_free(str(tmp_path))
+    assert (free, limit) == (4 * GiB, 10 * GiB)  # 10 - 7 + 1 reclaimable
+    (tmp_path / "memory.max").write_text(str(6 * GiB))  # cgroup v2 at the root: the walk up reaches it
+    (tmp_path / "memory.current").write_text(str(5 * GiB))
+    (tmp_path / "memory.stat").write_text("inactive_file 0\n")
+    free, limit, _ = offload_mod._cgroup_free(str(tmp_path))
+    assert (free, limit) == (GiB, 6 * GiB)  # the tighter of the two
+    (tmp_path / "memory.max").write_text("max")
+    assert offload_mod._cgroup_free(str(tmp_path))[0] == 4 * GiB
+    assert offload_mod.host_memory().available > 0  # this machine's
+
+
+def _refuse_on_rank(rank, world):
+    # rank 1 sees less memory: both ranks must take the smallest and raise the same words
+    memory = HostMemory((40 if rank == 0 else 30) * GiB)
+    plan = plan_offload(block_checkpoint_bytes(262144, 1536, 48, 2), 0)  # 35.25 GiB per rank
+    out = []
+    try:
+        check_host_memory(plan, headroom_bytes=0, local_ranks=1, memory=memory)
+        out.append(None)
+    except HostMemoryError as e:
+        out.append(str(e))
+    # examples/train.py under the launcher: refused before the model is built, on both ranks
+    train = load_train()
+    args = train.parse_args(TINY + ["--steps", "1", "--activation-checkpointing", "--offload-activations",
+                                    "--offload-host-headroom-gib", "1e9"])  # fmt: skip
+    try:
+        train.run_distributed(args, sgd_config("state_passing.json", 1))
+        out.append(None)
+    except HostMemoryError as e:
+        out.append(str(e))
+    return out
+
+
+def test_refusal_is_the_same_on_every_rank():
+    (check0, train0), (check1, train1) = run_ranks(_refuse_on_rank, 2, timeout=180)
+    assert check0 is not None and check0 == check1, (check0, check1)
+    assert "30.0 GiB are available" in check0
+    assert train0 is not None and train0 == train1 and "2 rank(s)" in train0, (train0, train1)
+
+
+def test_train_refuses_before_building():
+    train = load_train()
+    args = train.parse_args(TINY + ["--steps", "1", "--activation-checkpointing", "--offload-activations",
+                                    "--offload-host-headroom-gib", "1e9"])  # fmt: skip
+    with pytest.raises(HostMemoryError, match="--offload-host-headroom-gib"):
+        train.run_single(args, sgd_config("state_passing.json", 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the pool
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pool_reuses_exact_sizes_and_keeps_its_limit():
+    pool = PinnedPool(pin=False, limit_bytes=300)
+    a = pool.acquire(100)
+    b = pool.acquire(200)
+    assert pool.reserved_bytes == 300
+    with pytest.raises(HostMemoryError, match="checked before the run"):
+        pool.acquire(1)
+    pool.release(a)
+    assert pool.acquire(100).data_ptr() == a.data_ptr()  # the same slot, no new memory
+    pool.release(b)
+    assert pool.reserved_bytes == 300 and pool.peak_in_use_bytes == 300
+
+
+# ---------------------------------------------------------------------------------------------
+# offload is a pure move: fp64 CPU, bitwise
+# ---------------------------------------------------------------------------------------------
+
+
+def _model():
+    train = load_train()
+    args = train.parse_args(TINY + ["--n-layers", str(N_LAYERS), "--seq-len", "24"])
+    model = train.build_model(args).double()
+    from ds_mamba_spcp.config import MambaSequenceParallelConfig
+    from ds_mamba_spcp.module import wrap_mamba2_mixers
+
+    wrap_mamba2_mixers(model, None, MambaSequenceParallelConfig(enabled=True, sequence_parallel_size=1))
+    batch = train.synthetic_batch(2, args.seq_len, args.vocab_size, seed=3)
+    return model, batch
+
+
+def _loss_and_grads(model, batch, checkpoint):
+    model.checkpoint = checkpoint
+    model.zero_grad(set_to_none=True)
+    logits = model(batch["input_ids"])
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+    loss.backward()
+    return loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _torch_checkpoint(block, *inputs):
+    return torch.utils.checkpoint.checkpoint(block, *inputs, use_reentrant=False)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, batch = _model()
+    plain = _loss_and_grads(model, batch, None)
+    return model, batch, plain
+
+
+def _same(a, b) -> list[str]:
+    """Names that differ (the loss as "loss"): empty when bitwise equal."""
+    bad = [] if torch.equal(a[0], b[0]) else ["loss"]
+    return bad + [n for n in a[1] if not torch.equal(a[1][n], b[1][n])]
+
+
+@pytest.mark.parametrize("kept", [0, 1, N_LAYERS])
+def test_offload_is_bitwise_a_move(reference, kept):
+    model, batch, plain = reference
+    each = batch["input_ids"].numel() * model.embedding.embedding_dim * 8  # fp64
+    assert _same(_loss_and_grads(model, batch, _torch_checkpoint), plain) == []
+    offloader = CheckpointOffloader(gpu_budget_bytes=kept * each)
+    for step in range(2):  # the second step reuses the pool's slots
+        got = _loss_and_grads(model, batch, OffloadedCheckpoint(offloader))
+        assert _same(got, plain) == [], f"step {step}: offload changed {_same(got, plain)}"
+    plan = plan_offload([each] * N_LAYERS, kept * each)
+    # the path really ran, and as planned: the host held exactly the plan's bytes, reused on step 2
+    assert offloader.stats["offloaded"] == 2 * len(plan.on_host) and offloader.stats["kept"] == 2 * kept
+    assert offloader.pool.reserved_bytes == offloader.pool.peak_in_use_bytes == plan.host_bytes
+    assert offloader.pool.in_use_bytes == 0
+    assert offloader.stats["prefetched"] == 2 * len(plan.on_host)
+
+
+def test_reserved_pool_is_used_as_planned(reference):
+    model, batch, plain = reference
+    each = batch["input_ids"].numel() * model.embedding.embedding_dim * 8
+    plan = plan_offload([each] * N_LAYERS, 0)
+    offloader = CheckpointOffloader(0, host_limit_bytes=plan.host_bytes)
+    offloader.reserve(plan, pin=False)  # what train.py does before the first step
+    assert offloader.pool.reserved_bytes == plan.host_bytes and offloader.pool.in_use_bytes == 0
+    got = _loss_and_grads(model, batch, OffloadedCheckpoint(offloader))
+    assert _same(got, plain) == [] and offloader.pool.reserved_bytes == plan.host_bytes  # nothing allocated later
+    with pytest.raises(HostMemoryError, match="checked before the run"):
+        offloader.pool.acquire(each + 1)  # past the checked bytes: refused, not allocated
+
+
+def test_negative_control_a_shared_slot_is_caught(reference, monkeypatch):
+    model, batch, plain = reference
+    shared = {}
+
+    def one_slot(self, nbytes):  # every checkpoint into the same buffer
+        return shared.setdefault(nbytes, torch.empty(nbytes, dtype=torch.uint8))
+
+    monkeypatch.setattr(PinnedPool, "acquire", one_slot)
+    monkeypatch.setattr(PinnedPool, "release", lambda self, buf: None)
+    got = _loss_and_grads(model, batch, OffloadedCheckpoint(CheckpointOffloader(0)))
+    assert torch.equal(got[0], plain[0])  # the forward never reads a checkpoint back
+    assert _same(got, plain), "a shared slot went unnoticed: the bitwise check is too weak"
+
+
+def test_a_dropped_graph_gives_its_slots_back(reference):
+    model, batch, plain = reference
+    offloader = CheckpointOffloader(0)
+    model.checkpoint = OffloadedCheckpoint(offloader)
+    logits = model(batch["input_ids"])
+    assert offloader.pool.in_use_bytes > 0
+    del logits
+    gc.collect()
+    assert offloader.pool.in_use_bytes == 0
+    got = _loss_and_grads(model, batch, OffloadedCheckpoint(offloader))  # a new pass, from index 0
+    assert _same(got, plain) == []
