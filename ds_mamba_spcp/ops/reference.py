@@ -73,7 +73,8 @@ def canonical_seq_idx(seq_idx):
     into them takes this form. Returns int32 on the same device.
     """
     change = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
-    return torch.cat([torch.zeros_like(change[:, :1]), change.cumsum(dim=1, dtype=torch.int32)], dim=1)
+    first = torch.zeros(seq_idx.shape[0], 1, dtype=torch.int32, device=seq_idx.device)  # (a 1-token row has no change)
+    return torch.cat([first, change.cumsum(dim=1, dtype=torch.int32)], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------
