@@ -105,6 +105,7 @@ def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_
     States in fp32 (fp64 for fp64 input), conv states in zxbcdt's dtype (the columns before a document's start,
     or before the row's start, zero). ``initial_states`` enters each row's first document only. Nothing
     requires grad and no graph is recorded."""
+    forward_only = kwargs.pop("forward_only", True)  # False: the training route under no_grad (a benchmark's baseline)
     mode = kwargs.setdefault("mode", modes.STATE_PASSING)
     load_balancing = kwargs.setdefault("load_balancing", modes.NONE)
     if kwargs.get("input_layout") is None:
@@ -112,8 +113,8 @@ def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_
     with torch.no_grad():
         out, final = op.mixer_core(
             zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group,
-            seq_idx=seq_idx, return_final_states=True, forward_only=True, headdim=headdim, what="mixer_core_prefill",
-            **kwargs,
+            seq_idx=seq_idx, return_final_states=True, forward_only=forward_only, headdim=headdim,
+            what="mixer_core_prefill", **kwargs,
         )  # fmt: skip
         d_inner = A.shape[0] * headdim
         conv_dim, d_conv = conv1d_weight.shape
