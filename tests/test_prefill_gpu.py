@@ -209,3 +209,44 @@ def test_bf16_prefill_states_and_tokens_on_one_gpu(results, which):
     # the prompt search makes that at least the first token, or the test fails with every candidate's margins.
     assert res["compared"] >= 1, f"no candidate prompt's first-token margin reaches {MARGIN}: {res['search']}"
     assert res["same_tokens"], (res["compared"], res["margins"])
+
+
+def test_forward_only_route_holds_one_tile_on_one_gpu():
+    """The forward-only route's memory on the Triton kernels, one process: a group of one in tiles of 16,384 of
+    131,072 tokens (bf16, 24 heads of 64, dstate 128). The training route under no_grad opens every tile before
+    finishing any (their conv outputs and chunk states alive together) and keeps every tile's y; the forward-only
+    route runs one tile at a time. Peak memory above the inputs must drop below 0.7x (expected ~0.3x: the output
+    and one tile against the output and all eight); the results are the same kernels on the same tiles in the same
+    order (bitwise expected, bound at bf16 rounding)."""
+    from ds_mamba_spcp.inference.forward import mixer_core_prefill
+
+    nheads, headdim, ngroups, dstate, d_conv, chunk, seqlen, tile = 24, 64, 1, 128, 4, 256, 1 << 17, 1 << 14
+    d_inner, conv_dim = nheads * headdim, nheads * headdim + 2 * ngroups * dstate
+    g = torch.Generator(device="cuda").manual_seed(0)
+    zxbcdt = torch.randn(1, seqlen, d_inner + conv_dim + nheads, device="cuda", generator=g).to(torch.bfloat16)
+    params = (
+        torch.randn(conv_dim, d_conv, device="cuda", generator=g).mul(0.3).to(torch.bfloat16),
+        torch.zeros(conv_dim, device="cuda", dtype=torch.bfloat16),
+        torch.full((nheads,), -3.0, device="cuda"),
+        -torch.rand(nheads, device="cuda", generator=g).add(0.5),
+        torch.ones(nheads, device="cuda"),
+    )
+    peaks, res = {}, {}
+    for forward_only in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            res[forward_only] = mixer_core_prefill(
+                zxbcdt, *params, chunk, headdim=headdim, ngroups=ngroups, tile_length=tile, backend="triton",
+                forward_only=forward_only,
+            )  # fmt: skip
+        torch.cuda.synchronize()
+        peaks[forward_only] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    errs = [rel_err(a, b) for a, b in zip(res[True], res[False])]
+    same = all(torch.equal(a, b) for a, b in zip(res[True], res[False]))
+    print(f"peak above the inputs: training route {peaks[False]:.0f} MiB, forward-only {peaks[True]:.0f} MiB "
+          f"({peaks[True] / peaks[False]:.2f}x); out/state/tail errors {errs}, bitwise {same}")  # fmt: skip
+    assert max(errs) <= 1e-2, errs
+    assert peaks[True] < 0.7 * peaks[False], peaks
