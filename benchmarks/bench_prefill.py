@@ -11,7 +11,13 @@ Modes, each a prompt of batch 1 in bf16 under ``torch.no_grad``, the logits of t
     mamba_ssm_forward   mamba-ssm's ``MambaLMHeadModel`` forward (its fused path; no decode states)
     mamba_ssm_prefill   the same with ``inference_params`` (its prefill: conv and SSM states filled)
     ours_whole          ``sequence_parallel_prefill_mamba`` in a group of one (this package's op on the whole
-                        prompt, states into ``InferenceParams``)
+                        prompt through the dispatcher's forward-only route, states into ``InferenceParams``)
+    ours_whole_training_route   the same through the training route under ``torch.no_grad`` (the autograd
+                        Function, y kept, mamba-ssm's own op): what the forward-only route's peak is compared to
+    ours_tiled          ``ours_whole`` with the op's ``tile_length`` = ``--tile`` (the mixer core in tiles, one at a
+                        time on the forward-only route; in_proj and out_proj still see the whole prompt)
+    ours_tiled_training_route   the same tiles through the training route under ``torch.no_grad`` (every
+                        tile's first phase alive until the last summary, every tile's y kept)
     ours_chunked        ``chunked_prefill_mamba``: tiles of ``--tile`` tokens through the whole model, every
                         layer's state and conv tail carried; activations of one tile at a time
 Per mode and length: status (ok / oom / error), median seconds over ``--repeats`` timed runs after one
@@ -19,9 +25,11 @@ warm-up, tokens/s, seconds per 1M prompt tokens, peak memory (``torch.cuda.max_m
 the mamba-ssm model's modes, the last logits' relative RMS distance from ``mamba_ssm_prefill`` (or from
 ``ours_whole`` where mamba-ssm's model cannot run: CPU). The ratios in the Markdown table come from this
 one run. Presets: Mamba2 LMs (vocab 50280, d_state 128, headdim 64, expand 2, chunk 256, ngroups 1):
-``mamba-130m`` d_model 768 x 24, ``mamba-780m`` 1536 x 48; ``tiny`` for the CPU path (``--device cpu``:
-mamba-ssm's model needs its CUDA build, so a stand-in LM of mamba-ssm ``Mamba2`` mixers runs the
-ours_* modes there).
+``mamba-130m`` d_model 768 x 24, ``mamba-780m`` 1536 x 48; ``tiny`` for the CPU path (``--device cpu``).
+The model is mamba-ssm's own ``MambaLMHeadModel`` (importable without its ``selective_scan_cuda``:
+``_upstream.mamba_lm_head_model``); on GPU with its fused add-norm and Triton RMSNorm, on CPU with
+nn.LayerNorm and no fused add-norm (its Triton kernels need a GPU), where the mamba_ssm_* modes are skipped
+(its own scan is Triton) and the ours_* modes run.
 """
 
 from __future__ import annotations
@@ -34,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import time
-import types
 from datetime import datetime, timezone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +50,8 @@ if REPO not in sys.path:
 
 SCHEMA = "ds_mamba_spcp.bench_prefill/1"
 MODES = ("hf_forward", "mamba_ssm_forward", "mamba_ssm_prefill", "ours_whole", "ours_chunked")
+# the forward-only route against the training route under no_grad (peak memory): --modes to add them
+EXTRA_MODES = ("ours_whole_training_route", "ours_tiled", "ours_tiled_training_route")
 COMMON = dict(vocab=50280, d_state=128, headdim=64, expand=2, chunk=256, ngroups=1, d_conv=4)
 PRESETS = {
     "mamba-130m": dict(COMMON, d_model=768, n_layer=24),
@@ -88,57 +97,39 @@ def _hf_model(p: dict, device, dtype):
     return tf.Mamba2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
-def _stand_in_lm(p: dict, device, dtype):
-    """CPU stand-in for MambaLMHeadModel: its forward signature over mamba-ssm Mamba2 mixers (plain norms)."""
-    import torch
-    from torch import nn
-
-    from ds_mamba_spcp._upstream import mamba2_class
-
-    mamba2 = mamba2_class()
-
-    class LM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embedding = nn.Embedding(p["vocab"], p["d_model"])
-            self.norms = nn.ModuleList(nn.RMSNorm(p["d_model"]) for _ in range(p["n_layer"]))
-            self.mixers = nn.ModuleList(
-                mamba2(d_model=p["d_model"], d_state=p["d_state"], d_conv=p["d_conv"], expand=p["expand"],
-                       headdim=p["headdim"], ngroups=p["ngroups"], chunk_size=p["chunk"], layer_idx=i)
-                for i in range(p["n_layer"])
-            )  # fmt: skip
-            self.norm_f = nn.RMSNorm(p["d_model"])
-            self.lm_head = nn.Linear(p["d_model"], p["vocab"], bias=False)
-
-        def forward(self, input_ids, position_ids=None, inference_params=None, num_last_tokens=0):
-            h = self.embedding(input_ids)
-            for norm, mixer in zip(self.norms, self.mixers):
-                h = h + mixer(norm(h), inference_params=inference_params)
-            h = self.norm_f(h)[:, -num_last_tokens:] if num_last_tokens else self.norm_f(h)
-            return types.SimpleNamespace(logits=self.lm_head(h))
-
-    torch.manual_seed(0)
-    return LM().to(device=device, dtype=dtype).eval()
-
-
 def _mamba_model(p: dict, device, dtype):
-    """mamba-ssm's MambaLMHeadModel (None where it does not import: no CUDA build)."""
-    from ds_mamba_spcp._upstream import mamba_module
-
-    try:
-        cfg_mod, model_mod = mamba_module("models.config_mamba"), mamba_module("models.mixer_seq_simple")
-    except ImportError:
-        return None
+    """mamba-ssm's MambaLMHeadModel: its fused add-norm on GPU, plain LayerNorms on CPU."""
     import torch
 
-    cfg = cfg_mod.MambaConfig(
-        d_model=p["d_model"], n_layer=p["n_layer"], vocab_size=p["vocab"], rms_norm=True, fused_add_norm=True,
+    from ds_mamba_spcp._upstream import mamba_lm_head_model
+
+    model_cls, config_cls = mamba_lm_head_model()
+    gpu = device.type == "cuda"
+    cfg = config_cls(
+        d_model=p["d_model"], n_layer=p["n_layer"], vocab_size=p["vocab"], rms_norm=gpu, fused_add_norm=gpu,
         residual_in_fp32=True, tie_embeddings=True,
         ssm_cfg=dict(layer="Mamba2", d_state=p["d_state"], headdim=p["headdim"], ngroups=p["ngroups"],
                      chunk_size=p["chunk"], expand=p["expand"], d_conv=p["d_conv"]),
     )  # fmt: skip
     torch.manual_seed(0)
-    return model_mod.MambaLMHeadModel(cfg, device=device, dtype=dtype).eval()
+    return model_cls(cfg, device=device, dtype=dtype).eval()
+
+
+def _with_route(run, forward_only: bool):
+    """``run`` with the prefill's mixer core on the forward-only route (True) or the training route (False)."""
+    import functools
+
+    from ds_mamba_spcp.inference import forward, prefill
+
+    def routed(ids):
+        original = prefill.mixer_core_prefill
+        prefill.mixer_core_prefill = functools.partial(forward.mixer_core_prefill, forward_only=forward_only)
+        try:
+            return run(ids)
+        finally:
+            prefill.mixer_core_prefill = original
+
+    return routed
 
 
 def _runner(mode: str, models: dict, tile: int):
@@ -147,12 +138,11 @@ def _runner(mode: str, models: dict, tile: int):
     from ds_mamba_spcp._upstream import mamba_module
     from ds_mamba_spcp.inference.mamba_ssm import chunked_prefill_mamba, sequence_parallel_prefill_mamba
 
-    hf, mamba = models["hf"], models["mamba"]
-    lm = mamba if mamba is not None else models["stand_in"]
+    hf, mamba, gpu = models["hf"], models["mamba"], models["gpu"]
     if mode == "hf_forward":
         return lambda ids: hf(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
-    if mode in ("mamba_ssm_forward", "mamba_ssm_prefill") and mamba is None:
-        return "mamba-ssm's MambaLMHeadModel needs its CUDA build"
+    if mode in ("mamba_ssm_forward", "mamba_ssm_prefill") and not gpu:
+        return "mamba-ssm's own Mamba2 scan is Triton: GPU only"
     if mode == "mamba_ssm_forward":
         return lambda ids: mamba(ids, num_last_tokens=1).logits[:, -1]
     if mode == "mamba_ssm_prefill":
@@ -162,10 +152,12 @@ def _runner(mode: str, models: dict, tile: int):
             return mamba(ids, inference_params=params, num_last_tokens=1).logits[:, -1]
 
         return prefill
-    if mode == "ours_whole":
-        return lambda ids: sequence_parallel_prefill_mamba(lm, ids).logits
+    if mode.startswith("ours_whole") or mode.startswith("ours_tiled"):
+        config = {"mamba_sequence_parallel": {"tile_length": tile}} if mode.startswith("ours_tiled") else None
+        run = lambda ids: sequence_parallel_prefill_mamba(mamba, ids, config=config).logits  # noqa: E731
+        return _with_route(run, forward_only=not mode.endswith("training_route"))
     if mode == "ours_chunked":
-        return lambda ids: chunked_prefill_mamba(lm, ids, tile).logits
+        return lambda ids: chunked_prefill_mamba(mamba, ids, tile).logits
     raise ValueError(mode)
 
 
@@ -265,7 +257,7 @@ def main(argv=None) -> dict:
     p.add_argument("--presets", default="mamba-130m", help=f"comma separated, of {sorted(PRESETS)}")
     p.add_argument("--lengths", default="131072,262144,524288", help="prompt lengths for every mode")
     p.add_argument("--chunked-lengths", default="", help="further lengths for ours_chunked only")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma separated, of {MODES + EXTRA_MODES}")
     p.add_argument("--tile", type=int, default=262144, help="ours_chunked's tile length")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -297,9 +289,8 @@ def main(argv=None) -> dict:
     start = time.monotonic()
     for preset in [x for x in args.presets.split(",") if x]:
         spec = PRESETS[preset]
-        models = {"hf": _hf_model(spec, device, dtype), "mamba": _mamba_model(spec, device, dtype) if device.type ==
-                  "cuda" else None}  # fmt: skip
-        models["stand_in"] = _stand_in_lm(spec, device, dtype) if models["mamba"] is None else None
+        models = {"hf": _hf_model(spec, device, dtype), "mamba": _mamba_model(spec, device, dtype),
+                  "gpu": device.type == "cuda"}  # fmt: skip
         cells = [(L, m) for L in lengths for m in modes] + [(L, "ours_chunked") for L in chunked if "ours_chunked" in
                                                             modes]  # fmt: skip
         reference = {}
@@ -318,7 +309,7 @@ def main(argv=None) -> dict:
             else:
                 result, logits = measure(run, seqlen, spec["vocab"], device, args.repeats)
                 rec.update(result)
-                base = "mamba_ssm_prefill" if models["mamba"] is not None else "ours_whole"
+                base = "mamba_ssm_prefill" if models["gpu"] else "ours_whole"
                 if logits is not None and mode in ("mamba_ssm_prefill", "ours_whole"):
                     reference.setdefault((seqlen, mode), logits.float().cpu())
                 ref = reference.get((seqlen, base))

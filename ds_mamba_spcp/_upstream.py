@@ -17,6 +17,15 @@ submodule and its Triton kernels). ``expose_mamba_package()`` leaves them in ``s
 for a caller that wants other libraries to bind mamba-ssm's Triton kernels on a GPU without the CUDA
 extension (``tests/test_hf_gpu.py``).
 
+mamba-ssm's model file (``models/mixer_seq_simple.py``, ``MambaLMHeadModel``) imports ``modules/mamba_simple.py``
+(Mamba-1), whose ``ops/selective_scan_interface.py`` does ``import selective_scan_cuda``: the CUDA extension
+that CPU builds and the Triton-only wheels lack, and that Mamba2 layers never call. Where that import finds
+nothing, ``mamba_module`` lends it a placeholder for the duration of its imports (``selective_scan_placeholder``):
+a module whose every function raises a RuntimeError naming the missing build, so that ``MambaLMHeadModel``
+with Mamba2 layers imports and runs, and only a Mamba-1 layer's scan fails, clearly. A real
+``selective_scan_cuda`` is never shadowed, and the placeholder never stays in ``sys.modules`` (a library
+that probes for the extension still finds none).
+
 The Triton backend calls private functions of mamba-ssm and causal-conv1d (``_chunk_state_fwd``,
 ``causal_conv1d_bwd_function``, ...), whose signatures and semantics change between releases
 without notice: ``check_pinned_versions`` refuses versions other than the ones it was written and
@@ -90,14 +99,59 @@ def _bare_package():
             _HIDDEN[name] = sys.modules.pop(name)
 
 
+SELECTIVE_SCAN = "selective_scan_cuda"  # mamba-ssm's Mamba-1 CUDA extension (a top-level module)
+
+
+def _missing_selective_scan(name: str):
+    def missing(*args, **kwargs):
+        raise RuntimeError(
+            f"{SELECTIVE_SCAN}.{name} was called, but mamba-ssm's CUDA extension {SELECTIVE_SCAN} is not built here "
+            "(CPU builds and the Triton-only wheels lack it): Mamba-1 layers (mamba_ssm.modules.mamba_simple.Mamba, "
+            "ssm_cfg layer 'Mamba1') need it; Mamba2 layers do not. Build mamba-ssm with CUDA "
+            "(pip install mamba-ssm==2.3.2.post1 --no-binary mamba-ssm on a CUDA machine) or use Mamba2 layers."
+        )
+
+    missing.__name__ = name
+    return missing
+
+
+def _placeholder_module() -> types.ModuleType:
+    placeholder = types.ModuleType(SELECTIVE_SCAN, f"ds_mamba_spcp's stand-in for mamba-ssm's missing {SELECTIVE_SCAN}")
+
+    def __getattr__(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _missing_selective_scan(name)
+
+    placeholder.__getattr__ = __getattr__
+    placeholder.IS_PLACEHOLDER = True
+    return placeholder
+
+
+@contextlib.contextmanager
+def selective_scan_placeholder():
+    """Inside the block, ``import selective_scan_cuda`` finds the placeholder where no real extension is
+    installed (nothing changes where one is); it leaves ``sys.modules`` on the way out."""
+    if SELECTIVE_SCAN in sys.modules or importlib.util.find_spec(SELECTIVE_SCAN) is not None:
+        yield
+        return
+    sys.modules[SELECTIVE_SCAN] = _placeholder_module()
+    try:
+        yield
+    finally:
+        if getattr(sys.modules.get(SELECTIVE_SCAN), "IS_PLACEHOLDER", False):
+            del sys.modules[SELECTIVE_SCAN]
+
+
 def mamba_module(name: str):
-    """``mamba_module("ops.triton.ssd_combined")`` -> that submodule of mamba_ssm."""
+    """``mamba_module("ops.triton.ssd_combined")`` -> that submodule of mamba_ssm (``models.mixer_seq_simple``
+    too where ``selective_scan_cuda`` is missing: see the module docstring)."""
     full = f"{_PACKAGE}.{name}"
     if _real_package_works():
         return importlib.import_module(full)
     if full in _HIDDEN:
         return _HIDDEN[full]
-    with _bare_package():
+    with _bare_package(), selective_scan_placeholder():
         return importlib.import_module(full)
 
 
@@ -128,6 +182,12 @@ def expose_mamba_package() -> None:
 def mamba2_class():
     """mamba-ssm's ``Mamba2`` module class."""
     return mamba_module("modules.mamba2").Mamba2
+
+
+def mamba_lm_head_model():
+    """(mamba-ssm's ``MambaLMHeadModel``, its ``MambaConfig``): importable without ``selective_scan_cuda``
+    (a Mamba-1 layer's scan then raises, naming the missing build; Mamba2 layers run)."""
+    return mamba_module("models.mixer_seq_simple").MambaLMHeadModel, mamba_module("models.config_mamba").MambaConfig
 
 
 def check_pinned_versions() -> None:

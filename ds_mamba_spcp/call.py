@@ -96,6 +96,9 @@ class Options:
     check_shapes: bool = True
     tile_length: int | None = None  # run each segment in tiles of this many tokens (None: only past the kernels' cap)
     cuda_graphs: bool = False  # a group of one on CUDA: replay forward and backward from CUDA graphs (graphs.py)
+    # inference: the entry's forward-only route (op.FORWARD_ONLY): no graph, nothing saved for a backward, and
+    # final_states one per document ((ndocs, ...) for packed rows; documents.py). Not a ds_config key.
+    forward_only: bool = False
 
     @property
     def entry(self) -> modes.Entry:
@@ -198,7 +201,14 @@ def from_arguments(arguments: dict, *, what: str) -> MixerCall:
     if args.get("input_layout") is None:
         args["input_layout"] = modes.default_layout(args.get("mode", modes.STATE_PASSING),
                                                     args.get("load_balancing", modes.NONE))  # fmt: skip
-    for key in ("return_final_states", "recompute_output", "overlap_comm", "check_shapes", "cuda_graphs"):
+    for key in (
+        "return_final_states",
+        "recompute_output",
+        "overlap_comm",
+        "check_shapes",
+        "cuda_graphs",
+        "forward_only",
+    ):
         if key in args:
             args[key] = bool(args[key])
     return prepare(zxbcdt, core, process_group=group, options=Options(**args), what=what, **data)
@@ -247,6 +257,22 @@ def _check_params(zxbcdt, conv1d_bias, dt_bias, A, rmsnorm_weight, initial_state
     for name, (t, shape) in expect.items():
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def _check_no_grad(zxbcdt, core: MixerCore, initial_states, projections) -> None:
+    """forward_only records no graph: refuse it where a gradient is wanted (grad mode on and an input that
+    requires grad), rather than return outputs that silently carry none."""
+    if not torch.is_grad_enabled():
+        return
+    tensors = [zxbcdt, initial_states, core.conv1d_weight, core.conv1d_bias, core.dt_bias, core.A, core.D,
+               core.rmsnorm_weight, None if projections is None else projections.hidden]  # fmt: skip
+    wanting = [t for t in tensors if torch.is_tensor(t) and t.requires_grad]
+    if wanting:
+        raise ValueError(
+            f"forward_only=True builds no autograd graph, but grad mode is on and {len(wanting)} input(s) require "
+            "grad; call it under torch.no_grad() or torch.inference_mode() (inference), or leave forward_only False "
+            "(training)"
+        )
 
 
 def _check_seq_idx(seq_idx, zxbcdt, device) -> torch.Tensor:
@@ -331,6 +357,7 @@ def _descriptor(zxbcdt, core: MixerCore, options: Options, initial_states, seq_i
         ("backend", BACKENDS.index(options.backend) if options.backend in BACKENDS else 9),
         ("tile_length", -1 if not isinstance(options.tile_length, int) else options.tile_length),
         ("cuda_graphs", bool(options.cuda_graphs)),
+        ("forward_only", options.forward_only),
         ("seq_idx", seq_idx is not None),
         ("cu_seqlens", cu_seqlens is not None),
         ("cu_seqlens.len", cu_len),
@@ -500,6 +527,8 @@ def prepare(
                 f"cuda_graphs=True needs CUDA tensors, got them on {device}; pass cuda_graphs=False (or set "
                 '"mamba_sequence_parallel.cuda_graphs": false) on CPU'
             )
+        if options.forward_only:
+            _check_no_grad(zxbcdt, core, initial_states, projections)
         if seq_idx is not None and cu_seqlens is not None:
             raise ValueError("pass seq_idx or cu_seqlens, not both (they describe the same documents)")
         if seq_idx is not None:

@@ -8,7 +8,10 @@ collective: the single-device op with no length cap. See docs/design.md, "Tiles"
 
 from __future__ import annotations
 
-from ds_mamba_spcp import modes, state_passing
+import torch
+
+from ds_mamba_spcp import documents, modes, state_passing
+from ds_mamba_spcp.ops import tiles as tiling
 
 
 def needs_tiles(call) -> bool:
@@ -25,3 +28,27 @@ def run(call):
         return call.single_device()
     one = call.replace(cp=1, rank=0, group=None)
     return state_passing.run(one.with_options(load_balancing=modes.NONE, input_layout=modes.CONTIGUOUS))
+
+
+def run_forward_only(call):
+    """The forward-only route (``op.run`` with ``forward_only``) of a whole row on this rank: the backend's
+    segment from the known incoming state (initial_states or zeros), in tiles where ``needs_tiles`` or the
+    documents of packed rows say, each tile run to its end before the next starts (``tiles.forward_known``).
+    No autograd Function, nothing saved, no kept y.
+
+    Returns out, and with return_final_states the state after each document (``documents.py``): (batch, nheads,
+    headdim, dstate) without seq_idx, (ndocs, ...) with it."""
+    spec, o = call.spec, call.options
+    batch, seqlen = call.zxbcdt.shape[:2]
+    limit = call.backend.max_tokens_per_call(spec)
+    groups = tiling.forward_groups(batch, seqlen, spec, limit, o.tile_length, call.seq_idx)
+    with torch.no_grad():
+        out, states = tiling.forward_known(call.backend, groups, call.zxbcdt, None, *call.params, spec=spec,
+                                           seq_idx=call.seq_idx, initial_states=call.initial_states)  # fmt: skip
+        if not o.return_final_states:
+            return out
+        if call.seq_idx is None:
+            return out, tiling.final_states(groups, states)
+        found = documents.candidates(call.seq_idx, [0])
+        values = tiling.states_at(groups, states, found)
+        return out, documents.gather([values], found, call.seq_idx[:, 0], None, 1, modes.CONTIGUOUS)[0]

@@ -9,6 +9,10 @@
                               the strategy, autocast off:  group of one   group_of_one.run   (cp == 1)
                                                            state passing  state_passing.run
                                                            ulysses        ulysses.run
+                                  forward_only (inference): the same entry's forward-only route, no_grad:
+                                                           group of one   group_of_one.run_forward_only
+                                                           state passing  state_passing.run_forward_only
+                                                           ulysses        ulysses.run_forward_only
                               out_proj; the move back                  (permute.move_out)
 
 The strategies import nothing above them; this module is the only one that knows them all. See
@@ -23,6 +27,9 @@ from ds_mamba_spcp import graphs, group_of_one, modes, permute, state_passing, u
 from ds_mamba_spcp.call import MixerCall, from_arguments
 
 STRATEGIES = {modes.STATE_PASSING: state_passing.run, modes.ULYSSES: ulysses.run}
+# the forward-only routes (Options.forward_only): no autograd Function, nothing saved for a backward, the
+# state after each document of a packed row (docs/design.md, "Forward only")
+FORWARD_ONLY = {modes.STATE_PASSING: state_passing.run_forward_only, modes.ULYSSES: ulysses.run_forward_only}
 
 
 def run(call: MixerCall):
@@ -35,9 +42,13 @@ def run(call: MixerCall):
     projections = call.projections
     if projections is not None:
         call = call.replace(zxbcdt=projections.in_proj(projections.hidden), projections=None)
-    strategy = group_of_one.run if call.cp == 1 else STRATEGIES[call.entry.strategy]
+    if call.options.forward_only:
+        strategy = group_of_one.run_forward_only if call.cp == 1 else FORWARD_ONLY[call.entry.strategy]
+    else:
+        strategy = group_of_one.run if call.cp == 1 else STRATEGIES[call.entry.strategy]
     with torch.autocast(device_type=call.zxbcdt.device.type, enabled=False):
-        res = graphs.run(call, strategy) if call.options.cuda_graphs else strategy(call)
+        graphed = call.options.cuda_graphs and not call.options.forward_only  # inference runs eager: no backward
+        res = graphs.run(call, strategy) if graphed else strategy(call)
     out, final_states = res if call.options.return_final_states else (res, None)
     if projections is not None:
         out = projections.out_proj(out)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_mamba_spcp import comm, layout, modes, scan
+from ds_mamba_spcp import comm, documents, layout, modes, scan
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops import tiles as tiling
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
@@ -418,3 +418,40 @@ def run(call):
     st = _Static(call.spec, plan, call.backend, bool(o.return_final_states), bool(o.recompute_output),
                  o.tile_length)  # fmt: skip
     return _StatePassingFn.apply(call.zxbcdt, *call.params, call.initial_states, call.seq_idx, st)
+
+
+def run_forward_only(call):
+    """The forward-only route (``op.run`` with ``forward_only``) of the state-passing strategy (cp > 1): the same
+    halo and summary exchanges around ``tiles.segment_fwd_only`` instead of the autograd Function. Nothing is
+    saved for a backward (no S_in, decays, halo or inputs kept past the call; no per-tile lists; y not kept),
+    and each tile's intermediates go as soon as it has finished.
+
+    Returns out, and with return_final_states the state after each document on every rank: (batch, nheads,
+    headdim, dstate) without seq_idx (the exchange's final state, as ``run`` returns it), (ndocs, ...) with it
+    (each document's last span's state, gathered: ``documents.gather``)."""
+    o, spec = call.options, call.spec
+    plan = SegmentPlan(call.group, call.rank, call.cp, call.entry.chain, async_op=o.overlap_comm)
+    with torch.no_grad(), _no_autocast(call.zxbcdt.device):
+        rows = layout.pack_segments(call.zxbcdt, plan.nlocal)
+        labels = None if call.seq_idx is None else layout.pack_segments(call.seq_idx, plan.nlocal)
+        _, xBC, _ = split_zxbcdt(rows, spec)
+        halo = _HaloExchange(xBC, spec.d_conv, plan, labels)
+        exchange = _SummaryExchange(plan, call.zxbcdt.shape[0], call.initial_states)
+
+        def post(S_ext, log_a):
+            halo.wait()
+            exchange.start0 = halo.start0
+            return exchange.post(S_ext, log_a)
+
+        limit = call.backend.max_tokens_per_call(spec)
+        groups = tiling.forward_groups(rows.shape[0], rows.shape[1], spec, limit, o.tile_length, labels)
+        gen = tiling.segment_fwd_only(call.backend, groups, rows, halo, *call.params, spec=spec, seq_idx=labels)
+        out, states = drive_fwd(gen, post)
+        out = layout.unpack_segments(out, plan.nlocal)
+        if not o.return_final_states:
+            return out
+        if labels is None:
+            return out, exchange.final_states
+        found = documents.candidates(labels, plan.local_ids)
+        values = tiling.states_at(groups, states, found)
+        return out, documents.gather([values], found, labels[:, 0], plan.group, plan.cp, plan.layout)[0]

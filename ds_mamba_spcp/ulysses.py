@@ -252,6 +252,19 @@ def _full_row_labels(seq_idx, plan: _Plan):
 
 def run(call):
     """The all-to-all strategy on a prepared ``MixerCall`` (cp > 1; its sizes checked by the table of modes)."""
+    return _run(call, forward_only=False)
+
+
+def run_forward_only(call):
+    """The forward-only route (``op.run`` with ``forward_only``): the same two all-to-alls as plain functions (no
+    autograd Function), the full-length scan by ``group_of_one.run_forward_only``, under no_grad. With
+    return_final_states: the state after each document, every head gathered on every rank ((batch, ...)
+    without seq_idx, (ndocs, ...) with it: the full rows' documents, ``documents.py``)."""
+    with torch.no_grad():
+        return _run(call, forward_only=True)
+
+
+def _run(call, forward_only: bool):
     spec, o = call.spec, call.options
     rank, cp = call.rank, call.cp
     h_loc, g_loc, nrep = modes.ulysses_heads(spec.nheads, spec.ngroups, cp)
@@ -278,21 +291,30 @@ def run(call):
     local_rmsnorm_weight = None
     if call.rmsnorm_weight is not None and not norm_after:
         local_rmsnorm_weight = call.rmsnorm_weight[h0 * spec.headdim : h1 * spec.headdim]
-    local_initial_states = None if call.initial_states is None else _SliceHeads.apply(call.initial_states, plan)
+    local_initial_states = call.initial_states
+    if local_initial_states is not None:
+        local_initial_states = (local_initial_states[:, h0:h1].contiguous() if forward_only
+                                else _SliceHeads.apply(local_initial_states, plan))  # fmt: skip
     labels = None if call.seq_idx is None else _full_row_labels(call.seq_idx, plan)
 
-    zxbcdt_loc = _SeqToHeads.apply(call.zxbcdt, shard_zxbcdt, plan)  # [b, L/cp, d_in_proj] -> [b, L, d_in_proj/cp]
+    to_heads = _seq_to_heads if forward_only else _SeqToHeads.apply
+    zxbcdt_loc = to_heads(call.zxbcdt, shard_zxbcdt, plan)  # [b, L/cp, d_in_proj] -> [b, L, d_in_proj/cp]
     local = call.replace(
         zxbcdt=zxbcdt_loc, conv1d_weight=rows(call.conv1d_weight), conv1d_bias=rows(call.conv1d_bias),
         dt_bias=call.dt_bias[h0:h1], A=call.A[h0:h1], D=call.D[h0:h1], rmsnorm_weight=local_rmsnorm_weight,
         initial_states=local_initial_states, seq_idx=labels,
         spec=dataclasses.replace(spec, nheads=h_loc, ngroups=g_loc),
     )  # fmt: skip
-    res = group_of_one.run(local.replace(cp=1, rank=0, group=None))  # the full-length scan, in tiles if need be
+    scan = group_of_one.run_forward_only if forward_only else group_of_one.run
+    res = scan(local.replace(cp=1, rank=0, group=None))  # the full-length scan, in tiles if need be
     y_loc, final_loc = res if o.return_final_states else (res, None)
-    out = _HeadsToSeq.apply(y_loc, shard_y, plan)  # [b, L, d_inner/cp] -> [b, L/cp, d_inner]
+    out = (_heads_to_seq if forward_only else _HeadsToSeq.apply)(
+        y_loc, shard_y, plan
+    )  # [b, L, d_inner/cp] -> [b, L/cp, d_inner]
     if norm_after:
         out = _group_rmsnorm(out, call.rmsnorm_weight, spec.rmsnorm_eps, di // spec.ngroups)
     if not o.return_final_states:
         return out
+    if forward_only:  # (rows or documents, h/cp, p, n) of every rank -> every head
+        return out, comm.all_gather(final_loc, plan.group, plan.cp, async_op=False).wait().movedim(0, 1).flatten(1, 2)
     return out, _GatherHeads.apply(final_loc, plan)

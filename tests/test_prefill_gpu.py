@@ -5,19 +5,24 @@
 Correctness only (DESIGN.md section 6: gloo moves CUDA tensors for collectives; timings mean nothing).
 bf16, the package's Triton backend for the sharded Mamba2 layers.
 
-1. mamba-ssm's ``MambaLMHeadModel`` (Mamba2 layers, fused add-norm; skipped where mamba-ssm's CUDA build
-   is missing): every layer's conv and SSM state after ``sequence_parallel_prefill_mamba`` on 2 ranks
-   against mamba-ssm's own prefill (``model(prompt, inference_params=...)``, its kernels, one process).
-   Both bf16 runs are measured against the same model in fp32 (mamba-ssm's own prefill): the sharded
-   run's relative RMS distance must be within 2x mamba-ssm's bf16 distance + 1e-3 (each bf16 run is about
-   its own rounding from fp32; the sharded one passes the state in fp32 but rounds the states it stores
-   to bf16, as mamba-ssm does, ~4e-3 relative, hence the floor). Tokens: 16 greedy tokens of
-   ``sequence_parallel_generate_mamba`` against mamba-ssm's ``model.generate(top_k=1)``, compared up to
-   the first step whose logit margin (top-2 gap of mamba-ssm's scores) is below 0.25: bf16 logits of two
-   computations differ by ~1e-2, so a smaller margin can flip a token without a bug (the count compared
-   is reported).
+1. mamba-ssm's ``MambaLMHeadModel`` (Mamba2 layers, fused add-norm, Triton RMSNorm; importable without its
+   ``selective_scan_cuda`` through ``_upstream.mamba_lm_head_model``): every layer's conv and SSM state after
+   ``sequence_parallel_prefill_mamba`` on 2 ranks against mamba-ssm's own prefill (``model(prompt,
+   inference_params=...)``, its kernels, one process). Both bf16 runs are measured against the same model in
+   fp32 (mamba-ssm's own prefill): the sharded run's relative RMS distance must be within 2x mamba-ssm's bf16
+   distance + 1e-3 (each bf16 run is about its own rounding from fp32; the sharded one passes the state in
+   fp32 but rounds the states it stores to bf16, as mamba-ssm does, ~4e-3 relative, hence the floor).
+   Tokens: 16 greedy tokens of ``sequence_parallel_generate_mamba`` (its decoding is mamba-ssm's own step, on
+   the GPU) against mamba-ssm's ``model.generate(top_k=1)``.
 2. The same for a transformers Bamba hybrid (sdpa attention), where transformers keeps Mamba state in
    ``LinearAttentionLayer`` (5.24; skipped on older releases such as the device image's 5.17).
+
+Tokens are compared up to the first step whose logit margin (top-2 gap of the one-process bf16 scores, the
+smallest over the batch) is below 0.25: bf16 logits of two computations differ by ~1e-2, so a smaller margin
+can flip a token without a bug. The prompt is chosen for it: of ``CANDIDATES`` seeded prompts (deterministic),
+the one whose one-process greedy run has the longest run of such margins from the first token (the first such
+on ties), chosen alike on every rank (checked); the test fails, printing every candidate's margins, when none
+allows even the first token, and asserts how many tokens it compared.
 """
 
 from __future__ import annotations
@@ -35,24 +40,52 @@ WORLD, BATCH, NEW = 2, 2, 16
 SEQLEN = 2 * 1000 + 1  # a remainder of 1 token for the step
 MARGIN = 0.25
 FLOOR = 1e-3
+CANDIDATES = 8  # seeded prompts the search tries, in order
 TIMEOUT = float(os.environ.get("DS_MAMBA_SPCP_GPU_TIMEOUT", 900))
 TRITON = {"mamba_sequence_parallel": {"enabled": True, "backend": "triton"}}
 
 
 def _mamba_model(dtype):
-    from ds_mamba_spcp._upstream import mamba_module
+    from ds_mamba_spcp._upstream import mamba_lm_head_model
 
-    cfg_mod, model_mod = mamba_module("models.config_mamba"), mamba_module("models.mixer_seq_simple")
-    cfg = cfg_mod.MambaConfig(
+    model_cls, config_cls = mamba_lm_head_model()
+    cfg = config_cls(
         d_model=256, n_layer=4, vocab_size=1024, rms_norm=True, fused_add_norm=True, residual_in_fp32=True,
         ssm_cfg=dict(layer="Mamba2", d_state=64, headdim=64, ngroups=2, chunk_size=64, expand=2, d_conv=4),
     )  # fmt: skip
     torch.manual_seed(0)
-    return model_mod.MambaLMHeadModel(cfg, device="cuda", dtype=torch.float32).to(dtype).eval()
+    return model_cls(cfg, device="cuda", dtype=torch.float32).to(dtype).eval()
 
 
 def _states(params) -> dict:
     return {i: (c.float().cpu().numpy(), s.float().cpu().numpy()) for i, (c, s) in params.key_value_memory_dict.items()}
+
+
+def _leading(margins) -> int:
+    """How many steps from the first have a margin of at least MARGIN."""
+    return int((margins >= MARGIN).long().cumprod(0).sum())
+
+
+def _choose_prompt(make_ids, greedy):
+    """The first of the CANDIDATES prompts with the longest run of margins >= MARGIN from the first token.
+
+    make_ids(seed) -> prompt; greedy(ids) -> (new tokens (batch, NEW), margins (NEW,), the smallest top-2 gap of
+    the one-process scores per step). Returns (ids, tokens, margins, {seed: margins as a list}), the same on every
+    rank (the search is deterministic; checked by the caller)."""
+    best, tried = None, {}
+    for seed in range(CANDIDATES):
+        ids = make_ids(seed)
+        tokens, margins = greedy(ids)
+        tried[seed] = [round(float(m), 4) for m in margins]
+        if best is None or _leading(margins) > _leading(best[2]):
+            best = (ids, tokens, margins, seed)
+    ids, tokens, margins, seed = best
+    return ids, tokens, margins, {"chosen": seed, "tried": tried}
+
+
+def _margins(scores) -> torch.Tensor:
+    top = torch.stack(scores, 1).float().topk(2, dim=-1).values  # (batch, NEW, 2)
+    return (top[..., 0] - top[..., 1]).min(0).values.cpu()
 
 
 def _mamba_case(rank, world):
@@ -60,17 +93,24 @@ def _mamba_case(rank, world):
     from ds_mamba_spcp.inference.mamba_ssm import sequence_parallel_generate_mamba, sequence_parallel_prefill_mamba
 
     generation = mamba_module("utils.generation")
-    ids = torch.randint(0, 1024, (BATCH, SEQLEN), generator=torch.Generator().manual_seed(1)).cuda()
+    model = _mamba_model(torch.bfloat16)
+
+    def greedy(ids):
+        out = model.generate(ids, max_length=SEQLEN + NEW, top_k=1, output_scores=True, return_dict_in_generate=True)
+        return out.sequences[:, SEQLEN:], _margins(out.scores)
+
+    def make_ids(seed):
+        return torch.randint(0, 1024, (BATCH, SEQLEN), generator=torch.Generator().manual_seed(100 + seed)).cuda()
+
+    ids, want, margins, search = _choose_prompt(make_ids, greedy)
     n = SEQLEN // world
     prefix = ids[:, : n * world]
     own = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        model = _mamba_model(dtype)
         params = generation.InferenceParams(max_seqlen=SEQLEN + NEW, max_batch_size=BATCH)
         with torch.no_grad():
-            model(prefix, inference_params=params, num_last_tokens=1)
+            _mamba_model(dtype)(prefix, inference_params=params, num_last_tokens=1)
         own[name] = _states(params)
-    model = _mamba_model(torch.bfloat16)
     _, params = sequence_parallel_prefill_mamba(model, ids[:, rank * n : (rank + 1) * n], config=TRITON)
     ours = _states(params)
     errs = {}
@@ -82,18 +122,19 @@ def _mamba_case(rank, world):
                 rel_err(torch.from_numpy(own["bf16"][i][k]), ref),
             )
     tokens = sequence_parallel_generate_mamba(model, ids, NEW, config=TRITON)
-    out = model.generate(ids, max_length=SEQLEN + NEW, top_k=1, output_scores=True, return_dict_in_generate=True)
-    scores = torch.stack(out.scores, 1).float()  # (batch, NEW, vocab)
-    top = scores.topk(2, dim=-1).values
-    return _verdict(errs, tokens[:, SEQLEN:], out.sequences[:, SEQLEN:], (top[..., 0] - top[..., 1]).min(0).values)
+    return _verdict(errs, tokens[:, SEQLEN:], want, margins, search)
 
 
-def _verdict(errs: dict, tokens, want, margins) -> dict:
+def _verdict(errs: dict, tokens, want, margins, search) -> dict:
     """errs: name -> (sharded vs fp32, one-process bf16 vs fp32); margins: (NEW,) smallest top-2 gap per step."""
-    allowed = int((margins >= MARGIN).long().cumprod(0).sum())
+    from ds_mamba_spcp.inference.prefill import same_on_every_rank
+
+    allowed = _leading(margins)
     same = bool(torch.equal(tokens[:, :allowed].cpu(), want[:, :allowed].cpu()))
     within = all(got <= 2 * base + FLOOR for got, base in errs.values())
-    return {"errs": errs, "within": agree(within), "compared": allowed, "same_tokens": agree(same)}
+    return {"errs": errs, "within": agree(within), "compared": allowed, "same_tokens": agree(same),
+            "margins": [round(float(m), 4) for m in margins], "search": search,
+            "same_prompt": same_on_every_rank([search["chosen"], allowed], None, tokens.device)}  # fmt: skip
 
 
 def _hf_case(rank, world):
@@ -106,20 +147,29 @@ def _hf_case(rank, world):
         return {"skipped": "transformers without LinearAttentionLayer (< 5.24)"}
     sizes = dict(vocab=512, hidden=256, ssm=dict(heads=16, headdim=32, ngroups=2, dstate=32, d_conv=4, chunk=64),
                  attn=dict(heads=4, kv_heads=2))  # fmt: skip
-    ids = torch.randint(1, 512, (BATCH, SEQLEN), generator=torch.Generator().manual_seed(2)).cuda()
-    n = (SEQLEN - 1) // world
-    prefix = ids[:, : n * world]
+    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
 
     def build(dtype):
         model = hf_models.build("bamba", seed=0, sizes=sizes).to(device="cuda", dtype=dtype).eval()
         model.generation_config.eos_token_id = None
         return model
 
+    model = build(torch.bfloat16)
+
+    def greedy(ids):
+        out = model.generate(ids, output_scores=True, return_dict_in_generate=True, **gen)
+        return out.sequences[:, SEQLEN:], _margins(out.scores)
+
+    def make_ids(seed):
+        return torch.randint(1, 512, (BATCH, SEQLEN), generator=torch.Generator().manual_seed(200 + seed)).cuda()
+
+    ids, want, margins, search = _choose_prompt(make_ids, greedy)
+    n = (SEQLEN - 1) // world
+    prefix = ids[:, : n * world]
     own = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         with torch.no_grad():
             own[name] = build(dtype)(input_ids=prefix, use_cache=True).cache
-    model = build(torch.bfloat16)
     _, cache = inference.sequence_parallel_prefill(model, ids[:, rank * n : (rank + 1) * n])
     errs = {}
     for i, (layer, ref, base) in enumerate(zip(cache.layers, own["fp32"].layers, own["bf16"].layers)):
@@ -131,24 +181,13 @@ def _hf_case(rank, world):
             if getattr(ref, kind, None) is not None:
                 r = getattr(ref, kind)
                 errs[f"{i}.{kind}"] = (rel_err(getattr(layer, kind), r), rel_err(getattr(base, kind), r))
-    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     tokens = inference.sequence_parallel_generate(model, ids, **gen)
-    out = model.generate(ids, output_scores=True, return_dict_in_generate=True, **gen)
-    top = torch.stack(out.scores, 1).float().topk(2, dim=-1).values
-    return _verdict(errs, tokens[:, SEQLEN:], out.sequences[:, SEQLEN:], (top[..., 0] - top[..., 1]).min(0).values)
+    return _verdict(errs, tokens[:, SEQLEN:], want, margins, search)
 
 
 def _ranks(rank, world):
-    out = {}
-    try:
-        from ds_mamba_spcp._upstream import mamba_module
-
-        mamba_module("models.mixer_seq_simple")
-        out["mamba"] = _mamba_case(rank, world)
-    except ImportError as e:
-        out["mamba"] = {"skipped": f"mamba-ssm's MambaLMHeadModel does not import: {e}"}
-    out["hf"] = _hf_case(rank, world)
-    return out
+    # (mamba-ssm's model imports without selective_scan_cuda now: an ImportError here is a failure, not a skip)
+    return {"mamba": _mamba_case(rank, world), "hf": _hf_case(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -162,9 +201,52 @@ def test_bf16_prefill_states_and_tokens_on_one_gpu(results, which):
     if "skipped" in res:
         pytest.skip(res["skipped"])
     worst = max(res["errs"], key=lambda k: res["errs"][k][0] / (2 * res["errs"][k][1] + FLOOR))
-    print(f"{which}: worst {worst} {res['errs'][worst]}, tokens compared {res['compared']} of {NEW}")
+    print(f"{which}: worst {worst} {res['errs'][worst]}, prompt seed {res['search']['chosen']} of {CANDIDATES}, "
+          f"tokens compared {res['compared']} of {NEW}, margins {res['margins']}")  # fmt: skip
     assert res["within"], res["errs"]
-    # Tokens are compared only while the oracle's margin allows (bf16 logits of two computations differ by
-    # ~1e-2); a first token below it compares none, and then the states above carry the claim (seen on one H200
-    # for the transformers half: states within the bound, the first token's margin below 0.25).
-    assert res["same_tokens"]
+    assert res["same_prompt"], "the ranks chose different prompts (the search must be deterministic)"
+    # Tokens are compared only while the oracle's margin allows (bf16 logits of two computations differ by ~1e-2);
+    # the prompt search makes that at least the first token, or the test fails with every candidate's margins.
+    assert res["compared"] >= 1, f"no candidate prompt's first-token margin reaches {MARGIN}: {res['search']}"
+    assert res["same_tokens"], (res["compared"], res["margins"])
+
+
+def test_forward_only_route_holds_one_tile_on_one_gpu():
+    """The forward-only route's memory on the Triton kernels, one process: a group of one in tiles of 16,384 of
+    131,072 tokens (bf16, 24 heads of 64, dstate 128). The training route under no_grad opens every tile before
+    finishing any (their conv outputs and chunk states alive together) and keeps every tile's y; the forward-only
+    route runs one tile at a time. Peak memory above the inputs must drop below 0.7x (expected ~0.3x: the output
+    and one tile against the output and all eight); the results are the same kernels on the same tiles in the same
+    order (bitwise expected, bound at bf16 rounding)."""
+    from ds_mamba_spcp.inference.forward import mixer_core_prefill
+
+    nheads, headdim, ngroups, dstate, d_conv, chunk, seqlen, tile = 24, 64, 1, 128, 4, 256, 1 << 17, 1 << 14
+    d_inner, conv_dim = nheads * headdim, nheads * headdim + 2 * ngroups * dstate
+    g = torch.Generator(device="cuda").manual_seed(0)
+    zxbcdt = torch.randn(1, seqlen, d_inner + conv_dim + nheads, device="cuda", generator=g).to(torch.bfloat16)
+    params = (
+        torch.randn(conv_dim, d_conv, device="cuda", generator=g).mul(0.3).to(torch.bfloat16),
+        torch.zeros(conv_dim, device="cuda", dtype=torch.bfloat16),
+        torch.full((nheads,), -3.0, device="cuda"),
+        -torch.rand(nheads, device="cuda", generator=g).add(0.5),
+        torch.ones(nheads, device="cuda"),
+    )
+    peaks, res = {}, {}
+    for forward_only in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            res[forward_only] = mixer_core_prefill(
+                zxbcdt, *params, chunk, headdim=headdim, ngroups=ngroups, tile_length=tile, backend="triton",
+                forward_only=forward_only,
+            )  # fmt: skip
+        torch.cuda.synchronize()
+        peaks[forward_only] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    errs = [rel_err(a, b) for a, b in zip(res[True], res[False])]
+    same = all(torch.equal(a, b) for a, b in zip(res[True], res[False]))
+    print(f"peak above the inputs: training route {peaks[False]:.0f} MiB, forward-only {peaks[True]:.0f} MiB "
+          f"({peaks[True] / peaks[False]:.2f}x); out/state/tail errors {errs}, bitwise {same}")  # fmt: skip
+    assert max(errs) <= 1e-2, errs
+    assert peaks[True] < 0.7 * peaks[False], peaks

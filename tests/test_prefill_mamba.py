@@ -1,28 +1,37 @@
-"""Sequence-parallel prefill of mamba-ssm Mamba2 models into ``InferenceParams``
-(ds_mamba_spcp.inference.mamba_ssm), on CPU at 2 and 4 gloo ranks.
+"""Sequence-parallel prefill of mamba-ssm's real ``MambaLMHeadModel`` (Mamba2 layers) into ``InferenceParams``
+(ds_mamba_spcp.inference.mamba_ssm), on CPU at 2 and 4 gloo ranks, fp64.
 
-mamba-ssm's ``MambaLMHeadModel`` cannot be imported on a CPU build (its ``mixer_seq_simple`` imports
-``selective_scan_cuda``), and its ``Mamba2`` forward and step run Triton kernels: the decoding test and
-the comparison with mamba-ssm's own prefill are GPU tests (tests/test_prefill_gpu.py). Here a tiny LM
-with ``MambaLMHeadModel``'s forward signature (``input_ids, inference_params, num_last_tokens``), built of
-mamba-ssm's own ``Mamba2`` mixers (pre-norm residual blocks, plain-PyTorch RMSNorms), in fp64:
+The model imports without mamba-ssm's ``selective_scan_cuda`` through ``_upstream.mamba_lm_head_model`` (a
+placeholder for the Mamba-1 extension it never calls). CPU-runnable flags: ``rms_norm=False`` (nn.LayerNorm, not
+mamba-ssm's Triton RMSNorm), ``fused_add_norm=False``, ``residual_in_fp32=False`` (it would round the fp64
+residual to fp32), Mamba2 ``rmsnorm=False`` and ``ngroups=1``, so that mamba-ssm's own decoding step takes its
+plain-PyTorch path once its Triton ``selective_state_update`` is set aside (``cpu_step``; causal-conv1d's update
+is absent on CPU already). The Mamba2 forward of a prefill is this package's op; mamba-ssm's own prefill (its
+Triton scan) is the GPU test's oracle (tests/test_prefill_gpu.py).
 
-1. the first layer's SSM and conv states against a plain recurrence written here (token by token:
-   causal conv, SiLU, h <- exp(dt*A) h + dt B x per group; nothing of the package), relative RMS
-   <= 1e-10 (fp64; the chunked scan and the recurrence differ by fp64 roundoff, ~1e-15);
-2. every layer's states and the last token's logits at 2 and 4 ranks against the group of one (the op on
+1. the first layer's SSM and conv states against a plain recurrence written here (token by token: causal
+   conv, SiLU, h <- exp(dt*A) h + dt B x; nothing of the package), relative RMS <= 1e-10 (fp64; the chunked
+   scan and the recurrence differ by fp64 roundoff, ~1e-15);
+2. every layer's states and the logits against mamba-ssm's own decoding step run over the whole prompt from
+   the zero state (``seqlen_offset`` 1 from the first token, so every token goes through ``Mamba2.step``):
+   relative RMS <= 1e-6, because that step takes ``A = -exp(A_log.float())``, fp32: a relative 6e-8 on each
+   log-decay, |dt*A| <= ~0.02 per token over 26 tokens, ~1e-8 on the states (seen: ~1e-9);
+3. every layer's states and the last token's logits at 2 and 4 ranks against the group of one (the op on
    the whole prompt in one process), relative RMS <= 1e-10, with shards of 3 tokens (d_conv - 1, the
    op's least) at 4 ranks so that the conv state spans two ranks;
-3. the negative control: each rank's layers starting from the zero state at its shard's border gives
+4. greedy decoding after the sharded prefill (``sequence_parallel_generate_mamba``, 12 new tokens, prompts with
+   a remainder for the step), every rank's tokens equal to those of mamba-ssm's step-only run (2.), whose
+   smallest top-2 logit margin is checked to be far above that run's 1e-6 distance;
+5. the negative control: each rank's layers starting from the zero state at its shard's border gives
    states off by > 1e-2 (slow decays, exp(A*dt) ~ 0.995 per token);
-4. the InferenceParams as mamba-ssm's decoding step expects them: seqlen_offset, per-layer (conv_state,
+6. the InferenceParams as mamba-ssm's decoding step expects them: seqlen_offset, per-layer (conv_state,
    ssm_state) in ``allocate_inference_cache``'s shapes, strides and dtypes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-import types
 
 import pytest
 import torch
@@ -32,64 +41,82 @@ from torch import nn
 from tests.dist_utils import agree, rel_err, run_ranks
 
 TOL = 1e-10
-SIZES = dict(d_model=16, d_state=5, d_conv=4, expand=2, headdim=4, ngroups=2, chunk_size=8)
-VOCAB, LAYERS, BATCH = 40, 3, 2
+STEP_TOL = 1e-6  # against mamba-ssm's own step, which rounds A to fp32 (see 2. above)
+SIZES = dict(d_state=5, d_conv=4, expand=2, headdim=4, ngroups=1, chunk_size=8, rmsnorm=False)
+D_MODEL, VOCAB, LAYERS, BATCH, NEW = 16, 40, 3, 2, 12
 LENGTHS = {1: [26, 12], 2: [26], 4: [12]}  # local seqlen 13 / 3 at 2 / 4 ranks
+GENERATE = {2: 27, 4: 26}  # remainders of 1 and 2 tokens go through the step
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
+def tiny_mamba_lm(seed: int, dtype=torch.float64):
+    """mamba-ssm's MambaLMHeadModel with CPU-runnable flags and slow decays (A in [-0.1, -0.03], dt ~ 0.05)."""
+    from ds_mamba_spcp._upstream import mamba_lm_head_model
 
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+    model_cls, config_cls = mamba_lm_head_model()
+    cfg = config_cls(
+        d_model=D_MODEL, n_layer=LAYERS, vocab_size=VOCAB, rms_norm=False, fused_add_norm=False,
+        residual_in_fp32=False, pad_vocab_size_multiple=8, ssm_cfg=dict(layer="Mamba2", **SIZES),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = model_cls(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.03, 0.1, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(math.log(math.expm1(0.05)) + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model.to(dtype).eval()
 
 
-class TinyMambaLM(nn.Module):
-    """MambaLMHeadModel's forward signature over mamba-ssm Mamba2 mixers (CPU-importable norms)."""
+@contextlib.contextmanager
+def cpu_step():
+    """mamba-ssm's Mamba2.step on its plain-PyTorch path: its Triton selective_state_update set aside."""
+    from ds_mamba_spcp._upstream import mamba_module
 
-    def __init__(self, seed: int, dtype=torch.float64) -> None:
-        super().__init__()
-        from ds_mamba_spcp._upstream import mamba2_class
+    mamba2 = mamba_module("modules.mamba2")
+    saved, mamba2.selective_state_update = mamba2.selective_state_update, None
+    try:
+        yield
+    finally:
+        mamba2.selective_state_update = saved
 
-        torch.manual_seed(seed)
-        mamba2 = mamba2_class()
-        self.embedding = nn.Embedding(VOCAB, SIZES["d_model"])
-        self.norms = nn.ModuleList(RMSNorm(SIZES["d_model"]) for _ in range(LAYERS))
-        self.mixers = nn.ModuleList(mamba2(**SIZES, layer_idx=i) for i in range(LAYERS))
-        self.norm_f = RMSNorm(SIZES["d_model"])
-        self.lm_head = nn.Linear(SIZES["d_model"], VOCAB, bias=False)
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("A_log"):  # slow decays: A in [-0.1, -0.03], dt ~ 0.05
-                    p.copy_(torch.empty(p.shape).uniform_(0.03, 0.1, generator=g).log())
-                elif name.endswith("dt_bias"):
-                    p.copy_(math.log(math.expm1(0.05)) + 0.2 * torch.randn(p.shape, generator=g))
-                elif p.dim() >= 2:
-                    p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        self.to(dtype)
 
-    def forward(self, input_ids, position_ids=None, inference_params=None, num_last_tokens=0):
-        h = self.embedding(input_ids)
-        for norm, mixer in zip(self.norms, self.mixers):
-            h = h + mixer(norm(h), inference_params=inference_params)
-        h = self.norm_f(h)
-        if num_last_tokens > 0:
-            h = h[:, -num_last_tokens:]
-        return types.SimpleNamespace(logits=self.lm_head(h))
+def step_only(model, ids: torch.Tensor, new: int = 0):
+    """mamba-ssm's own step over every prompt token from the zero state, then ``new`` greedy tokens:
+    (the per-layer (conv, ssm) states after the prompt, logits after the prompt, tokens (batch, seqlen + new),
+    smallest top-2 margin of the new)."""
+    from ds_mamba_spcp._upstream import mamba_module
+
+    params = mamba_module("utils.generation").InferenceParams(max_seqlen=ids.shape[1] + new, max_batch_size=BATCH)
+    params.seqlen_offset = 1  # every token through Mamba2.step (its zero states allocated on first use)
+    out, margin = [ids], float("inf")
+    with torch.no_grad(), cpu_step():
+        for t in range(ids.shape[1]):
+            logits = model(ids[:, t : t + 1], inference_params=params, num_last_tokens=1).logits[:, -1]
+        prompt_logits = logits
+        states = {i: (c.clone(), s.clone()) for i, (c, s) in params.key_value_memory_dict.items()}
+        for i in range(new):
+            top = logits.topk(2, dim=-1).values
+            margin = min(margin, float((top[:, 0] - top[:, 1]).min()))
+            out.append(logits.argmax(-1)[:, None])
+            if i + 1 < new:
+                logits = model(out[-1], inference_params=params, num_last_tokens=1).logits[:, -1]
+    return states, prompt_logits, torch.cat(out, 1), margin
 
 
 def prompt(seqlen: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, seqlen), generator=torch.Generator().manual_seed(seed))
 
 
-def recurrence_states(model: TinyMambaLM, ids: torch.Tensor):
+def recurrence_states(model, ids: torch.Tensor):
     """Layer 0's (conv_state, ssm_state) after ``ids``, by the plain Mamba2 recurrence, token by token."""
-    m = model.mixers[0]
+    block = model.backbone.layers[0]
+    m = block.mixer
     with torch.no_grad():
-        zxbcdt = m.in_proj(model.norms[0](model.embedding(ids)))
+        zxbcdt = m.in_proj(block.norm(model.backbone.embedding(ids)))
         d_inner, conv_dim = m.d_inner, m.conv1d.weight.shape[0]
         xBC, dt = zxbcdt[..., d_inner : d_inner + conv_dim], zxbcdt[..., d_inner + conv_dim :]
         conv_state = F.pad(xBC.transpose(1, 2), (m.d_conv, 0))[..., -m.d_conv :]
@@ -122,7 +149,7 @@ def _tensors(res: dict) -> dict:
 def _prefill(rank, world, seqlen, seed, bug=False):
     from ds_mamba_spcp.inference import mamba_ssm
 
-    model = TinyMambaLM(seed)
+    model = tiny_mamba_lm(seed)
     ids = prompt(seqlen, seed)
     n = seqlen // world
     original = mamba_ssm.mixer_prefill
@@ -158,6 +185,12 @@ def _run_world(rank, world):
         out[seqlen] = _prefill(rank, world, seqlen, seed=seqlen)
         if world == 2:
             out[f"bug{seqlen}"] = _prefill(rank, world, seqlen, seed=seqlen, bug=True)
+    from ds_mamba_spcp.inference.mamba_ssm import sequence_parallel_generate_mamba
+
+    seqlen = GENERATE[world]
+    with cpu_step():
+        tokens = sequence_parallel_generate_mamba(tiny_mamba_lm(seqlen), prompt(seqlen, seqlen), NEW)
+    out["tokens"] = tokens.numpy().copy()
     out["agree"] = agree(True)
     return out
 
@@ -165,6 +198,16 @@ def _run_world(rank, world):
 @pytest.fixture(scope="module")
 def one_process():
     return {seqlen: _tensors(_prefill(0, 1, seqlen, seed=seqlen)) for seqlen in LENGTHS[1]}
+
+
+@pytest.fixture(scope="module")
+def upstream_step():
+    """mamba-ssm's own step over the prompts (states, logits) and its greedy continuation of the generate prompts."""
+    out = {}
+    for seqlen in sorted(set(LENGTHS[1]) | set(GENERATE.values())):
+        states, logits, tokens, margin = step_only(tiny_mamba_lm(seqlen), prompt(seqlen, seqlen), NEW)
+        out[seqlen] = dict(logits=logits, tokens=tokens, margin=margin, states=states)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +222,7 @@ def results4():
 
 @pytest.mark.parametrize("seqlen", LENGTHS[1])
 def test_group_of_one_matches_the_plain_recurrence(one_process, seqlen):
-    model, ids = TinyMambaLM(seqlen), prompt(seqlen, seqlen)
+    model, ids = tiny_mamba_lm(seqlen), prompt(seqlen, seqlen)
     conv, ssm = recurrence_states(model, ids)
     got_conv, got_ssm = one_process[seqlen]["states"][0]
     assert rel_err(got_conv, conv) <= TOL
@@ -211,8 +254,8 @@ def test_negative_control_state_restarting_at_borders(results2, one_process):
 
 
 def test_inference_params_have_mamba_ssms_layout(one_process):
-    model = TinyMambaLM(0)
-    for i, mixer in enumerate(model.mixers):
+    model = tiny_mamba_lm(0)
+    for i, mixer in enumerate(layer.mixer for layer in model.backbone.layers):
         conv, ssm = mixer.allocate_inference_cache(BATCH, 30)
         have = one_process[26]["layout"][i]
         assert have == (tuple(conv.shape), conv.stride(), conv.dtype, tuple(ssm.shape), ssm.dtype)
@@ -224,7 +267,7 @@ def test_refuses_what_it_cannot_prefill():
     with pytest.raises(ValueError, match="no mamba-ssm Mamba2 mixer"):
         sequence_parallel_prefill_mamba(nn.Linear(2, 2), prompt(4, 0))
     with pytest.raises(ValueError, match="max_new_tokens"):
-        sequence_parallel_generate_mamba(TinyMambaLM(0), prompt(4, 0), 0)
+        sequence_parallel_generate_mamba(tiny_mamba_lm(0), prompt(4, 0), 0)
 
 
 @pytest.mark.parametrize("tile", [2, 7, 26])
@@ -234,10 +277,46 @@ def test_chunked_prefill_matches_the_whole_prompt(one_process, tile):
     from ds_mamba_spcp.inference.mamba_ssm import chunked_prefill_mamba
 
     seqlen = 26
-    logits, params = chunked_prefill_mamba(TinyMambaLM(seqlen), prompt(seqlen, seqlen), tile, max_seqlen=30)
+    logits, params = chunked_prefill_mamba(tiny_mamba_lm(seqlen), prompt(seqlen, seqlen), tile, max_seqlen=30)
     want = one_process[seqlen]
     assert rel_err(logits, want["logits"]) <= TOL
     for i, (c, s) in want["states"].items():
         conv, ssm = params.key_value_memory_dict[i]
         assert rel_err(conv, c) <= TOL and rel_err(ssm, s) <= TOL, (i, rel_err(conv, c), rel_err(ssm, s))
     assert params.seqlen_offset == seqlen
+
+
+@pytest.mark.parametrize("seqlen", LENGTHS[1])
+def test_group_of_one_matches_mamba_ssms_own_step(one_process, upstream_step, seqlen):
+    """Every layer's cache and the logits after the prompt, against mamba-ssm's Mamba2.step token by token."""
+    want, got = upstream_step[seqlen], one_process[seqlen]
+    errs = {"logits": rel_err(got["logits"], want["logits"])}
+    for i, (c, s) in want["states"].items():
+        errs[f"{i}.conv"], errs[f"{i}.ssm"] = rel_err(got["states"][i][0], c), rel_err(got["states"][i][1], s)
+    print(f"L {seqlen}: worst against mamba-ssm's step {max(errs.values()):.1e}")
+    assert max(errs.values()) <= STEP_TOL, errs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_decoding_after_the_sharded_prefill(request, upstream_step, world):
+    """12 greedy tokens through mamba-ssm's own step after the sharded prefill, on every rank, equal to the
+    step-only run's; its smallest top-2 margin is far above the two runs' 1e-6 distance (so no tie decides)."""
+    want = upstream_step[GENERATE[world]]
+    print(f"world {world}: smallest margin of the step-only run {want['margin']:.2e}")
+    assert want["margin"] > 1e3 * STEP_TOL, want["margin"]
+    for rank, r in enumerate(request.getfixturevalue(f"results{world}")):
+        assert torch.equal(torch.from_numpy(r["tokens"]), want["tokens"]), (rank, r["tokens"], want["tokens"])
+
+
+def test_selective_scan_placeholder_names_the_missing_build():
+    """The real model imports without selective_scan_cuda; the placeholder is gone afterwards and raises clearly."""
+    import sys
+
+    from ds_mamba_spcp import _upstream
+
+    tiny_mamba_lm(0)
+    assert _upstream.SELECTIVE_SCAN not in sys.modules and "mamba_ssm" not in sys.modules
+    interface = _upstream.mamba_module("ops.selective_scan_interface")
+    if getattr(interface.selective_scan_cuda, "IS_PLACEHOLDER", False):
+        with pytest.raises(RuntimeError, match="selective_scan_cuda is not built here"):
+            interface.selective_scan_cuda.fwd()

@@ -18,6 +18,8 @@ chunk_size=16, lengths not multiples of the chunk), against the reference backen
    ``recompute_output=False`` (the pre-gate output kept from forward instead of recomputed).
 3. A negative control: the segment run with a wrong S_in (zero instead of the initial state) must
    fail the same bound.
+4. The forward-only route (``inference.forward.mixer_core_prefill``, backend "triton") on a packed row at two
+   ranks: each document's final state against that document alone through the fp64 reference, and the output.
 
 Tolerance. The interpreter computes ``tl.dot`` with numpy's fp32 matmul (it ignores input_precision:
 no tf32 rounding, unlike a GPU), so the errors are plain fp32 rounding (unit roundoff 6e-8) grown over
@@ -303,11 +305,49 @@ def _op_case(rank, world, opts):
     return {"errs": errs, "ok": agree(all(v <= TOL for v in errs.values())), "seconds": seconds}
 
 
+def _forward_only_case(rank, world):
+    """The forward-only route (mixer_core_prefill) on the Triton kernels, packed row, gated RMSNorm: every
+    document's state against that document alone through the fp64 reference, and this rank's output."""
+    import deepspeed.comm as dist
+
+    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_ref
+    from ds_mamba_spcp.inference.forward import mixer_core_prefill
+
+    seqlen = OP_PER_RANK * world
+    t, _ = make_inputs({"rms": True}, OP_BATCH, seqlen, seed=2)
+    labels = op_labels(seqlen)
+    args = [t[k] for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D")]
+    kw = dict(headdim=SHAPE["headdim"], ngroups=SHAPE["ngroups"], rmsnorm_weight=t["rmsnorm_weight"])
+    wide = [a.double() for a in args]
+    want_out = mamba_split_conv1d_scan_ref(*wide, SHAPE["chunk"], seq_idx=labels, initial_states=t["initial_states"],
+                                           **{**kw, "rmsnorm_weight": t["rmsnorm_weight"].double()})  # fmt: skip
+    bounds = [0, *(torch.nonzero(labels[0, 1:] != labels[0, :-1]).flatten() + 1).tolist(), seqlen]
+    want = []
+    for d, (s, e) in enumerate(zip(bounds, bounds[1:])):
+        _, final = mamba_split_conv1d_scan_ref(
+            wide[0][:, s:e], *wide[1:], SHAPE["chunk"], return_final_states=True,
+            initial_states=t["initial_states"].double() if d == 0 else None,
+            **{**kw, "rmsnorm_weight": t["rmsnorm_weight"].double()},
+        )  # fmt: skip
+        want.append(final[0])
+    shard = lambda x: layout.shard_sequence(x, rank, world, "contiguous")  # noqa: E731
+    with torch.no_grad():
+        out, states, _ = mixer_core_prefill(
+            shard(args[0]), *args[1:], SHAPE["chunk"], process_group=dist.get_world_group(), seq_idx=shard(labels),
+            initial_states=t["initial_states"], backend="triton", **kw,
+        )  # fmt: skip
+    errs = {"out": sharded_rel_err(out, shard(want_out))}
+    errs.update({f"doc{d}": rel_err(states[d], w) for d, w in enumerate(want)} if len(states) == len(want) else {})
+    return {"errs": errs, "ndocs": (len(states), len(want)), "ok": agree(all(v <= TOL for v in errs.values()))}
+
+
 def _op_main(rank, world):
     from tests import triton_cpu_shims
 
     triton_cpu_shims.install()  # a fresh spawned process: before anything imports the kernels
-    return {name: _op_case(rank, world, opts) for name, opts in OP_CASES.items()}
+    out = {name: _op_case(rank, world, opts) for name, opts in OP_CASES.items()}
+    out["forward_only_packed"] = _forward_only_case(rank, world)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -326,3 +366,13 @@ def test_sharded_op_matches_reference(op_results, case):
     assert not bad, f"{case}: errors over {TOL}: {bad} (all: {errs})"
     assert all(r["ok"] for r in results)  # every rank saw the same verdict
     assert max(r["errs"]["final_states"] for r in results) <= TOL
+
+
+def test_forward_only_documents_on_the_triton_kernels(op_results):
+    """4. mixer_core_prefill's forward-only route with backend="triton" on a packed row (8 documents, starts on
+    and beside the shard border, 1- and 2-token ones): each document's final state and the output within TOL."""
+    for rank, r in enumerate(op_results):
+        res = r["forward_only_packed"]
+        print(f"rank {rank}: worst {max(res['errs'].values()):.1e} over {res['ndocs'][0]} documents and the output")
+        assert res["ndocs"][0] == res["ndocs"][1] == 8, res["ndocs"]
+        assert res["ok"] and max(res["errs"].values()) <= TOL, (rank, res["errs"])

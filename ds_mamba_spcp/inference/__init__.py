@@ -3,7 +3,7 @@
     prompt (batch, seqlen), the same on every rank
       -> this rank's contiguous shard (batch, seqlen/cp)
       -> the model's own forward on the shard, with
-           Mamba2 mixers:     in_proj -> the op with return_final_states (state passing) -> out_proj
+           Mamba2 mixers:     in_proj -> the op's forward-only route (state passing) -> out_proj
                               + the conv tail: the last d_conv pre-conv columns of the whole prompt
                                 (one small all-gather; they may come from several ranks)
            attention layers:  DeepSpeed's Ulysses attention, as in training, and the K/V of every

@@ -1,18 +1,18 @@
 """The mixer core's forward-only path for prefills: no autograd graph, nothing kept for backward, and the
-decode state out (the state after the whole sequence and the conv tail), in every mode and layout.
+decode state out (the state after each document and its conv tail), in every mode and layout.
 
     mixer_core_prefill(zxbcdt, ..., mode, load_balancing, input_layout, seq_idx, tile_length)
-        -> op.mixer_core(..., return_final_states=True) under torch.no_grad: the strategy the options
-           name (state passing none / virtual / permute_*, ulysses, tiles) runs its forward only; its
-           autograd Function records no graph, so whatever its forward hands to ``ctx`` is dropped when
-           the call returns (nothing stays alive until a backward that never comes)
-        -> conv_tail(...): the last d_conv pre-conv columns of the global sequence, from whichever ranks
-           and segments hold them (contiguous: the last ranks; zigzag: the second halves of ranks 0, 1,
-           ..., which hold the last chunks); for packed rows the columns before the last document's
-           start are zero (the conv restarts there, as mamba-ssm's varlen conv states do)
+        -> op.mixer_core(..., return_final_states=True, forward_only=True): the dispatcher's forward-only route
+           of the entry the options name (state passing none / virtual / permute_*, ulysses, a group of one;
+           tiles): no autograd Function, no per-tile states or decays kept for a backward, no kept pre-gate
+           output, each tile's intermediates freed when it has finished (docs/design.md, "Forward only")
+        -> the conv tails: the last d_conv pre-conv columns of each document, from whichever ranks and
+           segments hold them (``conv_tail`` for unpacked rows: contiguous, the last ranks; zigzag, the second
+           halves of ranks 0, 1, ..., which hold the last chunks; ``document_tails`` for packed rows, the
+           columns before a document's start zero, as mamba-ssm's varlen conv states are)
 
-What it does not give: the final state of every document of a packed row (only the row's last one),
-which a batch of prompts packed in one row would need.
+Packed rows (``seq_idx``): every document of every row gets its own final state and conv tail, on every rank,
+in document order (row by row, then along the row: ``documents.py``), whichever rank its end lies on.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ds_mamba_spcp import comm, layout, modes, op
+from ds_mamba_spcp import comm, documents, layout, modes, op
 
 
 def conv_tail(
@@ -49,15 +49,63 @@ def conv_tail(
     return F.pad(value, (d_conv - value.shape[-1], 0)) if value.shape[-1] < d_conv else value.contiguous()
 
 
+def document_tails(xBC: torch.Tensor, seq_idx: torch.Tensor, d_conv: int, group,
+                   input_layout: str = modes.CONTIGUOUS) -> torch.Tensor:  # fmt: skip
+    """The conv state after each document of packed rows, on every rank: (ndocs, conv_dim, d_conv), in document
+    order (``documents.py``), the columns before the document's first token zero.
+
+    xBC: (batch, local_seqlen, conv_dim), this rank's shard of the pre-conv columns in ``input_layout``; seq_idx:
+    (batch, local_seqlen) its labels. One all-gather of every segment's last min(d_conv, segment) columns and
+    labels (a window that reaches before a segment's start finds its columns there, from as many earlier
+    segments as it needs), then ``documents.gather`` of the per-document windows."""
+    rank, cp = comm.group_rank_size(group)
+    nlocal = layout.num_segments(cp, input_layout) // cp if cp > 1 else 1
+    ids = layout.segment_ids(rank, cp, input_layout) if cp > 1 else [0]
+    rows, labels = layout.pack_segments(xBC, nlocal), layout.pack_segments(seq_idx, nlocal).long()
+    m, K = rows.shape[1], d_conv
+    k = min(K, m)
+    if cp > 1:
+        parts = [layout.rows_to_segments(t[:, m - k :], nlocal) for t in (rows, labels)]  # (nlocal, batch, k, ...)
+        values, marks = comm.all_gather_many(parts, group, cp, async_op=False).wait()  # (cp, nlocal, batch, k, ...)
+        order = layout.gathered_order(cp, input_layout)
+        values, marks = (layout.take(t.flatten(0, 1), order) for t in (values, marks))  # (nseg, batch, k, ...)
+    found = documents.candidates(labels, ids)
+    padded = {}
+    for q in {c.row for c in found}:
+        batch, j = q // nlocal, ids[q % nlocal]
+        if cp > 1 and j > 0:
+            before = values[:j, batch].flatten(0, 1)[-(K - 1) :], marks[:j, batch].flatten(0, 1)[-(K - 1) :]
+        else:
+            before = rows.new_zeros(0, rows.shape[2]), labels.new_zeros(0)
+        pad = K - 1 - before[0].shape[0]  # the row's start: nothing before it
+        cols = torch.cat([rows.new_zeros(pad, rows.shape[2]), before[0], rows[q]])
+        marks_q = torch.cat([labels.new_full((pad,), -1), before[1], labels[q]])
+        padded[q] = cols, marks_q
+    windows = []
+    for c in found:  # own position t = c.end - 1 sits at padded index t + K - 1: the window is [t, t + K)
+        cols, marks_q = padded[c.row]
+        window, same = cols[c.end - 1 : c.end - 1 + K], marks_q[c.end - 1 : c.end - 1 + K] == c.label
+        windows.append((window * same[:, None].to(window.dtype)).T)
+    tails = torch.stack(windows) if windows else rows.new_zeros(0, rows.shape[2], K)
+    return documents.gather([tails], found, labels[:, 0], group, cp, input_layout)[0].contiguous()
+
+
 def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, *, headdim, process_group=None,
                        seq_idx=None, **kwargs):  # fmt: skip
     """The mixer core on this rank's shard, forward only: ``op.mixer_core``'s arguments (any mode, layout,
-    packed rows, ``tile_length``, ``initial_states``) without ``return_final_states``.
+    packed rows, ``tile_length``, ``initial_states``) without ``return_final_states``, through the dispatcher's
+    forward-only route.
 
-    Returns (out, final_states, conv_state): this rank's shard of the output (batch, local_seqlen,
-    nheads*headdim) in the input layout, the state after the global sequence (batch, nheads, headdim, dstate)
-    in fp32 (fp64 for fp64 input) and the conv state (batch, conv_dim, d_conv) in zxbcdt's dtype, the last
-    two identical on every rank. Nothing requires grad and no graph is recorded."""
+    Returns (out, final_states, conv_states) on every rank: this rank's shard of the output (batch, local_seqlen,
+    nheads*headdim) in the input layout; one final state and one conv state per document, identical on every rank:
+        without seq_idx (a row is one document)  (batch, nheads, headdim, dstate) and (batch, conv_dim, d_conv)
+        with seq_idx (packed rows)                (ndocs, nheads, headdim, dstate) and (ndocs, conv_dim, d_conv),
+                                                  document d the d-th run of equal labels, row by row along the
+                                                  global rows (``documents.py``)
+    States in fp32 (fp64 for fp64 input), conv states in zxbcdt's dtype (the columns before a document's start,
+    or before the row's start, zero). ``initial_states`` enters each row's first document only. Nothing
+    requires grad and no graph is recorded."""
+    forward_only = kwargs.pop("forward_only", True)  # False: the training route under no_grad (a benchmark's baseline)
     mode = kwargs.setdefault("mode", modes.STATE_PASSING)
     load_balancing = kwargs.setdefault("load_balancing", modes.NONE)
     if kwargs.get("input_layout") is None:
@@ -65,13 +113,22 @@ def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_
     with torch.no_grad():
         out, final = op.mixer_core(
             zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group=process_group,
-            seq_idx=seq_idx, return_final_states=True, headdim=headdim, what="mixer_core_prefill", **kwargs,
+            seq_idx=seq_idx, return_final_states=True, forward_only=forward_only, headdim=headdim,
+            what="mixer_core_prefill", **kwargs,
         )  # fmt: skip
         d_inner = A.shape[0] * headdim
         conv_dim, d_conv = conv1d_weight.shape
-        tail = conv_tail(
-            zxbcdt[..., d_inner : d_inner + conv_dim], d_conv, process_group, kwargs["input_layout"], seq_idx
-        )  # fmt: skip
+        xBC = zxbcdt[..., d_inner : d_inner + conv_dim]
+        if seq_idx is None and kwargs.get("cu_seqlens") is not None:  # the labels the op made of it (checked there)
+            from ds_mamba_spcp.call import _cu_seqlens_to_seq_idx
+
+            rank, cp = comm.group_rank_size(process_group)
+            seq_idx = _cu_seqlens_to_seq_idx(kwargs["cu_seqlens"], zxbcdt, rank, cp, kwargs["input_layout"],
+                                             zxbcdt.device)  # fmt: skip
+        if seq_idx is None:
+            tail = conv_tail(xBC, d_conv, process_group, kwargs["input_layout"])
+        else:
+            tail = document_tails(xBC, seq_idx, d_conv, process_group, kwargs["input_layout"])
     return out, final, tail
 
 

@@ -90,9 +90,13 @@ class _Chain:
         for s, _ in spans[1:]:
             tail = xBC[:, s - (K - 1) : s] if K > 1 else None
             mask = None
+            if K > 1 and s < K - 1:
+                # only a document start comes this close to the segment's start (forward_groups: tile lengths are
+                # >= d_conv-1): every halo row belongs to an earlier document, so the halo is zeros
+                tail, mask = xBC.new_zeros(xBC.shape[0], K - 1, xBC.shape[2]), xBC.new_zeros(xBC.shape[0], K - 1).bool()
             if labels is not None:
                 self.start0[len(self.halos)] = labels[:, s] != labels[:, s - 1]
-                if tail is not None:
+                if tail is not None and mask is None:
                     mask = labels[:, s - (K - 1) : s] == labels[:, s : s + 1]
                     tail = tail * mask[..., None].to(tail.dtype)
             self.halos.append(tail)
@@ -233,6 +237,136 @@ def _put(view, value):
     """Copies a tile's result into its view of the whole, unless the backend wrote it there already."""
     if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
         view.copy_(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# forward only (inference): nothing saved for a backward, no kept y, a tile's intermediates freed when it ends
+# ---------------------------------------------------------------------------------------------
+
+
+def forward_groups(nrows: int, seqlen: int, spec: CoreSpec, limit: int | None, tile_length: int | None,
+                   labels: torch.Tensor | None = None) -> list[tuple]:  # fmt: skip
+    """The chains of a forward-only segment of (nrows, seqlen): [(r0, r1, spans)], each a row group and its
+    consecutive spans (s, e). Without labels: ``plan``'s tiles (one span of the whole row group where none
+    are needed). With labels (nrows, seqlen): every row its own chain, cut where ``plan`` cuts and at every
+    document start (one host read), so that the state after each span that ends a document is that
+    document's final state (``documents.py``)."""
+    tiles = plan(nrows, seqlen, spec, limit, tile_length)
+    if labels is None:
+        if tiles is None:
+            return [(0, nrows, ((0, seqlen),))]
+        return [(r0, r1, tiles.spans) for r0, r1 in tiles.rows]
+    from ds_mamba_spcp.documents import starts
+
+    per_row = plan(1, seqlen, spec, limit, tile_length)
+    fixed = set() if per_row is None else {s for s, _ in per_row.spans[1:]}
+    groups = []
+    for row, cuts in enumerate(starts(labels)):
+        bounds = sorted(fixed | cuts)
+        groups.append((row, row + 1, tuple(zip([0, *bounds], [*bounds, seqlen]))))
+    return groups
+
+
+class _Out:
+    """The segment's output, tile by tile: one tile's own buffer when there is one tile."""
+
+    def __init__(self, zxbcdt, spec: CoreSpec, chains):
+        self.whole = len(chains) == 1 and len(chains[0].spans) == 1
+        self.value = None
+        if not self.whole:
+            self.value = torch.empty(*zxbcdt.shape[:2], spec.d_inner, dtype=zxbcdt.dtype, device=zxbcdt.device)
+
+    def put(self, ch, s, e, tile_out):
+        if self.whole:
+            self.value = tile_out
+        else:
+            self.value[ch.r0 : ch.r1, s:e] = tile_out
+
+
+def _chains_of(zxbcdt, halo, seq_idx, spec, groups):
+    return [_Chain(zxbcdt, halo, seq_idx, spec, r0, r1, spans) for r0, r1, spans in groups]
+
+
+def forward_known(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None, initial_states=None):
+    """A segment whose incoming state is known (a group of one: the initial state or zeros), forward only.
+
+    groups: ``forward_groups``' chains. Each tile runs from its first kernel to its output before the next
+    starts (its intermediates freed at its end: the peak is one tile's), with keep_y False. Returns
+    (out (rows, seqlen, d_inner), states): states[g][k] is the state after span k of chain g, fp32 or wider."""
+    chains = _chains_of(zxbcdt, halo, seq_idx, spec, groups)
+    out, states = _Out(zxbcdt, spec, chains), []
+    for ch in chains:
+        state, after = None if initial_states is None else initial_states[ch.r0 : ch.r1], []
+        for k, (s, e) in enumerate(ch.spans):
+            gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
+                                      keep_y=False)  # fmt: skip
+            S_ext, log_a = next(gen)
+            S_in = ch.keep(k, torch.zeros_like(S_ext) if state is None else state.to(S_ext.dtype))
+            tile_out, _ = _finish(gen, Ready(S_in))
+            out.put(ch, s, e, tile_out)
+            del gen, tile_out
+            state = _decay(ch.log_a(k, log_a)) * S_in + S_ext
+            after.append(state)
+        states.append(after)
+    return out.value, states
+
+
+def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None):
+    """A segment whose incoming state arrives from elsewhere (the ranks' exchange), forward only: a generator
+    with the protocol of ``ops/segment.py``. groups: ``forward_groups``' chains.
+
+    Every tile computes its summary first (the segment's summary must travel before any tile can finish), so
+    the tiles' first-phase intermediates live together until S_in arrives, as in ``segment_fwd``; then each
+    tile finishes and is freed in turn. Nothing is kept for a backward (no incoming states or decays per tile,
+    keep_y False). Returns (out, states) as ``forward_known``."""
+    chains = _chains_of(zxbcdt, halo, seq_idx, spec, groups)
+    gens, summaries = [], []
+    for ch in chains:
+        for k, (s, e) in enumerate(ch.spans):
+            gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
+                                      keep_y=False)  # fmt: skip
+            S_ext, log_a = next(gen)
+            gens.append(gen)
+            summaries.append((S_ext, ch.log_a(k, log_a)))
+    S_ext_rows, log_a_rows, i = [], [], 0
+    for ch in chains:  # the segment's summary, chain by chain (the fold of segment_fwd)
+        acc, total = None, None
+        for _ in ch.spans:
+            S_ext, log_a = summaries[i]
+            acc = S_ext if acc is None else _decay(log_a) * acc + S_ext
+            total = log_a if total is None else total + log_a
+            i += 1
+        S_ext_rows.append(acc)
+        log_a_rows.append(total)
+    handle = yield torch.cat(S_ext_rows), torch.cat(log_a_rows)
+    del S_ext_rows, log_a_rows
+    S_in_all = handle.wait()
+    out, states, i = _Out(zxbcdt, spec, chains), [], 0
+    for ch in chains:
+        state, after = S_in_all[ch.r0 : ch.r1], []
+        for k, (s, e) in enumerate(ch.spans):
+            S_ext, log_a = summaries[i]
+            S_in = ch.keep(k, state)
+            tile_out, _ = _finish(gens[i], Ready(S_in))
+            out.put(ch, s, e, tile_out)
+            gens[i] = summaries[i] = tile_out = None  # this tile's intermediates go now
+            state = _decay(log_a) * S_in + S_ext
+            after.append(state)
+            i += 1
+        states.append(after)
+    return out.value, states
+
+
+def final_states(groups, states) -> torch.Tensor:
+    """The state after every row's last span, in row order (the chains cover the rows in order)."""
+    return torch.cat([after[-1] for after in states])
+
+
+def states_at(groups, states, found) -> torch.Tensor:
+    """The states after the spans that end at the ``documents.Candidate`` ends ``found`` (per-row chains:
+    ``forward_groups`` with labels), one row per candidate."""
+    at = {(r0, e): st for (r0, _, spans), after in zip(groups, states) for (_, e), st in zip(spans, after)}
+    return torch.cat([at[(c.row, c.end)] for c in found])
 
 
 def _halo_value(ch: _Chain, k: int):

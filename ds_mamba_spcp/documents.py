@@ -1,0 +1,99 @@
+"""The documents of packed rows: where each one ends, and per-document values gathered in document order.
+
+A document is a maximal run of equal labels along a row of ``seq_idx`` (a row without labels is one
+document). Documents are numbered row by row and, within a row, in causal order: document d of a result is
+the d-th (row, run) pair, so a batch of B unpacked rows has B documents in row order. In a sharded row a
+document may span segments and ranks; its last token lies in exactly one causal segment.
+
+A segment knows the documents that end inside it (a label change at its position e: the document before e
+ends at e - 1) and that one may end at its own end: whether it does depends on the next segment's first
+label. ``candidates`` lists both kinds for a rank's segments; ``gather`` sends every rank's values for its
+candidates to every rank, keeps the real ends (a segment end is one unless the next segment of that row
+starts with the same label) and sorts them in document order. It moves per-document tensors (states,
+conv tails), never anything that grows with the sequence.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ds_mamba_spcp import comm, layout
+
+
+class Candidate(NamedTuple):
+    """A place where a document may end: ``row`` of the packed segment rows (batch*nlocal, see
+    ``layout.pack_segments``), ``batch`` and ``segment`` (global causal index) of that row, the end ``end``
+    (exclusive, in the segment's positions), the ``label`` of the document ending there, and whether ``end``
+    is the segment's own end (a real end only if the next segment of the row starts another document)."""
+
+    row: int
+    batch: int
+    segment: int
+    end: int
+    label: int
+    at_segment_end: bool
+
+
+def starts(labels: torch.Tensor) -> list[set[int]]:
+    """Per row of (rows, m) labels, the positions 0 < e < m where a new document starts (one host read)."""
+    found: list[set[int]] = [set() for _ in range(labels.shape[0])]
+    for row, pos in (labels[:, 1:] != labels[:, :-1]).nonzero().tolist():
+        found[row].add(pos + 1)
+    return found
+
+
+def candidates(labels: torch.Tensor, segment_ids: list[int]) -> list[Candidate]:
+    """The candidate ends of a rank's packed segment rows. labels: (batch*nlocal, m) raw labels (row
+    i*nlocal + k is batch i's local segment k, whose global causal index is ``segment_ids[k]``)."""
+    nlocal, m = len(segment_ids), labels.shape[1]
+    last = labels[:, -1].tolist()
+    found = []
+    for row, cuts in enumerate(starts(labels)):
+        batch, k = divmod(row, nlocal)
+        ends = sorted(cuts)
+        before = labels[row, [e - 1 for e in ends]].tolist() if ends else []
+        found += [Candidate(row, batch, segment_ids[k], e, int(lab), False) for e, lab in zip(ends, before)]
+        found.append(Candidate(row, batch, segment_ids[k], m, int(last[row]), True))
+    return found
+
+
+def gather(values: list[torch.Tensor], found: list[Candidate], firsts: torch.Tensor, group, cp: int,
+           seg_layout: str) -> list[torch.Tensor]:  # fmt: skip
+    """Every document's values on every rank, in document order.
+
+    values: tensors (len(found), ...), one row per candidate of this rank; firsts: (batch*nlocal,) the first
+    label of each packed segment row. Returns each tensor as (ndocs, ...). Two small all-gathers (the
+    candidates' count with the first labels, then the padded values) and their host reads; none for cp == 1.
+    """
+    device = firsts.device
+    meta = torch.tensor([[c.batch, c.segment, c.end, c.label, int(c.at_segment_end)] for c in found],
+                        dtype=torch.int64).reshape(-1, 5).to(device)  # fmt: skip
+    first, nseg = {}, 1
+    if cp > 1:
+        nlocal = len(layout.segment_ids(0, cp, seg_layout))
+        head = torch.cat([firsts.to(torch.int64), torch.tensor([len(found)], device=device)])
+        rows = comm.all_gather(head, group, cp, async_op=False).wait()  # (cp, batch*nlocal + 1)
+        counts = rows[:, -1].tolist()
+        width = max(1, max(counts))
+
+        def pad(t):
+            return torch.cat([t, t.new_zeros(width - t.shape[0], *t.shape[1:])]) if t.shape[0] < width else t
+
+        got = comm.all_gather_many([pad(meta), *[pad(v) for v in values]], group, cp, async_op=False).wait()
+        meta = torch.cat([got[0][r, : counts[r]] for r in range(cp)])
+        values = [torch.cat([g[r, : counts[r]] for r in range(cp)]) for g in got[1:]]
+        # the first label of every (global segment, batch row): rank r's packed row i*nlocal + k is segment ids[k]
+        for r, row in enumerate(rows[:, :-1].tolist()):
+            ids = layout.segment_ids(r, cp, seg_layout)
+            for q, label in enumerate(row):
+                first[(ids[q % nlocal], q // nlocal)] = label
+        nseg = layout.num_segments(cp, seg_layout)
+    keep = []
+    for n, (batch, segment, end, label, at_end) in enumerate(meta.tolist()):
+        if at_end and segment + 1 < nseg and first[(segment + 1, batch)] == label:
+            continue  # the document goes on in the next segment: its end lies there
+        keep.append((batch, segment, end, n))
+    index = torch.tensor([n for *_, n in sorted(keep)], dtype=torch.long, device=device)
+    return [v.index_select(0, index) for v in values]
