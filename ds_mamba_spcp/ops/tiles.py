@@ -305,7 +305,7 @@ def forward_known(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None, in
             tile_out, _ = _finish(gen, Ready(S_in))
             out.put(ch, s, e, tile_out)
             del gen, tile_out
-            state = _decay(ch.log_a(k, log_a)) * S_in + S_ext
+            state = torch.addcmul(S_ext, _decay(ch.log_a(k, log_a)), S_in)  # as segment_fwd rounds it
             after.append(state)
         states.append(after)
     return out.value, states
@@ -333,12 +333,12 @@ def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None)
         acc, total = None, None
         for _ in ch.spans:
             S_ext, log_a = summaries[i]
-            acc = S_ext if acc is None else _decay(log_a) * acc + S_ext
+            acc = S_ext if acc is None else torch.addcmul(S_ext, _decay(log_a), acc)
             total = log_a if total is None else total + log_a
             i += 1
         S_ext_rows.append(acc)
         log_a_rows.append(total)
-    handle = yield torch.cat(S_ext_rows), torch.cat(log_a_rows)
+    handle = yield _cat(S_ext_rows), _cat(log_a_rows)
     del S_ext_rows, log_a_rows
     S_in_all = handle.wait()
     out, states, i = _Out(zxbcdt, spec, chains), [], 0
@@ -350,7 +350,7 @@ def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None)
             tile_out, _ = _finish(gens[i], Ready(S_in))
             out.put(ch, s, e, tile_out)
             gens[i] = summaries[i] = tile_out = None  # this tile's intermediates go now
-            state = _decay(log_a) * S_in + S_ext
+            state = torch.addcmul(S_ext, _decay(log_a), S_in)
             after.append(state)
             i += 1
         states.append(after)
