@@ -109,6 +109,9 @@ def trial(args, seqlen: int, workdir: str) -> dict:
     except subprocess.TimeoutExpired as e:
         out, status = (e.stdout or "") + (e.stderr or "") if isinstance(e.stdout, str) else "", "timeout"
     rec["wall_s"] = round(time.monotonic() - t0, 1)
+    if status != "ok":  # the trial's own output beside the JSON, for the reason behind the status
+        with open(f"{os.path.splitext(args.out)[0]}_{seqlen}.log", "w") as f:
+            f.write(out[-200_000:])
     steps = []
     if os.path.exists(log):
         with open(log) as f:
