@@ -79,11 +79,15 @@ def _host_rss() -> int:
 
 
 def _page_locked(buf) -> bool:
-    """Whether CUDA holds ``buf`` registered (``Tensor.is_pinned`` knows only PyTorch's own pinned allocator):
-    registering it again answers cudaErrorHostMemoryAlreadyRegistered (712) exactly when it is."""
+    """Whether CUDA holds ``buf`` registered (``Tensor.is_pinned`` knows only PyTorch's own pinned allocator and
+    says False on the H200): registering it again fails with cudaErrorHostMemoryAlreadyRegistered exactly when
+    it is (torch 2.11's cudart wrapper raises that as an error naming it, older ones return the code, 712)."""
     cudart = torch.cuda.cudart()
-    rc = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 1))
-    if rc == 0:  # it was not: undo the test's own registration
+    try:
+        rc = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 1))
+    except RuntimeError as e:  # torch.AcceleratorError; not sticky: the context stays usable
+        return "already mapped" in str(e) or "AlreadyRegistered" in str(e)
+    if rc == 0:  # it was not registered: undo the test's own registration
         cudart.cudaHostUnregister(buf.data_ptr())
     return rc == 712
 

@@ -439,8 +439,10 @@ class CheckpointOffloader:
         (``tiled_block``) saves its input ``x`` through this offloader; every other saved tensor (the tiles'
         small fp32 states) stays as saved."""
 
+        like = (x.shape, x.dtype, x.device)  # not x itself: autograd keeps the hooks (and their cells) until backward
+
         def pack(t):
-            if t.shape == x.shape and t.dtype == x.dtype and t.device == x.device:
+            if (t.shape, t.dtype, t.device) == like:
                 return True, self.save(t.detach())
             return False, t
 
