@@ -360,7 +360,7 @@ class _StatePassingFn(torch.autograd.Function):
         # tiles: their incoming states and decays (fp32, (rows, heads, ...) each: small), flattened
         ctx.tile_counts = [len(states) for states in saved.get("S_in", [])]
         to_save += [t for states in saved.get("S_in", []) for t in states]
-        to_save += [t for decays in saved.get("log_a", []) for t in decays]
+        to_save += [t for decays in saved.get("decay", []) for t in decays]
         # The pre-gate output (a tensor, or one per tile): where saved-tensor hooks are active they must see it
         # (they may offload it or drop it for recomputation), so it is saved like the rest. Otherwise it is not a
         # saved tensor: the backward pops it and frees it as soon as the gate's backward has used it (a saved
@@ -389,10 +389,10 @@ class _StatePassingFn(torch.autograd.Function):
         ctx.kept = []
         saved, n = {}, sum(ctx.tile_counts)
         if n:
-            flat_S, flat_a, saved["S_in"], saved["log_a"] = more[:n], more[n : 2 * n], [], []
+            flat_S, flat_a, saved["S_in"], saved["decay"] = more[:n], more[n : 2 * n], [], []
             for count in ctx.tile_counts:
                 saved["S_in"].append(list(flat_S[:count]))
-                saved["log_a"].append(list(flat_a[:count]))
+                saved["decay"].append(list(flat_a[:count]))
                 flat_S, flat_a = flat_S[count:], flat_a[count:]
         st = ctx.st
         dfinal = rest[0] if st.return_final_states else None

@@ -41,3 +41,49 @@ def test_config_key():
     cfg.validate_for_mixer(nheads=4, ngroups=2, cp=1)
     with pytest.raises(ValueError, match=r'"mamba_sequence_parallel.cuda_graphs" is true .* 2 ranks'):
         cfg.validate_for_mixer(nheads=4, ngroups=2, cp=2)
+
+
+def _fake_instance(graphs, addresses, busy=False):
+    """An instance without graphs (nothing is captured on CPU): its choice rules only (``free``, ``reads_at``)."""
+    inst = object.__new__(graphs._Instance)
+    inst.busy, inst.generation, inst.addresses = busy, 0, addresses
+    inst.returned = [torch.zeros(4), torch.zeros(4)]  # its output and zxbcdt gradient buffers
+    inst.own_refs = [graphs._use_count(t) for t in inst.returned]
+    return inst
+
+
+def test_instance_choice(monkeypatch):
+    """Which instance serves a call: one reading in place at the call's addresses, else one with static inputs;
+    never one that is busy or whose returned buffers a caller still holds (its next replay would overwrite
+    them); a new one is captured in place unless free in-place instances read other addresses."""
+    from ds_mamba_spcp import graphs
+
+    captured = []
+
+    class Captured(graphs._Instance):
+        def __init__(self, call, strategy, needs_grad, warm, in_place):
+            self.busy, self.generation, self.addresses, self.returned, self.own_refs = False, 0, None, [], []
+            captured.append(dict(warm=warm, in_place=in_place))
+
+    monkeypatch.setattr(graphs, "_Instance", Captured)
+    a, b = torch.zeros(3), torch.zeros(3)
+    at_a = graphs._addresses([a, None])
+    in_place, static = _fake_instance(graphs, at_a), _fake_instance(graphs, None)
+    entry = [in_place, static]
+    assert graphs._instance(entry, None, None, [a, None], True) is in_place
+    assert graphs._instance(entry, None, None, [b, None], True) is static  # other addresses: copies
+    held = in_place.returned[0][1:]  # a caller keeps a view of the output
+    assert not in_place.free() and graphs._instance(entry, None, None, [a, None], True) is static
+    held2 = in_place.returned[1].detach()  # or the gradient (a leaf's .grad that took it)
+    del held
+    assert not in_place.free()
+    del held2
+    assert in_place.free() and graphs._instance(entry, None, None, [a, None], True) is in_place
+    in_place.busy = static.busy = True  # both serving calls (backwards pending): a new instance, in place
+    new = graphs._instance(entry, None, None, [b, None], True)
+    assert captured == [dict(warm=True, in_place=True)] and entry[-1] is new
+    in_place.busy = False  # free but at a, the call at b: a new one with static inputs
+    graphs._instance([in_place], None, None, [b, None], True)
+    assert captured[-1] == dict(warm=True, in_place=False)
+    graphs._instance([], None, None, [a, None], True)  # the shape's first call: warmed up, in place
+    assert captured[-1] == dict(warm=False, in_place=True) and len(captured) == 3

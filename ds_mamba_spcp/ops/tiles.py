@@ -118,8 +118,8 @@ def _chains(zxbcdt, halo, seq_idx, spec, tiles: Tiles):
 
 def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec, seq_idx=None, keep_y=False):
     """``backend.segment_fwd`` over ``tiles`` (the protocol of ops/segment.py). ``saved`` receives the
-    tiles' incoming states and decays ("S_in", "log_a": lists per row group) for segment_bwd; the kept
-    y is a list with one entry per tile."""
+    tiles' incoming states and decays exp(log_a) ("S_in", "decay": lists per row group; None in a row group of
+    one tile) for segment_bwd; the kept y is a list with one entry per tile."""
     chains = _chains(zxbcdt, halo, seq_idx, spec, tiles)
     out = torch.empty(*zxbcdt.shape[:2], spec.d_inner, dtype=zxbcdt.dtype, device=zxbcdt.device)
     # a backend that can writes each tile's output into its view of out (no copy afterwards)
@@ -133,13 +133,22 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec,
             S_ext, log_a = next(gen)
             gens.append(gen)
             summaries.append((S_ext, ch.log_a(k, log_a)))
+    # each tile's decay exp(log_a), once: the summary fold (tiles 1..n-1 of a row group), the chain of S_in (tiles
+    # 0..n-2) and the backward (all of them) use it; a row group of one tile needs none
+    decays = [None] * len(summaries)
+
+    def decay(i):
+        if decays[i] is None:
+            decays[i] = _decay(summaries[i][1])
+        return decays[i]
+
     # the segment's summary, row group by row group
     S_ext_rows, log_a_rows, i = [], [], 0
     for ch in chains:
         acc, total = None, None
         for _ in ch.spans:
             S_ext, log_a = summaries[i]
-            acc = S_ext if acc is None else torch.addcmul(S_ext, _decay(log_a), acc)
+            acc = S_ext if acc is None else torch.addcmul(S_ext, decay(i), acc)
             total = log_a if total is None else total + log_a
             i += 1
         S_ext_rows.append(acc)
@@ -147,23 +156,23 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec,
     handle = yield _cat(S_ext_rows), _cat(log_a_rows)
     S_in_all = handle.wait()
     ys, i = [], 0
-    saved["S_in"], saved["log_a"] = [], []
+    saved["S_in"], saved["decay"] = [], []
     for ch in chains:
         state = S_in_all[ch.r0 : ch.r1]
-        states, decays = [], []
+        states, tile_decays = [], []
         for k, (s, e) in enumerate(ch.spans):
-            S_ext, log_a = summaries[i]
+            S_ext = summaries[i][0]
             S_in = ch.keep(k, state)
             tile_out, y = _finish(gens[i], Ready(S_in))
             _put(out[ch.r0 : ch.r1, s:e], tile_out)
             ys.append(y)
             states.append(S_in)
-            decays.append(log_a)
             if k + 1 < len(ch.spans):
-                state = torch.addcmul(S_ext, _decay(log_a), S_in)
+                state = torch.addcmul(S_ext, decay(i), S_in)
+            tile_decays.append(decays[i])  # the backward's: folding L (tiles 0..n-2), passing dS_out back (1..n-1)
             i += 1
         saved["S_in"].append(states)
-        saved["log_a"].append(decays)
+        saved["decay"].append(tile_decays)
     return out, (ys if keep_y else None)
 
 
@@ -193,7 +202,7 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
         acc = None
         for k in reversed(range(len(ch.spans))):
             L = Ls[i + k]
-            acc = L if acc is None else torch.addcmul(L, _decay(saved["log_a"][c][k]).to(L.dtype), acc)
+            acc = L if acc is None else torch.addcmul(L, saved["decay"][c][k].to(L.dtype), acc)
         L_rows.append(acc)
         i += len(ch.spans)
     handle = yield _cat(L_rows)
@@ -215,12 +224,12 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
             tile_grads = _finish(gen, None)
             _put(dzxbcdt[ch.r0 : ch.r1, s:e], tile_grads[0])
             if carry is not None:
-                dzxbcdt[ch.r0 : ch.r1, e - (K - 1) : e, xbc] += carry.to(dzxbcdt.dtype)
+                dzxbcdt[ch.r0 : ch.r1, e - (K - 1) : e, xbc].add_(carry.to(dzxbcdt.dtype))  # (+= would copy it back)
             dparams = _add(dparams, tile_grads[1:])
             if k > 0:
                 carry = None if dhalo is None else _masked(dhalo, ch.masks[k])
                 # the gradient reaching tile k-1's end: what tile k's outputs send, and what passes through tile k
-                grad = torch.addcmul(Ls[i + k], _decay(saved["log_a"][c][k]).to(grad.dtype), grad)
+                grad = torch.addcmul(Ls[i + k], saved["decay"][c][k].to(grad.dtype), grad)
             else:
                 first_dhalo = dhalo
         dhalo_rows.append(first_dhalo)

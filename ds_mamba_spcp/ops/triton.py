@@ -134,10 +134,10 @@ def _halo_layout(halo):
     return None if halo is None else halo.contiguous().transpose(1, 2)
 
 
-def _conv_fwd(xBC, halo, conv1d_weight, conv1d_bias, spec: CoreSpec, seq_idx=None):
-    out = _conv_fwd_fn(
-        _conv_layout(xBC), conv1d_weight, conv1d_bias, seq_idx, _halo_layout(halo), None, _silu(spec)
-    )  # fmt: skip
+def _conv_fwd(xBC, halo, conv1d_weight, conv1d_bias, spec: CoreSpec, seq_idx=None, init=None):
+    """init: the halo already in causal-conv1d's layout (``_halo_layout``), in place of ``halo``."""
+    init = _halo_layout(halo) if init is None else init
+    out = _conv_fwd_fn(_conv_layout(xBC), conv1d_weight, conv1d_bias, seq_idx, init, None, _silu(spec))
     return out.transpose(1, 2)
 
 
@@ -155,14 +155,14 @@ def _split_xBC(xBC, spec: CoreSpec):
     )
 
 
-def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec, seq_idx=None):
+def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec, seq_idx=None, init=None):
     """dt processing, then (the halo having arrived meanwhile) conv and per-chunk states from zero:
-    everything before any state arrives."""
+    everything before any state arrives. init: the halo in the conv's layout, given instead of ``halo``."""
     z, xBC, dt_raw = split_zxbcdt(zxbcdt, spec)
     dA_cumsum, dt = _chunk_state._chunk_cumsum_fwd(
         dt_raw, A, spec.chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit
     )
-    x, B, C = _split_xBC(_conv_fwd(xBC, _ready(halo), conv1d_weight, conv1d_bias, spec, seq_idx), spec)
+    x, B, C = _split_xBC(_conv_fwd(xBC, _ready(halo), conv1d_weight, conv1d_bias, spec, seq_idx, init), spec)
     # the stride fixes of upstream's _mamba_chunk_scan_combined_fwd
     B = B if B.stride(-1) == 1 else B.contiguous()
     C = C if C.stride(-1) == 1 else C.contiguous()
@@ -419,8 +419,9 @@ def segment_bwd(
     chunk = spec.chunk_size
     D = D.contiguous()
     dout = (dout if dout.stride(-1) == 1 else dout.contiguous()).unflatten(-1, (spec.nheads, spec.headdim))
+    init = _halo_layout(_ready(halo))  # laid out once: the recomputed conv and the conv backward take it
     z, xBC, dt_raw, x, B, C, dt, dA_cumsum, chunk_states = _scan_inputs(
-        zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx
+        zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx, init=init
     )
     prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, None, seq_idx, chunk)  # fp32, as upstream's backward
     del chunk_states
@@ -495,7 +496,6 @@ def segment_bwd(
     dD = dD_gate if dD_gate is not None else dD_x
 
     # conv backward, writing the xBC part of dzxbcdt; the halo's gradient is causal-conv1d's dinitial_states
-    init = _halo_layout(halo)
     dxBC_done, dweight, dbias, dinit = _conv_bwd_fn(
         _conv_layout(xBC), conv1d_weight, conv1d_bias, _conv_layout(dxBC), seq_idx, init, None,
         _conv_layout(dxBC_given), init is not None, _silu(spec),
