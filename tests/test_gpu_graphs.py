@@ -5,13 +5,10 @@
 A replay runs the kernels the eager call runs, in the same order, on the same values, so with mamba-ssm's
 deterministic mode (no atomics whose order varies) its output, final states and every gradient are
 bitwise equal to the eager call's: the comparisons are exact (torch.equal). Each case calls the graph
-mode five times with inputs from two seeds, on one kept set of tensors (read in place: new values at the
-captured addresses) and on fresh tensors at other addresses (the instance with static inputs), so that a
-replay that read stale inputs, the wrong addresses or left stale outputs would fail; it keeps two calls of
-one shape live at once, and keeps one call's results past its backward (its output is the instance's own
-buffer: the next call must take another instance, the kept values must stay). Negative controls: a replay
-that skips the copy of the new inputs into the static ones, and an in-place instance replayed for tensors
-at other addresses, must differ from the eager result of those inputs.
+mode three times with inputs from two seeds (A captures; B and A again replay), so that a replay that
+read stale inputs or left stale outputs would fail; one case keeps two calls of one shape live at once
+(two instances). Negative control: a replay that skips the copy of the new inputs into the static ones
+must differ from the eager result of those inputs.
 Shapes: gpu_cases.SMALL (6 heads of 24, 2 groups, dstate 40, chunk 64), bf16, batch 1.
 """
 
@@ -43,20 +40,10 @@ def _labels(seqlen, docs, device):
     return torch.bucketize(torch.arange(seqlen), starts.sort().values, right=True)[None].int().to(device)
 
 
-def _leaves(t):
-    return {k: None if v is None else v.detach().clone().requires_grad_() for k, v in t.items()}
-
-
 def _call(t, grads, case, seq_idx, **kw):
-    return _call_on(_leaves(t), case, seq_idx, **kw)
-
-
-def _call_on(inputs, case, seq_idx, **kw):
     from ds_mamba_spcp import mamba_split_conv1d_scan_sp
 
-    for v in inputs.values():
-        if v is not None:
-            v.grad = None
+    inputs = {k: None if v is None else v.detach().clone().requires_grad_() for k, v in t.items()}
     args = [inputs[k] for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D")]
     out, final = mamba_split_conv1d_scan_sp(
         *args, SMALL["chunk"], headdim=SMALL["headdim"], ngroups=SMALL["ngroups"], backend="triton",
@@ -90,13 +77,6 @@ def _inputs(case, seed, dev):
     return make_inputs(SMALL, 1, case["seqlen"], seed=seed, device=dev, rms=case["rms"], init=True, final=True)
 
 
-def _set(leaves, t):
-    with torch.no_grad():
-        for k, v in t.items():
-            if v is not None:
-                leaves[k].copy_(v)
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_replay_is_bitwise_equal_to_eager(name):
     _needs_determinism()
@@ -108,78 +88,37 @@ def test_replay_is_bitwise_equal_to_eager(name):
     want = {"A": _run(tA, gA, case, seq_idx), "B": _run(tB, gB, case, seq_idx)}
     graphs.clear()
     diffs = {}
-    held = _leaves(tA)  # one set of input tensors, kept: its addresses are the in-place instance's
-    # (tensors, values): the held tensors read in place (new values at the captured addresses included), fresh
-    # tensors at other addresses while the held ones live (the instance with static inputs, copies)
-    calls = [("held", "A"), ("held", "B"), ("fresh", "B"), ("fresh", "A"), ("held", "A")]
-    for i, (where, tag) in enumerate(calls):
-        t, g = (tA, gA) if tag == "A" else (tB, gB)
-        if where == "held":
-            _set(held, t)
-            inputs = held
-        else:
-            inputs = _leaves(t)
-        got = _grads_of(*_call_on(inputs, case, seq_idx, cuda_graphs=True), g)
-        diffs[f"call {i} ({where} {tag})"] = _differences(got, want[tag])
-        del got, inputs  # the output and dzxbcdt are the instance's buffers: dropped, the instance is free again
-    assert graphs.captured_instances() == 2, "one instance reading in place, one with static inputs"
+    for i, (tag, t, g) in enumerate((("A", tA, gA), ("B", tB, gB), ("A", tA, gA))):
+        got = _run(t, g, case, seq_idx, cuda_graphs=True)
+        diffs[f"call {i} ({tag})"] = _differences(got, want[tag])
+    assert graphs.captured_instances() == 1, "a call whose backward has run frees its instance for the next"
     # two live calls of one shape: each takes an instance, both replay right
-    first = _call_on(held, case, seq_idx, cuda_graphs=True)
+    first = _call(tA, gA, case, seq_idx, cuda_graphs=True)
     second = _call(tB, gB, case, seq_idx, cuda_graphs=True)
     diffs["live B"] = _differences(_grads_of(*second, gB), want["B"])
     diffs["live A"] = _differences(_grads_of(*first, gA), want["A"])
-    del first, second
     assert graphs.captured_instances() == 2
-    # a result kept past its backward: the next call of those tensors may not replay the kept call's instance
-    # (it would overwrite the kept output); the one with static inputs serves it
-    _set(held, tA)
-    kept = _grads_of(*_call_on(held, case, seq_idx, cuda_graphs=True), gA)
-    _set(held, tB)
-    diffs["after keeping"] = _differences(_grads_of(*_call_on(held, case, seq_idx, cuda_graphs=True), gB), want["B"])
-    diffs["kept"] = _differences(kept, want["A"])
-    assert graphs.captured_instances() == 2
-    del kept
     graphs.clear()
     assert all(not d for d in diffs.values()), diffs
 
 
-def _stale_setup(case, dev):
-    """Captures an instance in place on held tensors (A) and one with static inputs (A); returns the held
-    tensors (kept alive: fresh tensors land elsewhere) and B's eager result."""
+def test_negative_control_stale_inputs_differ(monkeypatch):
+    """A replay that does not copy the new inputs in returns the captured call's results: the exact comparison
+    of the test above must catch that."""
+    _needs_determinism()
     from ds_mamba_spcp import graphs
 
+    case, dev = CASES["tiles_32k_gate"], torch.device("cuda", 0)
     (tA, gA), (tB, gB) = _inputs(case, 1, dev), _inputs(case, 2, dev)
     want_B = _run(tB, gB, case, None)
     graphs.clear()
-    held = _leaves(tA)
-    _grads_of(*_call_on(held, case, None, cuda_graphs=True), gA)  # captures in place with A
-    _grads_of(*_call(tA, gA, case, None, cuda_graphs=True), gA)  # fresh tensors: captures static inputs with A
-    return held, (tB, gB), want_B
+    _run(tA, gA, case, None, cuda_graphs=True)  # captures with A
+    forward = graphs._Replay.forward
 
+    def stale(ctx, inst, generation, *tensors):
+        return forward(ctx, inst, generation, *inst.inputs)  # the static inputs copied onto themselves: A's values
 
-def test_negative_control_stale_inputs_differ(monkeypatch):
-    """A replay that does not copy the new inputs into the static ones returns the captured call's results: the
-    exact comparison of the test above must catch that."""
-    _needs_determinism()
-    from ds_mamba_spcp import graphs
-
-    case, dev = CASES["tiles_32k_gate"], torch.device("cuda", 0)
-    held, (tB, gB), want_B = _stale_setup(case, dev)
-    monkeypatch.setattr(graphs, "_copy_in", lambda statics, tensors: None)
-    got = _run(tB, gB, case, None, cuda_graphs=True)
-    graphs.clear()
-    assert set(_differences(got, want_B)) >= {"out", "final_states", "dzxbcdt"}
-
-
-def test_negative_control_other_addresses_differ(monkeypatch):
-    """An instance in place replayed for tensors at other addresses reads the captured ones (A's, still alive):
-    the address rule is what makes the in-place replays right."""
-    _needs_determinism()
-    from ds_mamba_spcp import graphs
-
-    case, dev = CASES["tiles_32k_gate"], torch.device("cuda", 0)
-    held, (tB, gB), want_B = _stale_setup(case, dev)
-    monkeypatch.setattr(graphs._Instance, "reads_at", lambda self, addresses: self.addresses is not None)
+    monkeypatch.setattr(graphs._Replay, "forward", staticmethod(stale))
     got = _run(tB, gB, case, None, cuda_graphs=True)
     graphs.clear()
     assert set(_differences(got, want_B)) >= {"out", "final_states", "dzxbcdt"}
