@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops import get_backend
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import Ready
+from ds_mamba_spcp.ops.segment import Ready, finish
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 KEY = "mamba_sequence_parallel.block_tile_tokens"
@@ -66,14 +66,6 @@ def tile_spans(seqlen: int, tile_tokens: int) -> tuple:
 # ---------------------------------------------------------------------------------------------
 
 
-def _finish(gen, value):
-    try:
-        gen.send(value)
-    except StopIteration as stop:
-        return stop.value
-    raise RuntimeError("a segment generator yielded more often than the segment protocol allows")
-
-
 class _TileCore(torch.autograd.Function):
     """(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in) -> (out, S_out) of one
     segment on one device, through the backend's ``segment_fwd`` / ``segment_bwd`` (ops/segment.py):
@@ -84,7 +76,7 @@ class _TileCore(torch.autograd.Function):
         *params, S_in = params_and_state
         gen = backend.segment_fwd(zxbcdt, halo, *params, spec=spec, seq_idx=labels, keep_y=keep_y)
         S_ext, log_a = next(gen)
-        out, y = _finish(gen, Ready(S_in))
+        out, y = finish(gen, Ready(S_in))
         S_out = torch.exp(log_a)[:, :, None, None] * S_in + S_ext
         ctx.backend, ctx.spec, ctx.labels = backend, spec, labels
         ctx.kept = [y] if y is not None else None
@@ -103,7 +95,7 @@ class _TileCore(torch.autograd.Function):
         L = next(gen)
         dS_out = torch.zeros_like(L) if dS_out is None else dS_out.to(L.dtype)
         dhalo = gen.send(Ready(dS_out))
-        dzxbcdt, *dparams = _finish(gen, None)
+        dzxbcdt, *dparams = finish(gen, None)
         ctx.kept = None
         dS_in = L + torch.exp(log_a)[:, :, None, None].to(L.dtype) * dS_out
         dparams = [g if has else None for g, has in zip(dparams, ctx.has)]

@@ -32,7 +32,8 @@ class Ready:
         return self.value
 
 
-def _finish(gen, value):
+def finish(gen, value):
+    """Sends ``value`` into a segment generator that must end there; its return value."""
     try:
         gen.send(value)
     except StopIteration as stop:
@@ -43,7 +44,7 @@ def _finish(gen, value):
 def drive_fwd(gen, post):
     """Runs a ``segment_fwd`` generator; ``post(S_ext, log_a)`` returns a handle to S_in. -> (out, y)."""
     S_ext, log_a = next(gen)
-    return _finish(gen, post(S_ext, log_a))
+    return finish(gen, post(S_ext, log_a))
 
 
 def drive_bwd(gen, post_grad, post_halo_grad=None):
@@ -54,7 +55,7 @@ def drive_bwd(gen, post_grad, post_halo_grad=None):
     dhalo = gen.send(post_grad(L))
     if dhalo is not None and post_halo_grad is not None:
         dhalo = post_halo_grad(dhalo)
-    return _finish(gen, None), dhalo
+    return finish(gen, None), dhalo
 
 
 class LocalExchange:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import Ready
+from ds_mamba_spcp.ops.segment import Ready, finish
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 
@@ -116,6 +116,22 @@ def _chains(zxbcdt, halo, seq_idx, spec, tiles: Tiles):
     return [_Chain(zxbcdt, halo, seq_idx, spec, r0, r1, tiles.spans) for r0, r1 in tiles.rows]
 
 
+def _fold(chains, summaries, decay):
+    """The segment's summary from its tiles' (S_ext_k, log_a_k), row group by row group:
+    S_ext = sum_k (prod_{j>k} a_j) S_ext_k, log_a = sum_k log_a_k; decay(i) is exp(log_a) of tile i."""
+    S_ext_rows, log_a_rows, i = [], [], 0
+    for ch in chains:
+        acc, total = None, None
+        for _ in ch.spans:
+            S_ext, log_a = summaries[i]
+            acc = S_ext if acc is None else torch.addcmul(S_ext, decay(i), acc)
+            total = log_a if total is None else total + log_a
+            i += 1
+        S_ext_rows.append(acc)
+        log_a_rows.append(total)
+    return _cat(S_ext_rows), _cat(log_a_rows)
+
+
 def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec, seq_idx=None, keep_y=False):
     """``backend.segment_fwd`` over ``tiles`` (the protocol of ops/segment.py). ``saved`` receives the
     tiles' incoming states and decays exp(log_a) ("S_in", "decay": lists per row group; None in a row group of
@@ -142,18 +158,7 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec,
             decays[i] = _decay(summaries[i][1])
         return decays[i]
 
-    # the segment's summary, row group by row group
-    S_ext_rows, log_a_rows, i = [], [], 0
-    for ch in chains:
-        acc, total = None, None
-        for _ in ch.spans:
-            S_ext, log_a = summaries[i]
-            acc = S_ext if acc is None else torch.addcmul(S_ext, decay(i), acc)
-            total = log_a if total is None else total + log_a
-            i += 1
-        S_ext_rows.append(acc)
-        log_a_rows.append(total)
-    handle = yield _cat(S_ext_rows), _cat(log_a_rows)
+    handle = yield _fold(chains, summaries, decay)
     S_in_all = handle.wait()
     ys, i = [], 0
     saved["S_in"], saved["decay"] = [], []
@@ -163,7 +168,7 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec,
         for k, (s, e) in enumerate(ch.spans):
             S_ext = summaries[i][0]
             S_in = ch.keep(k, state)
-            tile_out, y = _finish(gens[i], Ready(S_in))
+            tile_out, y = finish(gens[i], Ready(S_in))
             _put(out[ch.r0 : ch.r1, s:e], tile_out)
             ys.append(y)
             states.append(S_in)
@@ -221,7 +226,7 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
             s, e = ch.spans[k]
             gen = gens[i + k]
             dhalo = gen.send(Ready(grad))
-            tile_grads = _finish(gen, None)
+            tile_grads = finish(gen, None)
             _put(dzxbcdt[ch.r0 : ch.r1, s:e], tile_grads[0])
             if carry is not None:
                 dzxbcdt[ch.r0 : ch.r1, e - (K - 1) : e, xbc].add_(carry.to(dzxbcdt.dtype))  # (+= would copy it back)
@@ -311,7 +316,7 @@ def forward_known(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None, in
                                       keep_y=False)  # fmt: skip
             S_ext, log_a = next(gen)
             S_in = ch.keep(k, torch.zeros_like(S_ext) if state is None else state.to(S_ext.dtype))
-            tile_out, _ = _finish(gen, Ready(S_in))
+            tile_out, _ = finish(gen, Ready(S_in))
             out.put(ch, s, e, tile_out)
             del gen, tile_out
             state = torch.addcmul(S_ext, _decay(ch.log_a(k, log_a)), S_in)  # as segment_fwd rounds it
@@ -337,18 +342,7 @@ def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None)
             S_ext, log_a = next(gen)
             gens.append(gen)
             summaries.append((S_ext, ch.log_a(k, log_a)))
-    S_ext_rows, log_a_rows, i = [], [], 0
-    for ch in chains:  # the segment's summary, chain by chain (the fold of segment_fwd)
-        acc, total = None, None
-        for _ in ch.spans:
-            S_ext, log_a = summaries[i]
-            acc = S_ext if acc is None else torch.addcmul(S_ext, _decay(log_a), acc)
-            total = log_a if total is None else total + log_a
-            i += 1
-        S_ext_rows.append(acc)
-        log_a_rows.append(total)
-    handle = yield _cat(S_ext_rows), _cat(log_a_rows)
-    del S_ext_rows, log_a_rows
+    handle = yield _fold(chains, summaries, lambda i: _decay(summaries[i][1]))  # the fold of segment_fwd
     S_in_all = handle.wait()
     out, states, i = _Out(zxbcdt, spec, chains), [], 0
     for ch in chains:
@@ -356,7 +350,7 @@ def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None)
         for k, (s, e) in enumerate(ch.spans):
             S_ext, log_a = summaries[i]
             S_in = ch.keep(k, state)
-            tile_out, _ = _finish(gens[i], Ready(S_in))
+            tile_out, _ = finish(gens[i], Ready(S_in))
             out.put(ch, s, e, tile_out)
             gens[i] = summaries[i] = tile_out = None  # this tile's intermediates go now
             state = torch.addcmul(S_ext, _decay(log_a), S_in)
@@ -391,11 +385,3 @@ def _add(acc, grads):
     if acc is None:
         return list(grads)
     return [a if g is None else (g if a is None else a + g) for a, g in zip(acc, grads)]
-
-
-def _finish(gen, value):
-    try:
-        gen.send(value)
-    except StopIteration as stop:
-        return stop.value
-    raise RuntimeError("a segment generator yielded more often than the segment protocol allows")
