@@ -49,13 +49,8 @@ CASES = {
 # 15, 16, 26, 30: [7, 9) crosses the border at 8 with 2 tokens, [15, 16) ends on the border at 16, [16, 26)
 # crosses 24 (and the tiles' borders); row 1: a 1-token document, one across every rank, a 1-token one.
 DOC_SEQLEN, DOCS = 32, [[7, 2, 6, 1, 10, 4, 2], [1, 30, 1]]
-DOC_CASES = {
-    "none": dict(mode="state_passing", load_balancing="none"),
-    "virtual": dict(mode="state_passing", load_balancing="virtual"),
-    "permute_p2p": dict(mode="state_passing", load_balancing="permute_p2p"),
-    "permute_a2a": dict(mode="state_passing", load_balancing="permute_a2a"),
-    "ulysses": dict(mode="ulysses", input_layout="contiguous"),
-    "ulysses_zigzag": dict(mode="ulysses", input_layout="zigzag"),
+DOC_CASES = {  # the same modes, tiles of 3 (more tile borders inside the documents)
+    **CASES,
     "none_tiles": dict(mode="state_passing", load_balancing="none", tile_length=3),
     "virtual_tiles": dict(mode="state_passing", load_balancing="virtual", tile_length=3),
     "ulysses_tiles": dict(mode="ulysses", input_layout="contiguous", tile_length=5),
