@@ -317,6 +317,8 @@ def test_forward_only_route_is_bitwise_the_training_route_and_skips_its_backward
         if CASES[case]["mode"] == "state_passing":
             assert tr["function_forwards"] == 1 and tr["keep_y"] == [True], (rank, tr)
             assert tr["saved_fills"] == (1 if tiled else 0), (rank, tr)  # one row group of tiles per call
+            if tiled:  # every tile opened before the exchange; the forward-only route's two passes: one at a time
+                assert tr["peak_open"] > 1 and fo["peak_open"] == 1, (rank, tr, fo)
 
 
 def test_group_of_one_tiles_run_one_at_a_time_and_bitwise():

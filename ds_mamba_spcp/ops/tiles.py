@@ -329,19 +329,31 @@ def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None)
     """A segment whose incoming state arrives from elsewhere (the ranks' exchange), forward only: a generator
     with the protocol of ``ops/segment.py``. groups: ``forward_groups``' chains.
 
-    Every tile computes its summary first (the segment's summary must travel before any tile can finish), so
-    the tiles' first-phase intermediates live together until S_in arrives, as in ``segment_fwd``; then each
-    tile finishes and is freed in turn. Nothing is kept for a backward (no incoming states or decays per tile,
-    keep_y False). Returns (out, states) as ``forward_known``."""
+    The segment's summary must travel before any tile can finish. One tile keeps its first phase alive across
+    the exchange; several run in two passes, so that one tile's intermediates live at a time: each tile's
+    summary from a zero state (its first phase, then dropped), the exchange, then every tile again from its
+    incoming state (the first phase recomputed: the same kernels on the same inputs, so the same bits) to its
+    output. Nothing is kept for a backward (no incoming states or decays per tile, keep_y False). Returns
+    (out, states) as ``forward_known``."""
     chains = _chains_of(zxbcdt, halo, seq_idx, spec, groups)
+    two_pass = sum(len(ch.spans) for ch in chains) > 1
+
+    def first_phase(ch, k):
+        s, e = ch.spans[k]
+        gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
+                                  keep_y=False)  # fmt: skip
+        S_ext, log_a = next(gen)
+        return gen, (S_ext, ch.log_a(k, log_a))
+
     gens, summaries = [], []
     for ch in chains:
-        for k, (s, e) in enumerate(ch.spans):
-            gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
-                                      keep_y=False)  # fmt: skip
-            S_ext, log_a = next(gen)
+        for k in range(len(ch.spans)):
+            gen, summary = first_phase(ch, k)
+            if two_pass:
+                gen.close()  # its intermediates go now; the second pass runs the tile again
+                gen = None
             gens.append(gen)
-            summaries.append((S_ext, ch.log_a(k, log_a)))
+            summaries.append(summary)
     handle = yield _fold(chains, summaries, lambda i: _decay(summaries[i][1]))  # the fold of segment_fwd
     S_in_all = handle.wait()
     out, states, i = _Out(zxbcdt, spec, chains), [], 0
@@ -349,10 +361,11 @@ def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None)
         state, after = S_in_all[ch.r0 : ch.r1], []
         for k, (s, e) in enumerate(ch.spans):
             S_ext, log_a = summaries[i]
+            gen = gens[i] if gens[i] is not None else first_phase(ch, k)[0]
             S_in = ch.keep(k, state)
-            tile_out, _ = finish(gens[i], Ready(S_in))
+            tile_out, _ = finish(gen, Ready(S_in))
             out.put(ch, s, e, tile_out)
-            gens[i] = summaries[i] = tile_out = None  # this tile's intermediates go now
+            gen = gens[i] = summaries[i] = tile_out = None  # this tile's intermediates go now
             state = torch.addcmul(S_ext, _decay(log_a), S_in)
             after.append(state)
             i += 1
