@@ -87,6 +87,14 @@ class _Instance:
         self.busy, self.generation = True, self.generation + 1
         return self.generation
 
+    def replay(self, tensors) -> tuple:
+        """The forward graph on ``tensors`` (copied into the static inputs); its outputs, cloned."""
+        for static, t in zip(self.inputs, tensors):
+            if static is not None:
+                static.copy_(t)
+        self.fwd.replay()
+        return tuple(o.clone() for o in self.outputs)
+
     def release(self, generation: int) -> None:
         """Frees the instance, unless a later call has taken it since ``generation``."""
         if self.generation == generation:
@@ -119,12 +127,9 @@ class _Release:
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inst, generation, *tensors):
-        for static, t in zip(inst.inputs, tensors):
-            if static is not None:
-                static.copy_(t)
-        inst.fwd.replay()
+        outs = inst.replay(tensors)
         ctx.release, ctx.done = _Release(inst, generation), False
-        return tuple(o.clone() for o in inst.outputs)
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -159,11 +164,7 @@ def run(call, strategy):
         entry.append(inst)
     generation = inst.take()
     if not needs_grad:
-        for static, t in zip(inst.inputs, tensors):
-            if static is not None:
-                static.copy_(t)
-        inst.fwd.replay()
-        outs = tuple(o.clone() for o in inst.outputs)
+        outs = inst.replay(tensors)
         inst.release(generation)
     else:
         outs = _Replay.apply(inst, generation, *tensors)

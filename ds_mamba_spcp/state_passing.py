@@ -58,6 +58,11 @@ class SegmentPlan:
         return len(layout.segment_ids(self.rank, self.cp, self.layout))
 
     @property
+    def alone(self) -> bool:
+        """The lone segment of a group of one: no predecessor, nothing to exchange or scan."""
+        return self.cp == 1 and self.nlocal == 1
+
+    @property
     def local_ids(self) -> list[int]:
         return layout.segment_ids(self.rank, self.cp, self.layout)
 
@@ -104,7 +109,7 @@ class _HaloExchange:
         self.plan, self.width, self.labels = plan, width, labels
         self.value = self.mask = self.start0 = None
         self._handle = None
-        if plan.cp == 1 and plan.nlocal == 1:
+        if plan.alone:
             # the lone segment of a group of one has no predecessor: no halo (the conv starts from zero, as
             # from a zero halo), nothing begins a document at its start, nothing to exchange
             self._done = True
@@ -196,16 +201,11 @@ class _SummaryExchange:
         """Zeroes what reaches a segment that begins a document (the incoming state stops there)."""
         return t if self.start0 is None else t * (~self.start0).to(t.dtype)[:, None, None, None]
 
-    @property
-    def _alone(self) -> bool:
-        """The lone segment of a group of one: S_in is the initial state, nothing is gathered or scanned."""
-        return self.plan.cp == 1 and self.plan.nlocal == 1
-
     def post(self, S_ext, log_a):
         """S_ext (b*nlocal, h, p, n), log_a (b*nlocal, h), both fp32 or wider."""
         cdtype = torch.promote_types(S_ext.dtype, torch.float32)
         S_ext, log_a = S_ext.to(cdtype), log_a.to(cdtype)
-        if self._alone:
+        if self.plan.alone:  # S_in is the initial state: nothing is gathered or scanned
             # the one-segment scan, term for term: S_in = initial (or 0), final = a * initial + S_ext
             self.log_a_all = log_a[None]
             if self.initial_states is None:
@@ -233,7 +233,7 @@ class _SummaryExchange:
     def post_grad(self, L):
         """L (b*nlocal, h, p, n): gradient reaching the incoming states from this rank's outputs."""
         cdtype = torch.promote_types(L.dtype, torch.float32)
-        if self._alone:
+        if self.plan.alone:  # S_in is the initial state: nothing is gathered or scanned
             L = L.to(cdtype)
             if self.dfinal_states is None:
                 self.dinitial_states = L
