@@ -293,7 +293,7 @@ def _check_seq_idx(seq_idx, zxbcdt, device) -> torch.Tensor:
     return seq_idx.to(torch.int32).contiguous()
 
 
-def _cu_seqlens_to_seq_idx(cu_seqlens, zxbcdt, rank: int, cp: int, seq_layout: str, device) -> torch.Tensor:
+def cu_seqlens_to_seq_idx(cu_seqlens, zxbcdt, rank: int, cp: int, seq_layout: str, device) -> torch.Tensor:
     """This rank's shard of the document labels that ``cu_seqlens`` (of the whole row) describes."""
     if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
         raise ValueError("cu_seqlens must be a 1-D integer tensor of cumulative document lengths (0, ..., seqlen)")
@@ -534,7 +534,7 @@ def prepare(
         if seq_idx is not None:
             seq_idx = _check_seq_idx(seq_idx, zxbcdt, device)
         elif cu_seqlens is not None:
-            seq_idx = _cu_seqlens_to_seq_idx(cu_seqlens, zxbcdt, rank, cp, options.input_layout, device)
+            seq_idx = cu_seqlens_to_seq_idx(cu_seqlens, zxbcdt, rank, cp, options.input_layout, device)
     except (ValueError, NotImplementedError, TypeError) as e:
         problem = e
     if options.check_shapes and (cp > 1 or seq_idx is not None) and not _capturing(device):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ds_mamba_spcp import comm, documents, layout, modes, op
+from ds_mamba_spcp.call import cu_seqlens_to_seq_idx
 
 
 def conv_tail(
@@ -120,10 +121,8 @@ def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_
         conv_dim, d_conv = conv1d_weight.shape
         xBC = zxbcdt[..., d_inner : d_inner + conv_dim]
         if seq_idx is None and kwargs.get("cu_seqlens") is not None:  # the labels the op made of it (checked there)
-            from ds_mamba_spcp.call import _cu_seqlens_to_seq_idx
-
             rank, cp = comm.group_rank_size(process_group)
-            seq_idx = _cu_seqlens_to_seq_idx(kwargs["cu_seqlens"], zxbcdt, rank, cp, kwargs["input_layout"],
+            seq_idx = cu_seqlens_to_seq_idx(kwargs["cu_seqlens"], zxbcdt, rank, cp, kwargs["input_layout"],
                                              zxbcdt.device)  # fmt: skip
         if seq_idx is None:
             tail = conv_tail(xBC, d_conv, process_group, kwargs["input_layout"])
