@@ -834,8 +834,9 @@ def main(argv=None):
     if ctx.rank == 0:
         write_json(out, payload)
         print(f"wrote {out} ({len(payload['records'])} records, {payload['elapsed_s']} s)", flush=True)
-    _dist().barrier()
-    _dist().destroy_process_group()
+    from ds_mamba_spcp.comm import shutdown
+
+    shutdown()
 
 
 def _over_budget(args, cell: Cell, walls, elapsed: float, ctx: Context) -> bool:

@@ -175,6 +175,20 @@ def all_to_all_uneven(
 DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4, torch.int64: 5}
 
 
+def shutdown() -> None:
+    """Ends a script's distributed run: a barrier, then the process group is destroyed.
+
+    Call it at the end of a launched script's ``__main__``. A gloo rank that exits with its group
+    still alive can abort in the interpreter's teardown ("terminate called without an active
+    exception": the group's threads outlive it), which turns a run that succeeded into exit -6.
+    Does nothing in a process that never initialised a backend.
+    """
+    dist = _dist()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def remove_deepspeed_shm_buffers(port: int, addr: str = "127.0.0.1", shm_dir: str = "/dev/shm") -> int:
     """Deletes the shared-memory files DeepSpeed's CPU backend left for a finished run on ``addr:port``.
 

@@ -86,4 +86,8 @@ def main(argv=None) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    same = main()
+    from ds_mamba_spcp.comm import shutdown
+
+    shutdown()  # a gloo rank can abort at exit while its group lives
+    sys.exit(0 if same else 1)

@@ -812,3 +812,6 @@ def main(argv=None) -> list[dict]:
 
 if __name__ == "__main__":
     main()
+    from ds_mamba_spcp.comm import shutdown
+
+    shutdown()  # a gloo rank can abort at exit while its group lives
