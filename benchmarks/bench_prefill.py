@@ -44,9 +44,13 @@ import sys
 import time
 from datetime import datetime, timezone
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+for _path in (REPO, HERE):  # the package, and train_runs' results writer beside this script
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from train_runs import write_results  # noqa: E402
 
 SCHEMA = "ds_mamba_spcp.bench_prefill/1"
 MODES = ("hf_forward", "mamba_ssm_forward", "mamba_ssm_prefill", "ours_whole", "ours_chunked")
@@ -318,16 +322,12 @@ def main(argv=None) -> dict:
                     rec["logits_err"] = float(d.norm() / ref.norm())
             payload["records"].append(rec)
             print(json.dumps(rec), flush=True)
-            with open(args.out, "w") as f:
-                json.dump(payload, f, indent=1)
+            write_results(args.out, payload, markdown)
         del models
         if device.type == "cuda":
             torch.cuda.empty_cache()
     payload["complete"] = True
-    with open(args.out, "w") as f:
-        json.dump(payload, f, indent=1)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(markdown(payload))
+    write_results(args.out, payload, markdown)
     return payload
 
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import platform
 import sys
@@ -437,10 +436,7 @@ def main(argv=None) -> dict:
     payload = dict(schema=SCHEMA, header=environment(args, device), records=[])
     for name, preset_args in presets.items():
         payload["records"] += measure(name, preset_args, lengths, device, cpu)
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-            f.write(markdown(payload))
+        train_runs.write_results(args.out, payload, markdown)
     return payload
 
 

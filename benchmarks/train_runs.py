@@ -159,6 +159,16 @@ def _setting(r: dict) -> str:
     return ", ".join(notes)
 
 
+def write_results(path: str, payload: dict, to_markdown) -> None:
+    """The results JSON at ``path`` (rewritten whole after every record, so a killed run keeps what it measured)
+    and its Markdown table beside it (``path`` with .md): ``to_markdown(payload)``. The benchmarks that record
+    JSON + Markdown (this one, memory_table.py, bench_prefill.py) write through here."""
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(to_markdown(payload))
+
+
 def markdown(payload: dict) -> str:
     h = payload["header"]
     lines = [f"# Training runs ({h.get('gpu')}, {h['date']}, commit {h.get('git_commit')})", ""]
@@ -245,10 +255,7 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as workdir:
             rec = trial(args, seqlen, workdir)
         payload["records"].append(rec)
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-            f.write(markdown(payload))
+        write_results(args.out, payload, markdown)
         print(f"{args.preset} L={seqlen}: {rec['status']} peak {rec.get('peak_mem_gib')} GiB, "
               f"{rec.get('step_s')} s/step, {rec['wall_s']} s wall {rec.get('reason', '')}", flush=True)  # fmt: skip
         return rec["status"] == "ok"
