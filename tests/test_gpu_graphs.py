@@ -3,12 +3,15 @@
     MAMBA_DETERMINISTIC=1 python -m pytest -m gpu -q tests/test_gpu_graphs.py
 
 A replay runs the kernels the eager call runs, in the same order, on the same values, so with mamba-ssm's
-deterministic mode (no atomics whose order varies) its output, final states and every gradient are
-bitwise equal to the eager call's: the comparisons are exact (torch.equal). Each case calls the graph
-mode three times with inputs from two seeds (A captures; B and A again replay), so that a replay that
-read stale inputs or left stale outputs would fail; one case keeps two calls of one shape live at once
-(two instances). Negative control: a replay that skips the copy of the new inputs into the static ones
-must differ from the eager result of those inputs.
+deterministic mode (no atomics whose order varies) its output, final states and every gradient but two are
+bitwise equal to the eager call's: those comparisons are exact (torch.equal). The two are the conv weight and
+bias gradients: causal-conv1d's backward sums them with fp32 atomics across thread blocks, in an order that
+changes from call to call, eager or replayed (seen on the H200: one replay's dconv1d_weight differed, the
+next run of the same test passed); they are compared within one bf16 rounding step (CONV_NONDETERMINISTIC).
+Each case calls the graph mode three times with inputs from two seeds (A captures; B and A again replay),
+so that a replay that read stale inputs or left stale outputs would fail; one case keeps two calls of one
+shape live at once (two instances). Negative control: a replay that skips the copy of the new inputs into
+the static ones must differ from the eager result of those inputs, the conv gradients' bound included.
 Shapes: gpu_cases.SMALL (6 heads of 24, 2 groups, dstate 40, chunk 64), bf16, batch 1.
 """
 
@@ -19,7 +22,7 @@ import os
 import pytest
 import torch
 
-from tests.gpu_cases import PARAMS, SMALL, make_inputs
+from tests.gpu_cases import PARAMS, SMALL, make_inputs, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -64,8 +67,21 @@ def _run(t, grads, case, seq_idx, **kw):
     return _grads_of(*_call(t, grads, case, seq_idx, **kw), grads)
 
 
+# The same fp32 terms summed in another order, then rounded to the gradient's dtype (bf16): an element lands on
+# the same value or on a neighbour one rounding step away (a relative step of at most eps), so the relative RMS
+# of the whole tensor is at most eps even if every element moved. A replay on the wrong inputs moves them by
+# O(1) (test_negative_control_stale_inputs_differ checks that this bound catches it).
+CONV_NONDETERMINISTIC = ("dconv1d_weight", "dconv1d_bias")
+
+
+def _differs(key, got, want):
+    if key in CONV_NONDETERMINISTIC:
+        return rel(got, want) > torch.finfo(want.dtype).eps
+    return not torch.equal(got, want)
+
+
 def _differences(got, want):
-    return [k for k in want if not torch.equal(got[k], want[k])]
+    return [k for k in want if _differs(k, got[k], want[k])]
 
 
 def _needs_determinism():
@@ -121,7 +137,7 @@ def test_negative_control_stale_inputs_differ(monkeypatch):
     monkeypatch.setattr(graphs._Replay, "forward", staticmethod(stale))
     got = _run(tB, gB, case, None, cuda_graphs=True)
     graphs.clear()
-    assert set(_differences(got, want_B)) >= {"out", "final_states", "dzxbcdt"}
+    assert set(_differences(got, want_B)) >= {"out", "final_states", "dzxbcdt", *CONV_NONDETERMINISTIC}
 
 
 def test_second_backward_raises():
