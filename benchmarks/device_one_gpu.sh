@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The one-GPU measurements still owed (issues 23 and 24), one stage per device call (each under ~9 minutes):
+# The one-GPU measurements of issues 23 and 24, one stage per device call (each under ~9 minutes; host_time, sync,
+# longest and offload ran at 7349b3b: benchmarks/results/{tiles_host_7349b3b,host_sync_7349b3b,
+# longest_130m_block_tiles,offload}_h200x1.*):
 #   carry [".whl"] (../shared/device/stage.sh), then:
 #   bash benchmarks/device_one_gpu.sh COMMIT STAGE
 # STAGE:
 #   tests       the one-GPU tests of the final tree: graphs, offload, tiles, the tiled block, the prefill
 #               (transformers 5.24 from .whl/extra when it is there)
 #   host_time   issue 23's three cells (eager, whole-step graph, the op's cuda_graphs mode) and the launch lists
-#   longest     issue 24: the 130M's longest sequence with block tiles of 32,768 (search from 1,572,864)
+#   sync        issue 23: does the step's host wait for the GPU? (benchmarks/probe_host_sync.py)
+#   longest     issue 24: the 130M with block tiles of 32,768 at 3,145,728 and 3,407,872 (its longest at 7349b3b;
+#               a search from 1,572,864 with 150 s trials timed out on its first, cold trial)
 #   offload     issue 24: the 780M with the pinned pool at 524,288 and 786,432 (budget 0), and 1,048,576 with
-#               block tiles and a GPU budget of 36 GiB (the host then holds 35 of the 48 checkpoints, 105 GiB)
+#               block tiles and a GPU budget of 36 GiB (the GPU keeps 12 of the 48 checkpoints, the host 36: 108 GiB)
 # Results land in $OUT (JSON + Markdown + logs); copy them into benchmarks/results/ with the commit named.
 set -u
 commit=${1:?commit} stage=${2:?stage}
@@ -23,7 +27,7 @@ mkdir -p "$out"
 case "$stage" in
 tests)
     for t in test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_prefill_gpu; do
-        timeout 150 python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1
+        timeout 240 python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1
         echo "$t exit $?: $(grep -E '[0-9]+ (passed|failed)' "$out/$t.log" | tail -1)"
     done ;;
 host_time)
@@ -33,12 +37,14 @@ host_time)
     echo "bench exit $?"; tail -2 "$out/bench.log"
     timeout 120 python3 benchmarks/profile_host.py --seqlen 32K --tile-length 8K --modes ideal,state_passing \
         --kernels --iters 10 --out "$out/profile_32k_tile8k" 2>&1 | grep launches ;;
+sync)
+    timeout 240 python3 benchmarks/probe_host_sync.py --out "$out/host_sync_h200x1.json" > "$out/sync.log" 2>&1
+    echo "probe exit $?" ;;
 longest)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 540 python3 benchmarks/train_runs.py \
-        --preset mamba-130m --search 1572864 --resolution 262144 --block-tile-tokens 32768 --trial-timeout 150 \
-        --time-budget 420 --git-commit "$commit" --out "$out/longest_130m_block_tiles_h200x1.json" \
-        > "$out/longest.log" 2>&1
-    echo "search exit $?"; grep "L=" "$out/longest.log" | cut -c1-200 ;;
+        --preset mamba-130m --lengths 3145728,3407872 --block-tile-tokens 32768 --trial-timeout 270 \
+        --git-commit "$commit" --out "$out/longest_130m_block_tiles_h200x1.json" > "$out/longest.log" 2>&1
+    echo "runs exit $?"; grep "L=" "$out/longest.log" | cut -c1-200 ;;
 offload)
     O=(--git-commit "$commit" --out "$out/offload_h200x1.json" --preset mamba-780m --offload)
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -48,5 +54,5 @@ offload)
         --offload-gpu-budget-gib 36 --trial-timeout 180 > "$out/o3.log" 2>&1
     grep -h "L=" "$out"/o[123].log | cut -c1-200 ;;
 *)
-    echo "unknown stage $stage (tests, host_time, longest, offload)"; exit 2 ;;
+    echo "unknown stage $stage (tests, host_time, sync, longest, offload)"; exit 2 ;;
 esac
