@@ -107,7 +107,9 @@ def trial(args, seqlen: int, workdir: str) -> dict:
         elif proc.returncode in (-9, 137) or "exitcode  : -9" in out or "Signal 9" in out:
             status = "killed"  # SIGKILL: the host's out-of-memory killer, most likely
     except subprocess.TimeoutExpired as e:
-        out, status = (e.stdout or "") + (e.stderr or "") if isinstance(e.stdout, str) else "", "timeout"
+        # what the trial printed before it was stopped: bytes here even under text=True (subprocess's rule)
+        out = "".join(b.decode(errors="replace") if isinstance(b, bytes) else b for b in (e.stdout, e.stderr) if b)
+        status = "timeout"
     rec["wall_s"] = round(time.monotonic() - t0, 1)
     if status != "ok":  # the trial's own output beside the JSON, for the reason behind the status
         with open(f"{os.path.splitext(args.out)[0]}_{seqlen}.log", "w") as f:
