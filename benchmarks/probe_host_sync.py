@@ -2,68 +2,64 @@
 
     MAMBA_DETERMINISTIC=1 python3 benchmarks/probe_host_sync.py --out benchmarks/results/host_sync_h200x1.json
 
-For mamba-ssm's whole op and this package's op in tiles of 8K and 16K (a group of one, 32K tokens, the
-shapes of bench_mixer's issue-23 cells: 64 heads of 64, 8 groups, dstate 128, bf16), the host time of the
+For mamba-ssm's whole op and this package's op in tiles of 8K and 16K (a group of one, 32K tokens, bench_mixer's
+inputs and GPU shapes, those of its issue-23 cells: 64 heads of 64, 8 groups, dstate 128, bf16), the host time of the
 forward and of the backward (until the Python call returns) is taken three times with the GPU idle and three
 times right after ~250 ms of matmuls were queued. A step whose host never waits for the GPU returns after the
 same host time in both cases (its kernels just queue behind the matmuls); a step with a synchronizing call
 (a host read, a blocking copy, an allocator flush) takes the queue's length too. One more step runs under
 torch's sync-debug mode ("warn"), which names torch's own synchronizing calls. Each entry of
 ``fwd_bwd_total_ms`` is (forward host ms, backward host ms, whole step ms with the final synchronize).
+(``results/host_sync_7349b3b_h200x1.json`` came from this probe before it took bench_mixer's inputs: the same
+shapes and distributions from its own generator; host time does not depend on the values.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 import warnings
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from ds_mamba_spcp import mamba_split_conv1d_scan_sp  # noqa: E402
-from ds_mamba_spcp.ops import get_backend  # noqa: E402
-
-L, H, G, P, N, K, CHUNK = 32768, 64, 8, 64, 128, 4, 128
+import bench_mixer as bm  # noqa: E402
+import torch  # noqa: E402
 
 
-def _inputs(dev):
-    d_inner = H * P
-    conv_dim = d_inner + 2 * G * N
-    bf16 = torch.bfloat16
-    zx = torch.randn(1, L, 2 * d_inner + 2 * G * N + H, device=dev, dtype=bf16, requires_grad=True)
-    w = ((torch.rand(conv_dim, K, device=dev) * 2 - 1) * 0.5).to(bf16).requires_grad_()
-    b = ((torch.rand(conv_dim, device=dev) * 2 - 1) * 0.5).to(bf16).requires_grad_()
-    dt = torch.exp(torch.rand(H, device=dev) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-    dt_bias = (dt + torch.log(-torch.expm1(-dt))).to(bf16).requires_grad_()
-    A = (-(torch.rand(H, device=dev) * 15 + 1)).requires_grad_()
-    D = torch.ones(H, device=dev, requires_grad=True)
-    dout = torch.randn(1, L, d_inner, device=dev, dtype=bf16)
-    return [zx, w, b, dt_bias, A, D], dout
+def steps_of(cell, ctx, tiles):
+    """bench_mixer's inputs for ``cell`` and a forward per probed op: mamba-ssm's whole op ("ideal") and this
+    package's op in tiles of each length in ``tiles`` ("tiles_<n>")."""
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.ops import get_backend
+
+    inp = bm.CoreInputs(cell.batch, cell.seqlen, cell.nheads, cell.ngroups, ctx)
+    ideal = get_backend(ctx.backend, ctx.device).single_device_op
+    steps = {"ideal": lambda: ideal(*inp.args(), **inp.kwargs())}
+    for t in tiles:
+        steps[f"tiles_{t // 1024}k" if t % 1024 == 0 else f"tiles_{t}"] = lambda t=t: mamba_split_conv1d_scan_sp(
+            *inp.args(), tile_length=t, backend=ctx.backend, **inp.kwargs()
+        )
+    return inp, steps
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="/tmp/host_sync.json")
+    p.add_argument("--seqlen", default="32K")
+    p.add_argument("--tiles", default="8K,16K", help="tile lengths of the op's tiled calls")
     p.add_argument("--queue", type=int, default=150, help="8192^2 bf16 matmuls queued before a 'busy' step")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("probe_host_sync.py needs a CUDA device")
+    bargs = bm.parse_args(["--seqlens", args.seqlen])  # bench_mixer's GPU dims and heads for the rest
     dev = torch.device("cuda")
+    ctx = bm.Context(rank=0, cp=1, device=dev, backend=bargs.backend, dims=bargs.dims)
     torch.manual_seed(0)
-    leaves, dout = _inputs(dev)
-    ideal = get_backend("auto", dev).single_device_op
-    kw = dict(headdim=P, ngroups=G)
-    steps = {
-        "ideal": lambda: ideal(*leaves, CHUNK, **kw),
-        "tiles_8k": lambda: mamba_split_conv1d_scan_sp(*leaves, CHUNK, tile_length=8192, **kw),
-        "tiles_16k": lambda: mamba_split_conv1d_scan_sp(*leaves, CHUNK, tile_length=16384, **kw),
-    }
+    inp, steps = steps_of(bargs.cells[0], ctx, [bm._parse_len(t) for t in args.tiles.split(",")])
+    leaves, dout = inp.leaves, inp.dout
     big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 
     def busy():

@@ -251,3 +251,29 @@ def test_packed_cells_run_every_mode(cpu_run):
     assert set(by_docs) == {0, 3} and len(by_docs[0]) == len(by_docs[3])
     packed_ok = {r["mode"] for r in by_docs[3] if r["status"] == "ok"}
     assert {"ideal", "state_passing", "virtual", "permute_p2p", "permute_a2a", "ulysses"} <= packed_ok
+
+
+def test_probe_host_sync_steps_cpu():
+    """benchmarks/probe_host_sync.py times on CUDA only; its steps are built here on CPU (bench_mixer's CPU dims,
+    fp32, the reference backend) and each tiled call must give the whole op's output and gradients. Tiles
+    reorder the fp32 chunk sums only, so 1e-4 relative is loose (seen 4.5e-7); the same tiles each run from a zero
+    state and no halo (what a call that lost the tiles' chain would give) are 0.12 off."""
+    bench = _load_bench()
+    spec = importlib.util.spec_from_file_location("probe_host_sync", os.path.join(REPO, "benchmarks",
+                                                                                   "probe_host_sync.py"))  # fmt: skip
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    import torch
+
+    bargs = bench.parse_args(["--cpu", "--seqlens", "128"])
+    ctx = bench.Context(rank=0, cp=1, device=torch.device("cpu"), backend="reference", dims=bargs.dims)
+    torch.manual_seed(0)
+    inp, steps = probe.steps_of(bargs.cells[0], ctx, [32, 64])
+    assert sorted(steps) == ["ideal", "tiles_32", "tiles_64"]
+    results = {}
+    for name, fwd in steps.items():
+        out = fwd()
+        results[name] = [out.detach(), *torch.autograd.grad(out, inp.leaves, inp.dout)]
+    for name in ("tiles_32", "tiles_64"):
+        for got, want in zip(results[name], results["ideal"]):
+            assert ((got - want).norm() / want.norm()).item() < 1e-4, name
