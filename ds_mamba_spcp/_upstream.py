@@ -216,8 +216,59 @@ def check_pinned_versions() -> None:
 
 
 def causal_conv1d_functions():
-    """causal-conv1d's ``(causal_conv1d_fwd_function, causal_conv1d_bwd_function)``; ImportError
-    when its CUDA extension is missing."""
+    """causal-conv1d's conv forward and backward, with the signatures and results of its
+    ``causal_conv1d_fwd_function`` / ``causal_conv1d_bwd_function``; ImportError when its CUDA extension
+    is missing.
+
+    Those two wrap the extension's C++ functions (``causal_conv1d_cuda``) in torch.library custom ops,
+    whose dispatch costs the host far more than the C++ call itself: on an H200 host, 97-241 us of Python
+    per call against 16-21 us in the C++ call (``benchmarks/probe_launch_cost.py``,
+    ``benchmarks/results/launch_cost_h200x1.json``), three calls per segment. Eager calls here allocate what
+    the custom ops' wrappers allocate and call the C++ functions straight; under torch.compile (which
+    traces the custom ops, not the extension) the custom-op functions run as they are. The outputs are
+    fresh tensors or the caller's ``dx`` buffer; nothing here bumps version counters, as nothing saved
+    for autograd is written.
+    """
+    import causal_conv1d_cuda
+    import torch
+    from causal_conv1d.cpp_functions import causal_conv1d_bwd_function, causal_conv1d_fwd_function
+
+    compiling = torch.compiler.is_compiling
+
+    def conv_fwd(x, weight, bias, seq_idx, initial_states, final_states_out, silu_activation):
+        if compiling():
+            return causal_conv1d_fwd_function(x, weight, bias, seq_idx, initial_states, final_states_out,
+                                              silu_activation)  # fmt: skip
+        out = torch.empty_like(x)
+        causal_conv1d_cuda.causal_conv1d_fwd(
+            x, weight, bias, seq_idx, initial_states, out, final_states_out, silu_activation
+        )
+        return out
+
+    def conv_bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, return_dinitial_states,
+                 silu_activation):  # fmt: skip
+        if compiling():
+            return causal_conv1d_bwd_function(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
+                                              return_dinitial_states, silu_activation)  # fmt: skip
+        dx = torch.empty_like(x) if dx is None else dx
+        # the C++ backward accumulates the parameter gradients in fp32 (atomics: not bitwise reproducible)
+        dweight = torch.zeros_like(weight, dtype=torch.float32)
+        dbias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        dinit = None
+        if return_dinitial_states:  # (batch, dim, width-1) with the channels innermost, as the kernel writes it
+            batch, dim, width = x.shape[0], x.shape[1], weight.shape[-1]
+            dinit = torch.empty(batch, width - 1, dim, device=x.device, dtype=x.dtype).transpose(1, 2)
+        causal_conv1d_cuda.causal_conv1d_bwd(
+            x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, dweight, dbias, dinit, silu_activation
+        )
+        return dx, dweight.type_as(weight), None if dbias is None else dbias.type_as(bias), dinit
+
+    return conv_fwd, conv_bwd
+
+
+def causal_conv1d_custom_ops():
+    """causal-conv1d's own ``(causal_conv1d_fwd_function, causal_conv1d_bwd_function)`` (its custom ops), which
+    ``causal_conv1d_functions`` calls under torch.compile; the GPU tests compare the two."""
     from causal_conv1d.cpp_functions import causal_conv1d_bwd_function, causal_conv1d_fwd_function
 
     return causal_conv1d_fwd_function, causal_conv1d_bwd_function
