@@ -180,9 +180,29 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--attribute", default=None, help="steps (comma-separated) to attribute the host time of")
     p.add_argument("--steps", type=int, default=20, help="timed steps per attributed step")
+    p.add_argument(
+        "--ab-conv",
+        default=None,
+        help="steps (comma-separated) to time with causal-conv1d's custom ops "
+        "and with its C++ functions, alternating step by step",
+    )
+    p.add_argument("--all", action="store_true", help="--ab-conv, the launch layers and --attribute, into one JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("probe_launch_cost.py needs a CUDA device")
+    if args.all:
+        names = "ideal,tiles_16k,tiles_8k"
+        res = {"ab_conv": ab_conv(names, args.steps), "launch_layers": launch_layers(args.calls, args.reps)}
+        args.attribute = names
+        res["attribution"] = attribute(args, write=False)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return
+    if args.ab_conv is not None:
+        res = ab_conv(args.ab_conv, args.steps)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return
     if args.attribute is not None:
         return attribute(args)
     if args.loop is None:
@@ -226,7 +246,37 @@ def _host_ms(step, inp, n):
     return statistics.median(out)
 
 
-def attribute(args):
+def ab_conv(names, n):
+    """Host ms (forward and backward calls) and step ms (until the GPU is done) of each step with causal-conv1d's
+    custom ops and with the C++ functions (``_upstream.causal_conv1d_functions``), alternating step by step so
+    that the host's drift falls on both alike; medians of ``n`` steps each."""
+    from ds_mamba_spcp import _upstream
+    from ds_mamba_spcp.ops import triton as tb
+
+    variants = {"custom_ops": _upstream.causal_conv1d_custom_ops(), "cpp": _upstream.causal_conv1d_functions()}
+    inp, steps = _steps()
+    res = {}
+    for name in names.split(","):
+        times = {v: ([], []) for v in variants}
+        for i in range(n + 3):
+            for v, fns in variants.items():
+                tb._conv_fwd_fn, tb._conv_bwd_fn = fns
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                torch.autograd.grad(steps[name](), inp.leaves, inp.dout)
+                host = time.perf_counter() - t
+                torch.cuda.synchronize()
+                if i >= 3:  # warm-up
+                    times[v][0].append(host * 1e3)
+                    times[v][1].append((time.perf_counter() - t) * 1e3)
+        res[name] = {v: {"host_ms": statistics.median(h), "step_ms": statistics.median(s), "steps": n}
+                     for v, (h, s) in times.items()}  # fmt: skip
+        print(name, json.dumps(res[name]), flush=True)
+    tb._conv_fwd_fn, tb._conv_bwd_fn = variants["cpp"]
+    return res
+
+
+def attribute(args, write=True):
     inp, steps = _steps()
     names = args.attribute.split(",")
     res = {}
@@ -245,8 +295,10 @@ def attribute(args):
         res[name]["attributed"] = rows
         res[name]["rest_ms_per_step"] = res[name]["host_ms_wrapped"] - sum(r["self_ms_per_step"] for r in rows.values())
         print(name, json.dumps(res[name], indent=1), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    if write:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
 
 
 if __name__ == "__main__":
