@@ -5,10 +5,12 @@
 #   carry [".whl"] (../shared/device/stage.sh), then:
 #   bash benchmarks/device_one_gpu.sh COMMIT STAGE
 # STAGE:
-#   tests       the one-GPU tests of the final tree: graphs, offload, tiles, the tiled block, the prefill
+#   tests       the one-GPU tests of the final tree: the conv's C++ path, graphs, offload, tiles, the tiled block, the prefill
 #               (transformers 5.24 from .whl/extra when it is there)
 #   host_time   issue 23's three cells (eager, whole-step graph, the op's cuda_graphs mode) and the launch lists
 #   sync        issue 23: does the step's host wait for the GPU? (benchmarks/probe_host_sync.py)
+#   launch      issue 23: each launch layer's host cost, where a step's host time goes, the conv's two paths
+#               alternating (benchmarks/probe_launch_cost.py --all; results/launch_cost_023b81d_h200x1.json)
 #   longest     issue 24: the 130M with block tiles of 32,768 at 3,145,728 and 3,407,872 (its longest at 7349b3b;
 #               a search from 1,572,864 with 150 s trials timed out on its first, cold trial)
 #   offload     issue 24: the 780M with the pinned pool at 524,288 and 786,432 (budget 0), and 1,048,576 with
@@ -26,7 +28,7 @@ out=${OUT:-/tmp/ds_mamba_spcp_out}
 mkdir -p "$out"
 case "$stage" in
 tests)
-    for t in test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_prefill_gpu; do
+    for t in test_gpu_conv test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_prefill_gpu; do
         timeout 240 python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1
         echo "$t exit $?: $(grep -E '[0-9]+ (passed|failed)' "$out/$t.log" | tail -1)"
     done ;;
@@ -40,6 +42,10 @@ host_time)
 sync)
     timeout 240 python3 benchmarks/probe_host_sync.py --out "$out/host_sync_h200x1.json" > "$out/sync.log" 2>&1
     echo "probe exit $?" ;;
+launch)
+    timeout 240 python3 benchmarks/probe_launch_cost.py --all --steps 30 --out "$out/launch_cost_h200x1.json" \
+        > "$out/launch.log" 2>&1
+    echo "probe exit $?"; grep -E "^(ideal|tiles)" "$out/launch.log" | head -3 ;;
 longest)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 540 python3 benchmarks/train_runs.py \
         --preset mamba-130m --lengths 3145728,3407872 --block-tile-tokens 32768 --trial-timeout 270 \
@@ -54,5 +60,5 @@ offload)
         --offload-gpu-budget-gib 36 --trial-timeout 180 > "$out/o3.log" 2>&1
     grep -h "L=" "$out"/o[123].log | cut -c1-200 ;;
 *)
-    echo "unknown stage $stage (tests, host_time, sync, longest, offload)"; exit 2 ;;
+    echo "unknown stage $stage (tests, host_time, sync, launch, longest, offload)"; exit 2 ;;
 esac

@@ -27,7 +27,7 @@ with Mamba2 layers imports and runs, and only a Mamba-1 layer's scan fails, clea
 that probes for the extension still finds none).
 
 The Triton backend calls private functions of mamba-ssm and causal-conv1d (``_chunk_state_fwd``,
-``causal_conv1d_bwd_function``, ...), whose signatures and semantics change between releases
+``causal_conv1d_cuda.causal_conv1d_bwd``, ...), whose signatures and semantics change between releases
 without notice: ``check_pinned_versions`` refuses versions other than the ones it was written and
 tested against (``PINNED``), so that a different release fails loudly instead of computing wrong
 gradients.
