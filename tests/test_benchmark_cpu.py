@@ -277,3 +277,38 @@ def test_probe_host_sync_steps_cpu():
     for name in ("tiles_32", "tiles_64"):
         for got, want in zip(results[name], results["ideal"]):
             assert ((got - want).norm() / want.norm()).item() < 1e-4, name
+
+
+def test_probe_launch_cost_attribution_cpu(monkeypatch):
+    """probe_launch_cost's Attribution keeps each wrapped call's self time: its time less that of the wrapped calls
+    inside it, summed per label. A fake clock that each function advances makes the times exact: outer spends 1 s
+    itself and calls inner (2 s) twice; a call that raises is still counted."""
+    path = os.path.join(REPO, "benchmarks", "probe_launch_cost.py")
+    spec = importlib.util.spec_from_file_location("probe_launch_cost", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    clock = [0.0]
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: clock[0])
+    att = probe.Attribution()
+
+    def inner_fn(fail=False):
+        clock[0] += 2.0
+        if fail:
+            raise RuntimeError("boom")
+
+    inner = att.wrap("inner", inner_fn)
+
+    def outer_fn():
+        clock[0] += 0.5
+        inner()
+        inner()
+        clock[0] += 0.5
+
+    outer = att.wrap("outer", outer_fn)
+    outer()
+    with pytest.raises(RuntimeError):
+        inner(fail=True)
+    assert att.self_s == {"inner": 6.0, "outer": 1.0}
+    assert att.calls == {"inner": 3, "outer": 1}
+    # the totals a step's rest is computed from: the wrapped self times add up to the wall time
+    assert sum(att.self_s.values()) == clock[0]
