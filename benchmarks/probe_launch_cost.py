@@ -1,14 +1,18 @@
 """Where a launch's host time goes, and how low a launch can go (issue 23, one CUDA device).
 
-    MAMBA_DETERMINISTIC=1 python3 benchmarks/probe_launch_cost.py --out /tmp/launch_cost.json
-    py-spy record --format raw -o steps.txt -- python3 benchmarks/probe_launch_cost.py --loop tiles_8k --seconds 8
+    MAMBA_DETERMINISTIC=1 python3 benchmarks/probe_launch_cost.py --all --steps 30 --out /tmp/launch_cost.json
 
 Default: the host time per call (microseconds, median of ``--reps`` batches of ``--calls`` calls on tensors so
 small that the GPU never falls behind) of the layers a launch of this package passes through, from a bare torch op
 to mamba-ssm's wrapper around an autotuned Triton kernel, and of the same compiled Triton kernel launched
 straight through its C launcher (what a launch layer below Triton's ``JITFunction.run`` would cost).
-``--loop NAME`` instead runs one of ``probe_host_sync``'s steps (``ideal``, ``tiles_8k``, ``tiles_16k``: 32K
-tokens, bench_mixer's GPU dims) for ``--seconds``, for a sampling profiler (py-spy) to attribute its host time.
+
+The steps are ``probe_host_sync``'s (``ideal``, ``tiles_8k``, ``tiles_16k``: 32K tokens, bench_mixer's GPU dims).
+``--attribute`` times each one with self-time timers on Triton's launch path, mamba-ssm's functions and
+causal-conv1d's (``patch_for_attribution``); ``--ab-conv`` times them with causal-conv1d's custom ops and its C++
+functions, alternating; ``--all`` runs the three into one JSON (``results/launch_cost_023b81d_h200x1.json``).
+``--loop NAME`` runs one step for ``--seconds``, for an outside sampling profiler; py-spy could not keep up on
+the H200 machine (it fell 20-30 s behind and wrote nothing), which is why ``--attribute`` exists.
 """
 
 from __future__ import annotations
