@@ -108,15 +108,19 @@ def launch_layers(calls, reps):
         lambda: cs._chunk_cumsum_fwd(dt, A, 256, dt_bias=bias, dt_softplus=True), calls, reps
     )
 
-    # causal-conv1d: its torch.library custom op (what mamba-ssm's op and ours call) and the C++ function under it
+    # causal-conv1d: its torch.library custom op (what mamba-ssm's op calls) and the C++ function under it
     import causal_conv1d_cuda
+
+    from ds_mamba_spcp import _upstream
+
+    custom_fwd = _upstream.causal_conv1d_custom_ops()[0]
 
     xc = torch.randn(1, 64, 512, device=dev, dtype=torch.bfloat16)
     w = torch.randn(64, 4, device=dev, dtype=torch.bfloat16)
     bc = torch.randn(64, device=dev, dtype=torch.bfloat16)
     outc = torch.empty_like(xc)
     res["causal-conv1d: causal_conv1d_fwd_function (custom op)"] = per_call_us(
-        lambda: tb._conv_fwd_fn(xc, w, bc, None, None, None, True), calls, reps
+        lambda: custom_fwd(xc, w, bc, None, None, None, True), calls, reps
     )
     res["causal-conv1d: causal_conv1d_cuda.causal_conv1d_fwd (C++)"] = per_call_us(
         lambda: causal_conv1d_cuda.causal_conv1d_fwd(xc, w, bc, None, None, outc, None, True), calls, reps
@@ -175,6 +179,11 @@ def patch_for_attribution(att):
                 setattr(mod, name, att.wrap("mamba-ssm: " + name, obj))
 
 
+def _write(path, res):
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="/tmp/launch_cost.json")
@@ -199,22 +208,15 @@ def main(argv=None):
         res = {"ab_conv": ab_conv(names, args.steps), "launch_layers": launch_layers(args.calls, args.reps)}
         args.attribute = names
         res["attribution"] = attribute(args, write=False)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-        return
+        return _write(args.out, res)
     if args.ab_conv is not None:
-        res = ab_conv(args.ab_conv, args.steps)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-        return
+        return _write(args.out, ab_conv(args.ab_conv, args.steps))
     if args.attribute is not None:
         return attribute(args)
     if args.loop is None:
         res = launch_layers(args.calls, args.reps)
         print(json.dumps(res, indent=1))
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-        return
+        return _write(args.out, res)
     inp, steps = _steps()
     fwd = steps[args.loop]
     for _ in range(4):
@@ -292,7 +294,8 @@ def attribute(args, write=True):
     patch_for_attribution(att)
     for name in names:
         _host_ms(steps[name], inp, 2)
-        att.self_s.clear(), att.calls.clear()
+        att.self_s.clear()
+        att.calls.clear()
         res[name]["host_ms_wrapped"] = _host_ms(steps[name], inp, args.steps)
         rows = {k: {"self_ms_per_step": v * 1e3 / args.steps, "calls_per_step": att.calls[k] / args.steps}
                 for k, v in sorted(att.self_s.items(), key=lambda kv: -kv[1])}  # fmt: skip
@@ -300,8 +303,7 @@ def attribute(args, write=True):
         res[name]["rest_ms_per_step"] = res[name]["host_ms_wrapped"] - sum(r["self_ms_per_step"] for r in rows.values())
         print(name, json.dumps(res[name], indent=1), flush=True)
     if write:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        _write(args.out, res)
     return res
 
 

@@ -221,9 +221,9 @@ def causal_conv1d_functions():
     is missing.
 
     Those two wrap the extension's C++ functions (``causal_conv1d_cuda``) in torch.library custom ops,
-    whose dispatch costs the host far more than the C++ call itself: on an H200 host, 97-241 us of Python
-    per call against 16-21 us in the C++ call (``benchmarks/probe_launch_cost.py``,
-    ``benchmarks/results/launch_cost_h200x1.json``), three calls per segment. Eager calls here allocate what
+    whose dispatch costs the host far more than the C++ call itself: on an H200 host, in a step, 97-241 us of
+    Python per call against 14-21 us in the C++ call (``benchmarks/probe_launch_cost.py``,
+    ``benchmarks/results/conv_direct_d3a1fe9_h200x1/``), three calls per segment. Eager calls here allocate what
     the custom ops' wrappers allocate and call the C++ functions straight; under torch.compile (which
     traces the custom ops, not the extension) the custom-op functions run as they are. The outputs are
     fresh tensors or the caller's ``dx`` buffer; nothing here bumps version counters, as nothing saved
@@ -231,8 +231,8 @@ def causal_conv1d_functions():
     """
     import causal_conv1d_cuda
     import torch
-    from causal_conv1d.cpp_functions import causal_conv1d_bwd_function, causal_conv1d_fwd_function
 
+    causal_conv1d_fwd_function, causal_conv1d_bwd_function = causal_conv1d_custom_ops()
     compiling = torch.compiler.is_compiling
 
     def conv_fwd(x, weight, bias, seq_idx, initial_states, final_states_out, silu_activation):
