@@ -186,7 +186,57 @@ def segments_main():
             bad = _run_segment(triton_backend, t, grads, spec, initial_states=None, backward=False)
             results["bug_zero_S_in"] = dict(errs=_errors(bad, want), seconds=0.0)
     results["fold_chunks"] = _fold_chunks_vs_upstream(triton_backend)
+    results["fast_launch"] = _fast_launch_vs_triton(triton_backend)
     print("RESULT " + json.dumps(results), flush=True)
+
+
+FAST_LAUNCH_CASES = ("gate_Dhead", "packed_rms_after_gate")
+
+
+def _fast_launch_vs_triton(triton_backend):
+    """Segments launched through ops/launch.py (DS_MAMBA_SPCP_FAST_LAUNCH=1) against Triton's own path: the
+    names of the results that differ (bitwise) per case and run, and the launches per kernel: every interpreted
+    launch of the fast runs must come from a launcher (none escaped to Triton's path)."""
+    import collections
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from ds_mamba_spcp.ops import launch
+
+    calls = collections.Counter()
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        calls[self.__name__] += 1
+        return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = counted
+    diffs = {}
+    try:
+        for name in FAST_LAUNCH_CASES:
+            opts = SEGMENT_CASES[name]
+            t, grads = make_inputs(opts, SEG_BATCH, SEG_LEN)
+            labels = segment_labels(SEG_BATCH, SEG_LEN) if opts.get("packed") else None
+            kw = dict(initial_states=t["initial_states"], seq_idx=labels)
+            os.environ[launch.ENV] = "0"
+            want = _run_segment(triton_backend, t, grads, spec_of(opts), **kw)
+            calls.clear()
+            launch.COUNTS.clear()
+            os.environ[launch.ENV] = "1"
+            for run_index in range(2):  # the second run finds every key recorded
+                got = _run_segment(triton_backend, t, grads, spec_of(opts), **kw)
+                diffs[f"{name}_run{run_index}"] = [k for k in want if not torch.equal(got[k], want[k])]
+    finally:
+        InterpretedFunction.run = run
+        os.environ.pop(launch.ENV, None)
+    # a launcher launches through the interpreter itself, or (a key's first launch, or through) through Triton's
+    # Autotuner, which then does
+    via = collections.Counter()
+    for (name, path), n in launch.COUNTS.items():
+        if path in ("interpreted", "first", "through"):
+            via[name] += n
+    configs = sum(n for (_, path), n in launch.COUNTS.items() if path == "config")
+    return dict(errs=diffs, interpreted=dict(calls), via_launchers=dict(via), configs=configs, seconds=0.0)
 
 
 def _fold_chunks_vs_upstream(triton_backend):
@@ -221,6 +271,16 @@ def _fold_chunks_vs_upstream(triton_backend):
 def test_fold_chunks_equals_upstream(segment_results):
     """Same recurrence, same order, fp32: bitwise equal under the interpreter (numpy, no fused multiply-add)."""
     assert segment_results["fold_chunks"]["errs"] == {"S_ext": 0.0, "L": 0.0, "S_ext_packed": 0.0, "L_packed": 0.0}
+
+
+def test_fast_launch_equals_triton_launch(segment_results):
+    """ops/launch.py on the interpreter: mamba-ssm's wrappers rebound, recorded configs with their pre-hooks,
+    heuristics per launch. The same kernels with the same arguments: bitwise equal, every launch through a
+    launcher, and recorded configs used (the second run finds its keys)."""
+    res = segment_results["fast_launch"]
+    assert res["errs"] == {f"{c}_run{i}": [] for c in FAST_LAUNCH_CASES for i in range(2)}, res["errs"]
+    assert res["via_launchers"] == res["interpreted"], "launches that escaped ops/launch.py"
+    assert res["configs"] >= 20 and "_layer_norm_bwd_kernel" in res["via_launchers"], res
 
 
 @pytest.fixture(scope="module")

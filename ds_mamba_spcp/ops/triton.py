@@ -42,7 +42,10 @@ illegal memory access. The guard's bound (208412 tokens for that shape) sits bet
 
 from __future__ import annotations
 
+import functools
 import math
+import types
+from typing import NamedTuple
 
 import torch
 import triton
@@ -50,6 +53,7 @@ import triton.language as tl
 
 from ds_mamba_spcp import _upstream
 from ds_mamba_spcp.autograd import first_order_only
+from ds_mamba_spcp.ops import launch
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 _upstream.check_pinned_versions()
@@ -158,8 +162,9 @@ def _split_xBC(xBC, spec: CoreSpec):
 def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec, seq_idx=None, init=None):
     """dt processing, then (the halo having arrived meanwhile) conv and per-chunk states from zero:
     everything before any state arrives. init: the halo in the conv's layout, given instead of ``halo``."""
+    k = _kernels()
     z, xBC, dt_raw = split_zxbcdt(zxbcdt, spec)
-    dA_cumsum, dt = _chunk_state._chunk_cumsum_fwd(
+    dA_cumsum, dt = k.chunk_state._chunk_cumsum_fwd(
         dt_raw, A, spec.chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit
     )
     x, B, C = _split_xBC(_conv_fwd(xBC, _ready(halo), conv1d_weight, conv1d_bias, spec, seq_idx, init), spec)
@@ -169,15 +174,16 @@ def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: Cor
     x = x if x.stride(-1) == 1 or x.stride(1) == 1 else x.contiguous()
     z = z.unflatten(-1, (spec.nheads, spec.headdim))
     z = z if z.stride(-1) == 1 or z.stride(1) == 1 else z.contiguous()
-    chunk_states = _chunk_state._chunk_state_fwd(B, x, dt, dA_cumsum, seq_idx=seq_idx, states_in_fp32=True)
+    chunk_states = k.chunk_state._chunk_state_fwd(B, x, dt, dA_cumsum, seq_idx=seq_idx, states_in_fp32=True)
     return z, xBC, dt_raw, x, B, C, dt, dA_cumsum, chunk_states  # chunk_states: [b, c, h, p, n] fp32
 
 
 def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None, seq_idx=None, chunk_size=None):
     """States entering every chunk (out_dtype) and the state after the last one (fp32)."""
+    k = _kernels()
     flat = chunk_states.flatten(-2)
     init = None if initial_states is None else initial_states.flatten(-2)
-    prev, final = _state_passing._state_passing_fwd(
+    prev, final = k.state_passing._state_passing_fwd(
         flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
         out_dtype=out_dtype,
     )  # fmt: skip
@@ -241,6 +247,7 @@ def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, lo
     """
     b, nchunks, h, p, n = x.shape
     flat = x.reshape(b, nchunks, h, p * n)
+    k = _kernels()
     out = torch.empty(b, h, p * n, device=x.device, dtype=torch.float32)
     total = torch.empty(b, h, device=x.device, dtype=torch.float32) if log_a else out
     block = min(512, triton.next_power_of_2(p * n))
@@ -248,7 +255,7 @@ def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, lo
     has_seq = seq_idx is not None
     seq_strides = seq_idx.stride() if has_seq else (0, 0)
     with torch.cuda.device(x.device.index):
-        _fold_chunks_kernel[grid](
+        k.fold_chunks[grid](
             flat, dA_last, out, seq_idx if has_seq else flat, total, nchunks, p * n,
             seq_idx.shape[1] if has_seq else 0, chunk_size if has_seq else 0,
             *flat.stride(), *dA_last.stride(), *out.stride(), *seq_strides, *(total.stride() if log_a else (0, 0)),
@@ -289,12 +296,47 @@ def _ddA_tail(ddA, ddA_next, ddA_prev, ddA_chunk):
     ``ddA += ddA_next + ddA_prev.flip(-1).cumsum(-1).flip(-1)``, in one launch (ddA_prev is not modified).
     """
     b, h, c, chunk_size = ddA.shape
+    k = _kernels()
     with torch.cuda.device(ddA.device.index):
-        _ddA_tail_kernel[(b, h, c)](
+        k.ddA_tail[(b, h, c)](
             ddA, ddA_next, ddA_prev, ddA_chunk, chunk_size, *ddA.stride(), *ddA_next.stride(), *ddA_prev.stride(),
             *ddA_chunk.stride(), BLOCK=triton.next_power_of_2(chunk_size), num_warps=4,
         )  # fmt: skip
     return ddA
+
+
+class _Kernels(NamedTuple):
+    """What the segment functions launch: mamba-ssm's modules (their wrappers) and this module's kernels."""
+
+    bmm: types.ModuleType
+    chunk_state: types.ModuleType
+    state_passing: types.ModuleType
+    chunk_scan: types.ModuleType
+    combined: types.ModuleType
+    layernorm: types.ModuleType
+    fold_chunks: object
+    ddA_tail: object
+
+
+_THROUGH_TRITON = _Kernels(
+    _bmm, _chunk_state, _state_passing, _chunk_scan, _combined, _layernorm, _fold_chunks_kernel, _ddA_tail_kernel
+)
+
+
+@functools.cache
+def _direct_launch() -> _Kernels:
+    """The same, launched through ``ops/launch.py`` (mamba-ssm's wrappers rebound to its launchers)."""
+    spaces = launch.redirect(_THROUGH_TRITON[:6])
+    modules = [spaces[m.__name__] for m in _THROUGH_TRITON[:6]]
+    return _Kernels(*modules, launch.launcher(_fold_chunks_kernel), launch.launcher(_ddA_tail_kernel))
+
+
+def _kernels() -> _Kernels:
+    """Triton's own launch path unless DS_MAMBA_SPCP_FAST_LAUNCH is set (and never under torch.compile, which
+    traces Triton's kernel objects)."""
+    if launch.mode() == "off" or torch.compiler.is_compiling():
+        return _THROUGH_TRITON
+    return _direct_launch()
 
 
 def _flat_rows(t):
@@ -311,6 +353,7 @@ def _chunk_scan_fwd_into(cb, x, dt, dA_cumsum, C, states, D, z, seq_idx, out):
     only the batch stride may differ, and only for batch 1. Returns (out, y)."""
     batch, seqlen, nheads, headdim = x.shape
     _, _, nchunks, chunk_size = dt.shape
+    k = _kernels()
     _, _, ngroups, dstate = C.shape
     y = torch.empty(batch, seqlen, nheads, headdim, device=x.device, dtype=x.dtype)
     if out.shape != y.shape or out.dtype != y.dtype or (y.stride()[1:] != out.stride()[1:]) or batch != 1:
@@ -322,7 +365,7 @@ def _chunk_scan_fwd_into(cb, x, dt, dA_cumsum, C, states, D, z, seq_idx, out):
 
     seq_strides = (seq_idx.stride(0), seq_idx.stride(1)) if seq_idx is not None else (0, 0)
     with torch.cuda.device(x.device.index):
-        _chunk_scan._chunk_scan_fwd_kernel[grid](
+        k.chunk_scan._chunk_scan_fwd_kernel[grid](
             cb, x, z, out, y, dt, dA_cumsum, seq_idx, C, states, D,
             chunk_size, headdim, dstate, batch, seqlen, nheads // ngroups,
             *cb.stride(), *x.stride(), *z.stride(), *out.stride(),
@@ -331,7 +374,7 @@ def _chunk_scan_fwd_into(cb, x, dt, dA_cumsum, C, states, D, z, seq_idx, out):
             *seq_strides, *C.stride(), *states.stride(), D.stride(0) if D is not None else 0,
             True, D is not None, D.dim() == 2 if D is not None else True,
             BLOCK_SIZE_DSTATE=max(triton.next_power_of_2(dstate), 16), HAS_Z=True, HAS_SEQ_IDX=seq_idx is not None,
-            IS_TRITON_22=_chunk_scan.TRITON_22,
+            IS_TRITON_22=k.chunk_scan.TRITON_22,
         )  # fmt: skip
     return out, y
 
@@ -370,6 +413,7 @@ def segment_fwd(
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
     D = D.contiguous()
+    k = _kernels()
     z, _, _, x, B, C, dt, dA_cumsum, chunk_states = _scan_inputs(
         zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx
     )
@@ -379,7 +423,7 @@ def segment_fwd(
         chunk_states, dA_last, reverse=False, seq_idx=seq_idx, chunk_size=spec.chunk_size, log_a=True
     )
     handle = yield S_ext, log_a
-    CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)  # overlaps
+    CB = k.bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)  # overlaps
     S_in = handle.wait()
     prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, C.dtype, seq_idx, spec.chunk_size)
     del chunk_states
@@ -388,12 +432,12 @@ def segment_fwd(
             into = out.unflatten(-1, x.shape[-2:])
             _, y = _chunk_scan_fwd_into(CB, x, dt, dA_cumsum, C, prev_states, D, z, seq_idx, into)
             return out, (y if keep_y else None)
-        res, y = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z, seq_idx=seq_idx)
+        res, y = k.chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z, seq_idx=seq_idx)
         return res.flatten(-2), (y if keep_y else None)  # y: before the gate
-    y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=None, seq_idx=seq_idx)
+    y, _ = k.chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=None, seq_idx=seq_idx)
     y_rms, z_rms = _rms_args(y, z, spec)
     out_rows = None if out is None else _flat_rows(out)
-    res, _, _ = _layernorm._layer_norm_fwd(
+    res, _, _ = k.layernorm._layer_norm_fwd(
         y_rms, rmsnorm_weight.contiguous(), None, spec.rmsnorm_eps, z_rms, out=out_rows,
         group_size=spec.d_inner // spec.ngroups, norm_before_gate=spec.norm_before_gate, is_rms_norm=True,
     )  # fmt: skip
@@ -417,6 +461,7 @@ def segment_bwd(
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
     chunk = spec.chunk_size
+    k = _kernels()
     D = D.contiguous()
     dout = (dout if dout.stride(-1) == 1 else dout.contiguous()).unflatten(-1, (spec.nheads, spec.headdim))
     init = _halo_layout(_ready(halo))  # laid out once: the recomputed conv and the conv backward take it
@@ -425,13 +470,13 @@ def segment_bwd(
     )
     prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, None, seq_idx, chunk)  # fp32, as upstream's backward
     del chunk_states
-    CB = _bmm._bmm_chunk_fwd(C, B, chunk, seq_idx=seq_idx, output_dtype=torch.float32)
+    CB = k.bmm._bmm_chunk_fwd(C, B, chunk, seq_idx=seq_idx, output_dtype=torch.float32)
     if kept:
         y = kept.pop()  # the pre-gate output, kept by the forward
         prev_lowp = None  # the states as the forward's chunk scan read them: from _state_passing_bwd below
     else:
         prev_lowp = prev_states.to(C.dtype)
-        y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None, seq_idx=seq_idx)
+        y, _ = k.chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None, seq_idx=seq_idx)
 
     # gradient buffers: views into dzxbcdt (z, dt) and into one xBC-shaped buffer (x, B, C)
     if dzxbcdt is None or (rmsnorm_weight is not None and _flat_rows(dzxbcdt) is None):
@@ -443,15 +488,15 @@ def segment_bwd(
     # output gate / gated RMSNorm: dout -> gradient of y
     if rmsnorm_weight is None:
         dz = dz.unflatten(-1, (spec.nheads, spec.headdim))
-        dz, dy, dD_gate = _chunk_scan._chunk_scan_bwd_dz(x, z, y, dout, chunk_size=chunk, has_ddAcs=False, D=D, dz=dz)
+        dz, dy, dD_gate = k.chunk_scan._chunk_scan_bwd_dz(x, z, y, dout, chunk_size=chunk, has_ddAcs=False, D=D, dz=dz)
         drmsnorm_weight = None
     else:
         y_rms, z_rms = _rms_args(y, z, spec)
         weight = rmsnorm_weight.contiguous()
         group_size = spec.d_inner // spec.ngroups
-        _, _, rstd = _layernorm._layer_norm_fwd(y_rms, weight, None, spec.rmsnorm_eps, z_rms, group_size=group_size,
+        _, _, rstd = k.layernorm._layer_norm_fwd(y_rms, weight, None, spec.rmsnorm_eps, z_rms, group_size=group_size,
                                                 norm_before_gate=spec.norm_before_gate, is_rms_norm=True)  # fmt: skip
-        dy_rms, drmsnorm_weight, _, _ = _layernorm._layer_norm_bwd(
+        dy_rms, drmsnorm_weight, _, _ = k.layernorm._layer_norm_bwd(
             dout.reshape(-1, spec.d_inner), y_rms, weight, None, spec.rmsnorm_eps, None, rstd, z_rms,
             group_size=group_size, norm_before_gate=spec.norm_before_gate, is_rms_norm=True, dz=_flat_rows(dz),
         )  # fmt: skip
@@ -461,38 +506,38 @@ def segment_bwd(
     del y
 
     # L: the gradient reaching S_in when S_out receives none
-    dprev = _chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, seq_idx=seq_idx, dtype=torch.float32)
+    dprev = k.chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, seq_idx=seq_idx, dtype=torch.float32)
     prev_flat, dprev_flat = prev_states.flatten(-2), dprev.flatten(-2)
     dA_last = dA_cumsum[:, :, :, -1]
     handle = yield _fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk)
 
     # needs no dS_out: overlaps the all-gather
-    dCB = _chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, seq_idx=seq_idx, ngroups=spec.ngroups).to(CB.dtype)
-    ddA = _chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)  # CB is masked across documents
+    dCB = k.chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, seq_idx=seq_idx, ngroups=spec.ngroups).to(CB.dtype)
+    ddA = k.chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)  # CB is masked across documents
 
     dS_out = handle.wait().flatten(-2)
     # with the gradient the later segments send, and (as upstream) the states rounded to the
     # compute dtype in the same pass, where the recomputation did not need them
-    dstates, ddA_chunk_cumsum, _, *converted = _state_passing._state_passing_bwd(
+    dstates, ddA_chunk_cumsum, _, *converted = k.state_passing._state_passing_bwd(
         prev_flat, dA_last, dprev_flat, dfinal_states=dS_out, seq_idx=seq_idx, has_initial_states=True,
         dstates_dtype=x.dtype, states_dtype=x.dtype if prev_lowp is None else None, chunk_size=chunk,
     )  # fmt: skip
     if prev_lowp is None:
         prev_lowp = converted[0].unflatten(-1, (spec.headdim, spec.dstate))
     del prev_states, prev_flat, dprev, dprev_flat, converted
-    dC_states, ddA_cumsum_prev = _chunk_scan._chunk_scan_bwd_dC(
+    dC_states, ddA_cumsum_prev = k.chunk_scan._chunk_scan_bwd_dC(
         prev_lowp, dA_cumsum, dy, seq_idx=seq_idx, C=C, ngroups=spec.ngroups
     )
-    _bmm._bmm_chunk_bwd(B, dCB.transpose(-1, -2), residual=dC_states, out=dC)
+    k.bmm._bmm_chunk_bwd(B, dCB.transpose(-1, -2), residual=dC_states, out=dC)
     del dC_states, prev_lowp
     dstates = dstates.unflatten(-1, (spec.headdim, spec.dstate))
-    dx, ddt, dD_x = _combined._chunk_scan_chunk_state_bwd_dx(
+    dx, ddt, dD_x = k.combined._chunk_scan_chunk_state_bwd_dx(
         x, dt, dA_cumsum, B, CB, dy, dstates, D=D, seq_idx=seq_idx, dx=dx
     )
-    dB_states, ddA_next = _chunk_state._chunk_state_bwd_db(
+    dB_states, ddA_next = k.chunk_state._chunk_state_bwd_db(
         x, dt, dA_cumsum, dstates, seq_idx=seq_idx, B=B, ngroups=spec.ngroups
     )
-    _bmm._bmm_chunk_bwd(C, dCB, residual=dB_states, out=dB)
+    k.bmm._bmm_chunk_bwd(C, dCB, residual=dB_states, out=dB)
     dD = dD_gate if dD_gate is not None else dD_x
 
     # conv backward, writing the xBC part of dzxbcdt; the halo's gradient is causal-conv1d's dinitial_states
@@ -506,7 +551,7 @@ def segment_bwd(
     yield None if dinit is None else dinit.transpose(1, 2)  # -> (batch, d_conv-1, conv_dim), on its way back
 
     ddA = _ddA_tail(ddA, ddA_next, ddA_cumsum_prev, ddA_chunk_cumsum)  # upstream's six small ops in one launch
-    _, dA, ddt_bias = _chunk_state._chunk_cumsum_bwd(
+    _, dA, ddt_bias = k.chunk_state._chunk_cumsum_bwd(
         ddA, ddt, dt_raw.clone(), A, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit, ddt=ddt_given
     )  # upstream clones dt here too (a Triton "invalid device context" workaround)
     return (

@@ -1,0 +1,435 @@
+"""Triton launches at the host cost of the compiled kernel's C launcher (opt-in, experimental: issue 23).
+
+Why: on the H200 host, Triton's Python launch path (``Autotuner.run`` then ``JITFunction.run``) costs 90-120 us
+per launch inside a training step, against ~6-11 us for the compiled kernel's C launcher under it; a 16K tile
+makes ~23 such launches, 2.0 of its 4.8 ms of host time (docs/host_time.md, "Where a step's host time goes").
+
+``DS_MAMBA_SPCP_FAST_LAUNCH=1`` makes the Triton backend (``ops/triton.py``) launch mamba-ssm's kernels and its
+own through this module:
+
+- ``launcher(kernel)`` wraps a ``@triton.jit`` function, and ``@triton.autotune`` / ``@triton.heuristics``
+  layers over one, in an object launched the same way (``launcher(kernel)[grid](*args, **kwargs)``).
+- A launch computes a key from its arguments. The first launch of a key goes through Triton unchanged and
+  records what Triton chose: the autotuner's config (its kwargs and its pre-hook, mamba-ssm's
+  ``init_to_zero``) and the compiled kernel. Later launches of the key run the config's pre-hook and call the
+  compiled kernel's C launcher with the arguments in the order Triton's own launch passes them (every
+  parameter in signature order, defaults filled in).
+- ``redirect(modules)`` gives copies of mamba-ssm's module namespaces whose functions (``_chunk_scan_fwd``,
+  ...; the same code objects, other globals) launch through such launchers. mamba-ssm's modules, and every
+  other caller of their kernels (mamba-ssm's own op), are left as they are.
+
+Soundness rests on the key determining everything Triton derives from the arguments:
+
+- non-tensor arguments by type and value: exact ints (Triton specializes ints on ``== 1``, on divisibility by
+  16 and on their range), floats, bools, None and strings by value. So the key is never coarser than Triton's
+  specialization, nor than the autotuner's key (its key arguments' values and every tensor's dtype);
+- tensors by dtype and whether ``data_ptr()`` is a multiple of 16 (Triton's tensor specialization on NVIDIA
+  GPUs); the keyword names and the current device.
+
+Any other argument type (tensor descriptors, Triton's tensor wrappers, tuples) sends that launch through
+Triton. Heuristics are evaluated on every launch (they may read shapes, which the key leaves out). What
+Triton's path does that this one skips, on purpose: the check that the globals a kernel read when compiled
+have not changed (mamba-ssm's kernels read no mutable globals), and knobs changed after a key's first launch
+(``knobs.runtime.debug``, instrumentation) are not seen. Launch hooks (``knobs.runtime.launch_enter_hook``,
+as Proton sets them) or a kernel's ``pre_run_hooks`` send every launch through Triton.
+
+``DS_MAMBA_SPCP_FAST_LAUNCH=check`` launches the same way and, on every recorded launch, also asks Triton
+which compiled kernel it would launch (``JITFunction.run(..., warmup=True)``) and binds the arguments with
+``inspect.signature`` (which Triton's binder reproduces), and raises ``LaunchMismatch`` on any difference:
+``tests/test_gpu_launch.py`` runs so. Under ``torch.compile`` the backend launches through Triton as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import os
+import types
+import warnings
+
+import torch
+
+ENV = "DS_MAMBA_SPCP_FAST_LAUNCH"
+_MODES = {"": "off", "0": "off", "1": "on", "check": "check"}
+# Triton versions whose compiled-kernel launch convention tests/test_gpu_launch.py has passed on (none yet:
+# the module was written when no GPU was lent); any other version gets a warning, once
+VERIFIED_TRITON: tuple[str, ...] = ()
+MAX_KEYS = 64  # per launcher: past it, new keys go through Triton (a call site whose arguments never repeat)
+
+# launches per (kernel name, path): "fast" (the C launcher), "first" (a key's first launch, through
+# Triton), "through" (Triton's path: an unkeyable argument, launch hooks, a kernel this module cannot read),
+# "config" (an autotuned kernel launched with the config recorded for its key), "interpreted" (TRITON_INTERPRET)
+COUNTS: collections.Counter = collections.Counter()
+
+
+class LaunchMismatch(RuntimeError):
+    """Check mode: a recorded launch differs from what Triton would launch."""
+
+
+def mode() -> str:
+    """'off', 'on' or 'check', from ``DS_MAMBA_SPCP_FAST_LAUNCH`` (read on every call)."""
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw not in _MODES:
+        raise ValueError(f"{ENV}={raw!r}: expected 0 (Triton's own launch path, the default), 1 or check")
+    return _MODES[raw]
+
+
+# ---------------------------------------------------------------------------------------------
+# the key
+# ---------------------------------------------------------------------------------------------
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+_BY_VALUE = frozenset({float, bool, str, type(None)})
+
+
+def _arg_key(a):
+    t = type(a)
+    if t is int:
+        return a
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, (a.data_ptr() & 15) == 0)
+    if t in _BY_VALUE:
+        return (t, a)  # (bool, True) is not 1, (float, 1.0) is not 1: Triton types them apart
+    raise _Unkeyable
+
+
+def _key(device, args, kwargs):
+    return (device, tuple(map(_arg_key, args)), tuple((k, _arg_key(v)) for k, v in kwargs.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# the runtime pieces of Triton this reads (resolved on first use: a CPU machine has no active driver)
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _triton():
+    import triton
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.jit import JITFunction
+
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - every Triton this package supports has it
+        InterpretedFunction = ()
+    knobs = getattr(triton, "knobs", None)
+    return types.SimpleNamespace(
+        version=triton.__version__, JITFunction=JITFunction, Autotuner=Autotuner, Heuristics=Heuristics,
+        InterpretedFunction=InterpretedFunction, runtime_knobs=None if knobs is None else knobs.runtime,
+    )  # fmt: skip
+
+
+@functools.cache
+def _driver_calls():
+    """(current device, current stream of a device): the calls JITFunction.run makes, bound once."""
+    from triton.runtime.driver import driver
+
+    active = driver.active
+    return active.get_current_device, active.get_current_stream
+
+
+def _hook_set(hook) -> bool:
+    # a hook, None, or (later Tritons) a HookChain that is never None and may hold no call
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _hooks_set() -> bool:
+    rt = _triton().runtime_knobs
+    if rt is None:  # Triton before knobs keeps the hooks on CompiledKernel
+        from triton.compiler.compiler import CompiledKernel
+
+        return _hook_set(CompiledKernel.launch_enter_hook) or _hook_set(CompiledKernel.launch_exit_hook)
+    return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
+
+
+@functools.cache
+def _warn_unverified():
+    version = _triton().version
+    if version not in VERIFIED_TRITON:
+        warnings.warn(
+            f"ds_mamba_spcp: {ENV} is on with Triton {version}, on which tests/test_gpu_launch.py has not passed "
+            f"(verified: {', '.join(VERIFIED_TRITON) or 'none yet'}); run it (DS_MAMBA_SPCP_FAST_LAUNCH=check) "
+            "before trusting results, or unset the variable",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------
+
+
+class _Launcher:
+    """Launched like the kernel it wraps: ``launcher[grid](*args, **kwargs)``."""
+
+    name: str
+
+    def __getitem__(self, grid):
+        return functools.partial(self._call, grid)
+
+    def _call(self, grid, *args, **kwargs):
+        return self.launch(grid, args, kwargs)[0]
+
+    def run(self, *args, grid, warmup=False, **kwargs):
+        if warmup:
+            return self.kernel.run(*args, grid=grid, warmup=True, **kwargs)
+        return self.launch(grid, args, kwargs)[0]
+
+    def launch(self, grid, args, kwargs):
+        """-> (what Triton's launch returns, the recorded compiled launch used, or None)."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<fast launcher of {self.name}>"
+
+
+class _Compiled:
+    """One key's compiled kernel, and how to lay a launch's arguments out for its C launcher."""
+
+    __slots__ = ("kernel", "names", "tail", "_run", "_function", "_packed")
+
+    def __init__(self, kernel, params, nargs, kwargs):
+        self.kernel = kernel
+        self.names = tuple(name for name, _ in params)
+        tail = []
+        for name, default in params[nargs:]:
+            if name in kwargs:
+                tail.append((True, name))
+            elif default is inspect.Parameter.empty:
+                raise TypeError(f"missing argument {name}")  # Triton raised first: not reached
+            else:
+                tail.append((False, default))
+        self.tail = tuple(tail)
+        # the attributes JITFunction.run's launch reads (AttributeError: a Triton this module cannot read)
+        self._run, self._function, self._packed = kernel.run, kernel.function, kernel.packed_metadata
+
+    def values(self, args, kwargs):
+        return args + tuple([kwargs[x] if by_name else x for by_name, x in self.tail])
+
+    def launch(self, grid, args, kwargs, device):
+        vals = self.values(args, kwargs)
+        if callable(grid):
+            grid = grid(dict(zip(self.names, vals)))
+        n = len(grid)
+        stream = _driver_calls()[1](device)
+        self._run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, self._function, self._packed,
+                  None, None, None, *vals)  # fmt: skip
+        return self.kernel
+
+
+class _JitLauncher(_Launcher):
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.name = kernel.__name__
+        self.params = [(name, p.default) for name, p in inspect.signature(kernel.fn).parameters.items()]
+        self.signature = inspect.signature(kernel.fn)
+        self.entries: dict = {}
+        self.broken = None  # why this kernel cannot be launched directly (then always through Triton)
+
+    def _through(self, grid, args, kwargs):
+        COUNTS[self.name, "through"] += 1
+        return self.kernel.run(*args, grid=grid, warmup=False, **kwargs), None
+
+    def launch(self, grid, args, kwargs):
+        if self.broken or getattr(self.kernel, "pre_run_hooks", None) or _hooks_set():
+            return self._through(grid, args, kwargs)
+        device = _driver_calls()[0]()
+        try:
+            key = _key(device, args, kwargs)
+        except _Unkeyable:
+            return self._through(grid, args, kwargs)
+        entry = self.entries.get(key)
+        if entry is None:
+            return self._first(key, grid, args, kwargs)
+        if mode() == "check":
+            self.check(entry, grid, args, kwargs)
+        COUNTS[self.name, "fast"] += 1
+        return entry.launch(grid, args, kwargs, device), entry
+
+    def _first(self, key, grid, args, kwargs):
+        COUNTS[self.name, "first"] += 1
+        kernel = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        if hasattr(kernel, "result"):  # an asynchronous compile's future
+            kernel = kernel.result()
+        if len(self.entries) >= MAX_KEYS:
+            return kernel, None
+        try:
+            entry = _Compiled(kernel, self.params, len(args), kwargs)
+        except AttributeError as e:
+            self.broken = f"its compiled kernel lacks {e}"
+            warnings.warn(
+                f"ds_mamba_spcp: {self.name} is launched through Triton: {self.broken}", RuntimeWarning, stacklevel=2
+            )
+            return kernel, None
+        self.entries[key] = entry
+        return kernel, entry
+
+    def check(self, entry, grid, args, kwargs):
+        """Raise LaunchMismatch unless Triton would launch entry's kernel, with the same arguments."""
+        expected = self.kernel.run(*args, grid=grid, warmup=True, **kwargs)
+        if hasattr(expected, "result"):
+            expected = expected.result()
+        if expected is not entry.kernel:
+            raise LaunchMismatch(
+                f"{self.name}: Triton would launch another compiled kernel for these arguments than the one recorded "
+                f"for their key: the key misses a specialization of this Triton ({_triton().version})"
+            )
+        params = self.signature.parameters
+        bound = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in params})
+        bound.apply_defaults()
+        vals = entry.values(args, kwargs)
+        if len(vals) != len(bound.arguments) or any(a is not b for a, b in zip(vals, bound.arguments.values())):
+            raise LaunchMismatch(f"{self.name}: the arguments laid out for the C launcher differ from Triton's binding")
+
+
+class _InterpretedLauncher(_Launcher):
+    """Triton's interpreter (TRITON_INTERPRET=1, CPU tests) compiles nothing: every launch goes through it, so
+    that the layers above (autotune configs and pre-hooks, heuristics) run as they do on a GPU."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.name = kernel.__name__
+
+    def launch(self, grid, args, kwargs):
+        COUNTS[self.name, "interpreted"] += 1
+        return self.kernel.run(*args, grid=grid, warmup=False, **kwargs), None
+
+
+class _AutotuneLauncher(_Launcher):
+    """Autotuner.run's branch for a key it has tuned: the chosen config's pre-hook, then the kernel with the
+    config's kwargs (num_warps, num_stages, ... included); ``best_config`` is the config of the last launch, as
+    on the tuner (mamba-ssm's deterministic mode sizes its workspaces' reduction by it after the launch)."""
+
+    def __init__(self, tuner, inner):
+        self.kernel = tuner
+        self.inner = inner
+        self.name = inner.name
+        self.arg_names = list(tuner.arg_names)
+        self.entries: dict = {}
+
+    def __getattr__(self, name):
+        # what mamba-ssm's wrappers read of their kernels (configs, ...), except the per-launch state, which
+        # belongs to this launcher: best_config is set by its own launches, as Autotuner.run sets it
+        if name in ("best_config", "nargs") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.kernel, name)
+
+    def _through(self, grid, args, kwargs):
+        COUNTS[self.name, "through"] += 1
+        ret = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        self.best_config = self.kernel.best_config
+        return ret, None
+
+    def launch(self, grid, args, kwargs):
+        if _hooks_set():
+            return self._through(grid, args, kwargs)
+        try:
+            key = _key(_driver_calls()[0]() if isinstance(self.inner, _JitLauncher) else None, args, kwargs)
+        except _Unkeyable:
+            return self._through(grid, args, kwargs)
+        entry = self.entries.get(key)
+        if entry is None:
+            # Triton tunes (or reads its cache) and launches; what it chose is then fixed for the key
+            COUNTS[self.name, "first"] += 1
+            ret = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            config = self.best_config = self.kernel.best_config
+            if len(self.entries) < MAX_KEYS:
+                self.entries[key] = [config.pre_hook, config.all_kwargs(), None, config]
+            return ret, None
+        COUNTS[self.name, "config"] += 1
+        pre_hook, config_kwargs, compiled, self.best_config = entry
+        full = {**kwargs, **config_kwargs}
+        if pre_hook is not None:
+            pre_hook({**dict(zip(self.arg_names, args)), **full})
+        if compiled is not None and mode() == "on":
+            COUNTS[self.name, "fast"] += 1
+            return compiled.launch(grid, args, full, key[0]), compiled
+        ret, compiled = self.inner.launch(grid, args, full)
+        if isinstance(self.inner, _JitLauncher):
+            entry[2] = compiled  # the inner key is a function of this one and the config: skip it from now on
+        return ret, compiled
+
+
+class _HeuristicsLauncher(_Launcher):
+    """Heuristics.run: each heuristic's value from the arguments, on every launch, passed on as a kwarg."""
+
+    def __init__(self, heuristics, inner):
+        self.kernel = heuristics
+        self.inner = inner
+        self.name = inner.name
+        self.arg_names = list(heuristics.arg_names)
+        self.values = dict(heuristics.values)
+
+    def launch(self, grid, args, kwargs):
+        kwargs = dict(kwargs)
+        named = dict(zip(self.arg_names, args))
+        for name, heuristic in self.values.items():
+            kwargs[name] = heuristic({**named, **kwargs})
+        return self.inner.launch(grid, args, kwargs)
+
+
+def is_kernel(obj) -> bool:
+    t = _triton()
+    return isinstance(obj, (t.JITFunction, t.Autotuner, t.Heuristics)) or (
+        bool(t.InterpretedFunction) and isinstance(obj, t.InterpretedFunction)
+    )
+
+
+def launcher(kernel):
+    """The fast launcher of a Triton kernel object, or None for a kind this module does not know."""
+    t = _triton()
+    if isinstance(kernel, t.JITFunction):
+        return _JitLauncher(kernel)
+    if t.InterpretedFunction and isinstance(kernel, t.InterpretedFunction):
+        return _InterpretedLauncher(kernel)
+    if isinstance(kernel, (t.Autotuner, t.Heuristics)):
+        inner = launcher(kernel.fn)
+        if inner is None:
+            return None
+        return (_AutotuneLauncher if isinstance(kernel, t.Autotuner) else _HeuristicsLauncher)(kernel, inner)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# mamba-ssm's wrappers, rebound
+# ---------------------------------------------------------------------------------------------
+
+
+def _rebound(fn: types.FunctionType, namespace: dict) -> types.FunctionType:
+    new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    new.__doc__ = fn.__doc__
+    new.__module__ = fn.__module__
+    new.__dict__.update(fn.__dict__)
+    return new
+
+
+def redirect(modules) -> dict[str, types.ModuleType]:
+    """Module name -> a copy of that module's namespace in which every Triton kernel is its ``launcher`` and
+    every function defined in one of ``modules`` runs with these copies as its globals (so a wrapper that calls
+    another module's wrapper, or imported it, reaches the copy). The modules themselves are not changed."""
+    _warn_unverified()
+    modules = list(modules)
+    replaced: dict[int, object] = {}  # id(original) -> its replacement (the originals stay alive in the modules)
+    spaces = {m.__name__: types.ModuleType(m.__name__) for m in modules}
+    for m in modules:
+        for obj in vars(m).values():
+            if id(obj) not in replaced and is_kernel(obj):
+                fast = launcher(obj)
+                if fast is not None:
+                    replaced[id(obj)] = fast
+    for m in modules:
+        namespace = vars(spaces[m.__name__])
+        for obj in vars(m).values():
+            if isinstance(obj, types.FunctionType) and obj.__globals__ is vars(m) and id(obj) not in replaced:
+                replaced[id(obj)] = _rebound(obj, namespace)
+    for m in modules:
+        vars(spaces[m.__name__]).update({name: replaced.get(id(obj), obj) for name, obj in vars(m).items()})
+    return spaces
