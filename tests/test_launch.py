@@ -240,8 +240,14 @@ CALLED = {
     "ssd_bmm": ("_bmm_chunk_fwd", "_bmm_chunk_bwd"),
     "ssd_chunk_state": ("_chunk_cumsum_fwd", "_chunk_cumsum_bwd", "_chunk_state_fwd", "_chunk_state_bwd_db"),
     "ssd_state_passing": ("_state_passing_fwd", "_state_passing_bwd"),
-    "ssd_chunk_scan": ("_chunk_scan_fwd", "_chunk_scan_bwd_dz", "_chunk_scan_bwd_dstates", "_chunk_scan_bwd_dcb",
-                       "_chunk_scan_bwd_ddAcs_stable", "_chunk_scan_bwd_dC"),  # fmt: skip
+    "ssd_chunk_scan": (
+        "_chunk_scan_fwd",
+        "_chunk_scan_bwd_dz",
+        "_chunk_scan_bwd_dstates",
+        "_chunk_scan_bwd_dcb",
+        "_chunk_scan_bwd_ddAcs_stable",
+        "_chunk_scan_bwd_dC",
+    ),  # fmt: skip
     "ssd_combined": ("_chunk_scan_chunk_state_bwd_dx",),
     "layernorm_gated": ("_layer_norm_fwd", "_layer_norm_bwd"),
 }
