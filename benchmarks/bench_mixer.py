@@ -556,6 +556,11 @@ def _git(*cmd):
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+# environment variables that change what a run measures
+ENV_RECORDED = ("NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES", "NCCL_ALGO", "MAMBA_DETERMINISTIC")
+ENV_RECORDED += ("DS_MAMBA_SPCP_FAST_LAUNCH",)
+
+
 def environment(args, ctx: Context) -> dict:
     backend_module = None
     try:
@@ -604,7 +609,7 @@ def environment(args, ctx: Context) -> dict:
         ),
         backend=ctx.backend,
         backend_module=backend_module,
-        env={k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES", "NCCL_ALGO") if k in os.environ},
+        env={k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
     )
 
 

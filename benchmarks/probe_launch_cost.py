@@ -10,7 +10,9 @@ straight through its C launcher (what a launch layer below Triton's ``JITFunctio
 The steps are ``probe_host_sync``'s (``ideal``, ``tiles_8k``, ``tiles_16k``: 32K tokens, bench_mixer's GPU dims).
 ``--attribute`` times each one with self-time timers on Triton's launch path, mamba-ssm's functions and
 causal-conv1d's (``patch_for_attribution``); ``--ab-conv`` times them with causal-conv1d's custom ops and its C++
-functions, alternating; ``--all`` runs the three into one JSON (``results/launch_cost_023b81d_h200x1.json``).
+functions, alternating; ``--ab-launch`` with Triton's launch path and with ``ops/launch.py``
+(DS_MAMBA_SPCP_FAST_LAUNCH=1), alternating, plus the launches per step that took the C launcher; ``--all``
+runs ``--ab-conv``, the launch layers and ``--attribute`` into one JSON (``results/launch_cost_023b81d_h200x1.json``).
 ``--loop NAME`` runs one step for ``--seconds``, for an outside sampling profiler; py-spy could not keep up on
 the H200 machine (it fell 20-30 s behind and wrote nothing), which is why ``--attribute`` exists.
 """
@@ -199,6 +201,11 @@ def main(argv=None):
         help="steps (comma-separated) to time with causal-conv1d's custom ops "
         "and with its C++ functions, alternating step by step",
     )
+    p.add_argument(
+        "--ab-launch",
+        default=None,
+        help="steps (comma-separated) to time with Triton's launch path and with ops/launch.py, alternating",
+    )
     p.add_argument("--all", action="store_true", help="--ab-conv, the launch layers and --attribute, into one JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -211,6 +218,8 @@ def main(argv=None):
         return _write(args.out, res)
     if args.ab_conv is not None:
         return _write(args.out, ab_conv(args.ab_conv, args.steps))
+    if args.ab_launch is not None:
+        return _write(args.out, ab_launch(args.ab_launch, args.steps))
     if args.attribute is not None:
         return attribute(args)
     if args.loop is None:
@@ -252,33 +261,75 @@ def _host_ms(step, inp, n):
     return statistics.median(out)
 
 
-def ab_conv(names, n):
-    """Host ms (forward and backward calls) and step ms (until the GPU is done) of each step with causal-conv1d's
-    custom ops and with the C++ functions (``_upstream.causal_conv1d_functions``), alternating step by step so
-    that the host's drift falls on both alike; medians of ``n`` steps each."""
-    from ds_mamba_spcp import _upstream
-    from ds_mamba_spcp.ops import triton as tb
-
-    variants = {"custom_ops": _upstream.causal_conv1d_custom_ops(), "cpp": _upstream.causal_conv1d_functions()}
+def _alternate(names, n, variants):
+    """Host ms (forward and backward calls) and step ms (until the GPU is done) of each step under each variant
+    (name -> a function that switches to it), alternating step by step so that the host's drift falls on all
+    alike; medians of ``n`` steps each, after 3 warm-up rounds."""
     inp, steps = _steps()
     res = {}
     for name in names.split(","):
         times = {v: ([], []) for v in variants}
         for i in range(n + 3):
-            for v, fns in variants.items():
-                tb._conv_fwd_fn, tb._conv_bwd_fn = fns
+            for v, switch in variants.items():
+                switch()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 torch.autograd.grad(steps[name](), inp.leaves, inp.dout)
                 host = time.perf_counter() - t
                 torch.cuda.synchronize()
-                if i >= 3:  # warm-up
+                if i >= 3:
                     times[v][0].append(host * 1e3)
                     times[v][1].append((time.perf_counter() - t) * 1e3)
         res[name] = {v: {"host_ms": statistics.median(h), "step_ms": statistics.median(s), "steps": n}
                      for v, (h, s) in times.items()}  # fmt: skip
         print(name, json.dumps(res[name]), flush=True)
-    tb._conv_fwd_fn, tb._conv_bwd_fn = variants["cpp"]
+    return res
+
+
+def ab_conv(names, n):
+    """``_alternate`` with causal-conv1d's custom ops and with its C++ functions
+    (``_upstream.causal_conv1d_functions``)."""
+    from ds_mamba_spcp import _upstream
+    from ds_mamba_spcp.ops import triton as tb
+
+    fns = {"custom_ops": _upstream.causal_conv1d_custom_ops(), "cpp": _upstream.causal_conv1d_functions()}
+
+    def use(v):
+        def switch():
+            tb._conv_fwd_fn, tb._conv_bwd_fn = fns[v]
+
+        return switch
+
+    try:
+        return _alternate(names, n, {v: use(v) for v in fns})
+    finally:
+        tb._conv_fwd_fn, tb._conv_bwd_fn = fns["cpp"]
+
+
+def ab_launch(names, n):
+    """``_alternate`` with Triton's own launch path and with ``ops/launch.py`` (DS_MAMBA_SPCP_FAST_LAUNCH=1), and
+    the launches per step of each kind on the latter (``launch.COUNTS``: "fast" ones went through the C launcher)."""
+    from ds_mamba_spcp.ops import launch
+
+    before = os.environ.get(launch.ENV)
+
+    def use(value):
+        return lambda: os.environ.__setitem__(launch.ENV, value)
+
+    try:
+        res = _alternate(names, n, {"triton": use("0"), "fast_launch": use("1")})
+        launch.COUNTS.clear()
+        os.environ[launch.ENV] = "1"
+        inp, steps = _steps()
+        for name in names.split(","):
+            launch.COUNTS.clear()
+            torch.autograd.grad(steps[name](), inp.leaves, inp.dout)
+            by_path = {}
+            for (_, path), count in launch.COUNTS.items():
+                by_path[path] = by_path.get(path, 0) + count
+            res[name]["fast_launch"]["launches_per_step"] = by_path
+    finally:
+        os.environ.pop(launch.ENV, None) if before is None else os.environ.__setitem__(launch.ENV, before)
     return res
 
 

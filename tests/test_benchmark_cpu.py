@@ -312,3 +312,14 @@ def test_probe_launch_cost_attribution_cpu(monkeypatch):
     assert att.calls == {"inner": 3, "outer": 1}
     # the totals a step's rest is computed from: the wrapped self times add up to the wall time
     assert sum(att.self_s.values()) == clock[0]
+
+
+def test_probe_launch_layer_cpu_runs(tmp_path):
+    """probe_launch_layer_cpu.py (a fake driver under Triton's real launch path) still runs on this Triton, and
+    each kernel it times took the direct launch (the script asserts it). Its timings are not checked here."""
+    out = tmp_path / "launch_layer.json"
+    cmd = [sys.executable, "benchmarks/probe_launch_layer_cpu.py", "--calls", "20", "--reps", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert len(got["kernels"]) == 9 and all(r["direct_us"] > 0 and r["triton_us"] > 0 for r in got["kernels"].values())

@@ -197,8 +197,7 @@ def test_check_mode_catches_a_specialization_the_key_lacks(fake_gpu, monkeypatch
     leaves out (here, the stand-in specializes on x's length) is caught instead of launching the wrong one."""
     log = []
     _install_stand_in(_axpy, _axpy_math, log, extra_spec=lambda bound: (bound["x_ptr"].shape[0],))
-    monkeypatch.setenv(launch.ENV, "check")
-    fast = launch.launcher(_axpy)
+    fast = launch.launcher(_axpy, check=True)
     x, y, out = _tensors(n=64)
     fast[(1,)](x[:32], y, out, 16, 1.0, BLOCK=8)
     fast[(1,)](x[:32], y, out, 16, 1.0, BLOCK=8)  # the same specialization: passes the check

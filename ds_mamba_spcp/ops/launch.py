@@ -42,8 +42,10 @@ which compiled kernel it would launch (``JITFunction.run(..., warmup=True)``) an
 from __future__ import annotations
 
 import collections
+import collections.abc
 import functools
 import inspect
+import operator
 import os
 import types
 import warnings
@@ -59,7 +61,8 @@ MAX_KEYS = 64  # per launcher: past it, new keys go through Triton (a call site 
 
 # launches per (kernel name, path): "fast" (the C launcher), "first" (a key's first launch, through
 # Triton), "through" (Triton's path: an unkeyable argument, launch hooks, a kernel this module cannot read),
-# "config" (an autotuned kernel launched with the config recorded for its key), "interpreted" (TRITON_INTERPRET)
+# "config" (an autotuned kernel launched with the config recorded for its key, then through the launcher below
+# it), "interpreted" (TRITON_INTERPRET)
 COUNTS: collections.Counter = collections.Counter()
 
 
@@ -84,22 +87,103 @@ class _Unkeyable(Exception):
     pass
 
 
-_BY_VALUE = frozenset({float, bool, str, type(None)})
+_BY_VALUE = frozenset({int, float, bool, str, type(None)})
 
 
 def _arg_key(a):
-    t = type(a)
-    if t is int:
-        return a
     if isinstance(a, torch.Tensor):
         return (a.dtype, (a.data_ptr() & 15) == 0)
+    t = type(a)
     if t in _BY_VALUE:
         return (t, a)  # (bool, True) is not 1, (float, 1.0) is not 1: Triton types them apart
     raise _Unkeyable
 
 
-def _key(device, args, kwargs):
-    return (device, tuple(map(_arg_key, args)), tuple((k, _arg_key(v)) for k, v in kwargs.items()))
+def _getter(positions):
+    """args -> the tuple of args at these positions (C-level itemgetter; it returns a bare item for one)."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        (only,) = positions
+        return lambda args: (args[only],)
+    return operator.itemgetter(*positions)
+
+
+def _plan(types):
+    """How to key positional arguments of these types: getters of the by-value ones and of the tensors, or None
+    when one of them is of a type not keyed."""
+    by_value, tensors = [], []
+    for i, t in enumerate(types):
+        if t in _BY_VALUE:
+            by_value.append(i)
+        elif issubclass(t, torch.Tensor):
+            tensors.append(i)
+        else:
+            return None
+    return _getter(by_value), _getter(tensors)
+
+
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = operator.methodcaller("data_ptr")
+
+
+class _Keys:
+    """The key of a launch: the device; the positional arguments' types (so a bool or a float never meets an int),
+    the by-value ones' values, each tensor's dtype and address modulo 16 (Triton specializes on 16-byte
+    alignment; a finer key only costs another first launch); the keywords' names, types and values. Per tuple of
+    types, a plan picks them out with C-level getters (mamba-ssm's launches take 27-74 arguments)."""
+
+    __slots__ = ("plans",)
+
+    def __init__(self):
+        self.plans = {}
+
+    def __call__(self, device, args, kwargs):
+        types = tuple(map(type, args))
+        plan = self.plans.get(types)
+        if plan is None:
+            getters = _plan(types)
+            plan = self.plans[types] = False if getters is None else (len(self.plans), *getters)
+        if plan is False:
+            raise _Unkeyable
+        number, by_value, tensors = plan  # the plan's number stands for the types in the key (one hash less)
+        ts = tensors(args)
+        misalign = tuple([p & 15 for p in map(_DATA_PTR, ts)])
+        if kwargs:
+            values = tuple(kwargs.values())
+            kinds = tuple(map(type, values))
+            if _BY_VALUE.issuperset(kinds):
+                named = (tuple(kwargs), kinds, values)
+            else:
+                named = tuple([(k, _arg_key(v)) for k, v in kwargs.items()])
+        else:
+            named = ()
+        return device, number, by_value(args), tuple(map(_DTYPE, ts)), misalign, named
+
+
+class _Named(collections.abc.Mapping):
+    """The arguments by name, looked up on demand: what a config's pre-hook and a grid function read (two or
+    three names) without building a dict of all of them on every launch. names: {name: position}; later
+    positions are read from ``extra``."""
+
+    __slots__ = ("_names", "_args", "_extra")
+
+    def __init__(self, names, args, extra):
+        self._names, self._args, self._extra = names, args, extra
+
+    def __getitem__(self, name):
+        i = self._names.get(name)
+        if i is not None and i < len(self._args):
+            return self._args[i]
+        return self._extra[name]
+
+    def __iter__(self):
+        n = len(self._args)
+        yield from (name for name, i in self._names.items() if i < n)
+        yield from (name for name in self._extra if self._names.get(name, n) >= n)
+
+    def __len__(self):
+        return sum(1 for _ in self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,14 +273,21 @@ class _Launcher:
         return f"<fast launcher of {self.name}>"
 
 
+def _signature(kernel):
+    """(inspect.Signature of the kernel's Python function, [(name, default)], {name: position})."""
+    sig = inspect.signature(kernel.fn)
+    params = [(name, p.default) for name, p in sig.parameters.items()]
+    return sig, params, {name: i for i, (name, _) in enumerate(params)}
+
+
 class _Compiled:
     """One key's compiled kernel, and how to lay a launch's arguments out for its C launcher."""
 
-    __slots__ = ("kernel", "names", "tail", "_run", "_function", "_packed")
+    __slots__ = ("kernel", "index", "tail", "_run", "_function", "_packed")
 
-    def __init__(self, kernel, params, nargs, kwargs):
+    def __init__(self, kernel, params, index, nargs, kwargs):
         self.kernel = kernel
-        self.names = tuple(name for name, _ in params)
+        self.index = index
         tail = []
         for name, default in params[nargs:]:
             if name in kwargs:
@@ -215,7 +306,7 @@ class _Compiled:
     def launch(self, grid, args, kwargs, device):
         vals = self.values(args, kwargs)
         if callable(grid):
-            grid = grid(dict(zip(self.names, vals)))
+            grid = grid(_Named(self.index, vals, {}))  # Triton passes its bound parameters
         n = len(grid)
         stream = _driver_calls()[1](device)
         self._run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, self._function, self._packed,
@@ -224,11 +315,12 @@ class _Compiled:
 
 
 class _JitLauncher(_Launcher):
-    def __init__(self, kernel):
+    def __init__(self, kernel, check=False):
         self.kernel = kernel
+        self.check = check
         self.name = kernel.__name__
-        self.params = [(name, p.default) for name, p in inspect.signature(kernel.fn).parameters.items()]
-        self.signature = inspect.signature(kernel.fn)
+        self.signature, self.params, self.index = _signature(kernel)
+        self.keys = _Keys()
         self.entries: dict = {}
         self.broken = None  # why this kernel cannot be launched directly (then always through Triton)
 
@@ -241,14 +333,14 @@ class _JitLauncher(_Launcher):
             return self._through(grid, args, kwargs)
         device = _driver_calls()[0]()
         try:
-            key = _key(device, args, kwargs)
+            key = self.keys(device, args, kwargs)
         except _Unkeyable:
             return self._through(grid, args, kwargs)
         entry = self.entries.get(key)
         if entry is None:
             return self._first(key, grid, args, kwargs)
-        if mode() == "check":
-            self.check(entry, grid, args, kwargs)
+        if self.check:
+            self.verify(entry, grid, args, kwargs)
         COUNTS[self.name, "fast"] += 1
         return entry.launch(grid, args, kwargs, device), entry
 
@@ -260,7 +352,7 @@ class _JitLauncher(_Launcher):
         if len(self.entries) >= MAX_KEYS:
             return kernel, None
         try:
-            entry = _Compiled(kernel, self.params, len(args), kwargs)
+            entry = _Compiled(kernel, self.params, self.index, len(args), kwargs)
         except AttributeError as e:
             self.broken = f"its compiled kernel lacks {e}"
             warnings.warn(
@@ -270,7 +362,7 @@ class _JitLauncher(_Launcher):
         self.entries[key] = entry
         return kernel, entry
 
-    def check(self, entry, grid, args, kwargs):
+    def verify(self, entry, grid, args, kwargs):
         """Raise LaunchMismatch unless Triton would launch entry's kernel, with the same arguments."""
         expected = self.kernel.run(*args, grid=grid, warmup=True, **kwargs)
         if hasattr(expected, "result"):
@@ -292,7 +384,7 @@ class _InterpretedLauncher(_Launcher):
     """Triton's interpreter (TRITON_INTERPRET=1, CPU tests) compiles nothing: every launch goes through it, so
     that the layers above (autotune configs and pre-hooks, heuristics) run as they do on a GPU."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, check=False):
         self.kernel = kernel
         self.name = kernel.__name__
 
@@ -306,11 +398,13 @@ class _AutotuneLauncher(_Launcher):
     config's kwargs (num_warps, num_stages, ... included); ``best_config`` is the config of the last launch, as
     on the tuner (mamba-ssm's deterministic mode sizes its workspaces' reduction by it after the launch)."""
 
-    def __init__(self, tuner, inner):
+    def __init__(self, tuner, inner, check=False):
         self.kernel = tuner
         self.inner = inner
+        self.check = check
         self.name = inner.name
-        self.arg_names = list(tuner.arg_names)
+        self.index = {name: i for i, name in enumerate(tuner.arg_names)}
+        self.keys = _Keys()
         self.entries: dict = {}
 
     def __getattr__(self, name):
@@ -329,8 +423,9 @@ class _AutotuneLauncher(_Launcher):
     def launch(self, grid, args, kwargs):
         if _hooks_set():
             return self._through(grid, args, kwargs)
+        direct = isinstance(self.inner, _JitLauncher)
         try:
-            key = _key(_driver_calls()[0]() if isinstance(self.inner, _JitLauncher) else None, args, kwargs)
+            key = self.keys(_driver_calls()[0]() if direct else None, args, kwargs)
         except _Unkeyable:
             return self._through(grid, args, kwargs)
         entry = self.entries.get(key)
@@ -342,16 +437,16 @@ class _AutotuneLauncher(_Launcher):
             if len(self.entries) < MAX_KEYS:
                 self.entries[key] = [config.pre_hook, config.all_kwargs(), None, config]
             return ret, None
-        COUNTS[self.name, "config"] += 1
         pre_hook, config_kwargs, compiled, self.best_config = entry
         full = {**kwargs, **config_kwargs}
         if pre_hook is not None:
-            pre_hook({**dict(zip(self.arg_names, args)), **full})
-        if compiled is not None and mode() == "on":
+            pre_hook(_Named(self.index, args, full))  # Autotuner.run: {**positional by name, **kwargs, **config}
+        if compiled is not None and not self.check:
             COUNTS[self.name, "fast"] += 1
             return compiled.launch(grid, args, full, key[0]), compiled
+        COUNTS[self.name, "config"] += 1
         ret, compiled = self.inner.launch(grid, args, full)
-        if isinstance(self.inner, _JitLauncher):
+        if direct:
             entry[2] = compiled  # the inner key is a function of this one and the config: skip it from now on
         return ret, compiled
 
@@ -359,7 +454,7 @@ class _AutotuneLauncher(_Launcher):
 class _HeuristicsLauncher(_Launcher):
     """Heuristics.run: each heuristic's value from the arguments, on every launch, passed on as a kwarg."""
 
-    def __init__(self, heuristics, inner):
+    def __init__(self, heuristics, inner, check=False):
         self.kernel = heuristics
         self.inner = inner
         self.name = inner.name
@@ -381,18 +476,19 @@ def is_kernel(obj) -> bool:
     )
 
 
-def launcher(kernel):
-    """The fast launcher of a Triton kernel object, or None for a kind this module does not know."""
+def launcher(kernel, check=False):
+    """The fast launcher of a Triton kernel object, or None for a kind this module does not know. check: verify
+    every recorded launch against Triton (``DS_MAMBA_SPCP_FAST_LAUNCH=check``)."""
     t = _triton()
     if isinstance(kernel, t.JITFunction):
-        return _JitLauncher(kernel)
+        return _JitLauncher(kernel, check)
     if t.InterpretedFunction and isinstance(kernel, t.InterpretedFunction):
         return _InterpretedLauncher(kernel)
     if isinstance(kernel, (t.Autotuner, t.Heuristics)):
-        inner = launcher(kernel.fn)
+        inner = launcher(kernel.fn, check)
         if inner is None:
             return None
-        return (_AutotuneLauncher if isinstance(kernel, t.Autotuner) else _HeuristicsLauncher)(kernel, inner)
+        return (_AutotuneLauncher if isinstance(kernel, t.Autotuner) else _HeuristicsLauncher)(kernel, inner, check)
     return None
 
 
@@ -411,7 +507,7 @@ def _rebound(fn: types.FunctionType, namespace: dict) -> types.FunctionType:
     return new
 
 
-def redirect(modules) -> dict[str, types.ModuleType]:
+def redirect(modules, check=False) -> dict[str, types.ModuleType]:
     """Module name -> a copy of that module's namespace in which every Triton kernel is its ``launcher`` and
     every function defined in one of ``modules`` runs with these copies as its globals (so a wrapper that calls
     another module's wrapper, or imported it, reaches the copy). The modules themselves are not changed."""
@@ -422,7 +518,7 @@ def redirect(modules) -> dict[str, types.ModuleType]:
     for m in modules:
         for obj in vars(m).values():
             if id(obj) not in replaced and is_kernel(obj):
-                fast = launcher(obj)
+                fast = launcher(obj, check)
                 if fast is not None:
                     replaced[id(obj)] = fast
     for m in modules:

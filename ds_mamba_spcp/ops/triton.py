@@ -324,19 +324,21 @@ _THROUGH_TRITON = _Kernels(
 
 
 @functools.cache
-def _direct_launch() -> _Kernels:
-    """The same, launched through ``ops/launch.py`` (mamba-ssm's wrappers rebound to its launchers)."""
-    spaces = launch.redirect(_THROUGH_TRITON[:6])
+def _direct_launch(check: bool) -> _Kernels:
+    """The same, launched through ``ops/launch.py`` (mamba-ssm's wrappers rebound to its launchers); check:
+    every recorded launch verified against Triton."""
+    spaces = launch.redirect(_THROUGH_TRITON[:6], check)
     modules = [spaces[m.__name__] for m in _THROUGH_TRITON[:6]]
-    return _Kernels(*modules, launch.launcher(_fold_chunks_kernel), launch.launcher(_ddA_tail_kernel))
+    return _Kernels(*modules, launch.launcher(_fold_chunks_kernel, check), launch.launcher(_ddA_tail_kernel, check))
 
 
 def _kernels() -> _Kernels:
     """Triton's own launch path unless DS_MAMBA_SPCP_FAST_LAUNCH is set (and never under torch.compile, which
     traces Triton's kernel objects)."""
-    if launch.mode() == "off" or torch.compiler.is_compiling():
+    mode = launch.mode()
+    if mode == "off" or torch.compiler.is_compiling():
         return _THROUGH_TRITON
-    return _direct_launch()
+    return _direct_launch(mode == "check")
 
 
 def _flat_rows(t):
