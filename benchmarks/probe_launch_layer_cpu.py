@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -125,6 +126,7 @@ def main(argv=None):
     p.add_argument("--out", default="/tmp/launch_layer_cpu.json")
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--git-commit", default=None, help="the commit measured (default: git rev-parse --short HEAD)")
     args = p.parse_args(argv)
     # one config per kernel, as in every GPU measurement of this project (and no GPU to tune with here)
     os.environ["MAMBA_DETERMINISTIC"] = "1"
@@ -162,8 +164,14 @@ def main(argv=None):
             del tuner.fn.run
             res[name] = row
             print(name, json.dumps(row), flush=True)
+    commit = (
+        args.git_commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
+        ).stdout.strip()
+    )
     header = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=commit, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), python=platform.python_version(),
         torch=torch.__version__, triton=__import__("triton").__version__, calls=args.calls, reps=args.reps,
     )  # fmt: skip
