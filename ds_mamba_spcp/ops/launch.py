@@ -23,8 +23,8 @@ Soundness rests on the key determining everything Triton derives from the argume
 - non-tensor arguments by type and value: exact ints (Triton specializes ints on ``== 1``, on divisibility by
   16 and on their range), floats, bools, None and strings by value. So the key is never coarser than Triton's
   specialization, nor than the autotuner's key (its key arguments' values and every tensor's dtype);
-- tensors by dtype and whether ``data_ptr()`` is a multiple of 16 (Triton's tensor specialization on NVIDIA
-  GPUs); the keyword names and the current device.
+- tensors by dtype and address modulo 16 (Triton's tensor specialization on NVIDIA GPUs is 16-byte alignment);
+  the keywords' names, types and values; the current device.
 
 Any other argument type (tensor descriptors, Triton's tensor wrappers, tuples) sends that launch through
 Triton. Heuristics are evaluated on every launch (they may read shapes, which the key leaves out). What
