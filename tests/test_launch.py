@@ -124,8 +124,9 @@ def test_repeat_launch_goes_direct_with_triton_argument_layout(fake_gpu):
 
 @pytest.mark.parametrize(
     "change",
-    ["misaligned tensor", "int 16 -> 17", "int 1", "bool instead of int", "float instead of int", "dtype", "kwarg"],
-)
+    ["misaligned tensor", "int 16 -> 17", "int 1", "bool instead of int", "float instead of int", "dtype", "kwarg",
+     "triton dtype"],
+)  # fmt: skip
 def test_a_new_specialization_is_a_new_key(fake_gpu, change):
     """Every change Triton specializes on takes the key's first launch (through Triton) again: a key that missed
     one would launch a kernel compiled for other arguments."""
@@ -133,9 +134,10 @@ def test_a_new_specialization_is_a_new_key(fake_gpu, change):
     _install_stand_in(_axpy, _axpy_math, log)
     fast = launch.launcher(_axpy)
     x, y, out = _tensors(n=40)
-    fast[(1,)](x[:32], y[:32], out[:32], 16, 2.0, BLOCK=8)
-    fast[(1,)](x[:32], y[:32], out[:32], 16, 2.0, BLOCK=8)
-    args, kwargs = [x[:32], y[:32], out[:32], 16, 2.0], dict(BLOCK=8)
+    base = dict(BLOCK=8, ACC=tl.float32) if change == "triton dtype" else dict(BLOCK=8)
+    fast[(1,)](x[:32], y[:32], out[:32], 16, 2.0, **base)
+    fast[(1,)](x[:32], y[:32], out[:32], 16, 2.0, **base)
+    args, kwargs = [x[:32], y[:32], out[:32], 16, 2.0], dict(base)
     if change == "misaligned tensor":
         args[0] = x[1:33]  # 4 bytes past a 16-byte boundary
     elif change == "int 16 -> 17":
@@ -148,6 +150,8 @@ def test_a_new_specialization_is_a_new_key(fake_gpu, change):
         args[4] = 2  # alpha as an int
     elif change == "dtype":
         args[1] = y[:32].double()
+    elif change == "triton dtype":
+        kwargs["ACC"] = tl.float16  # after tl.float32 below: keyed by value
     else:
         kwargs["ACC"] = True
     fast[(1,)](*args, **kwargs)

@@ -21,8 +21,9 @@ own through this module:
 Soundness rests on the key determining everything Triton derives from the arguments:
 
 - non-tensor arguments by type and value: exact ints (Triton specializes ints on ``== 1``, on divisibility by
-  16 and on their range), floats, bools, None and strings by value. So the key is never coarser than Triton's
-  specialization, nor than the autotuner's key (its key arguments' values and every tensor's dtype);
+  16 and on their range), floats, bools, None, strings and Triton dtypes by value. So the key is never coarser
+  than Triton's specialization, nor than the autotuner's key (its key arguments' values and every tensor's
+  dtype);
 - tensors by dtype and address modulo 16 (Triton's tensor specialization on NVIDIA GPUs is 16-byte alignment);
   the keywords' names, types and values; the current device.
 
@@ -87,7 +88,20 @@ class _Unkeyable(Exception):
     pass
 
 
-_BY_VALUE = frozenset({int, float, bool, str, type(None)})
+def _value_types():
+    """Argument types keyed by value: Python scalars, and Triton's dtypes (mamba-ssm passes ``tl.bfloat16`` as a
+    constexpr: hashable, compared by name)."""
+    types = {int, float, bool, str, type(None)}
+    try:
+        import triton.language as tl
+
+        types.add(type(tl.float32))
+    except ImportError:  # pragma: no cover - Triton is a dependency of the backend that imports this module
+        pass
+    return frozenset(types)
+
+
+_BY_VALUE = _value_types()
 
 
 def _arg_key(a):
