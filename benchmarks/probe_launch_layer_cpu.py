@@ -7,9 +7,11 @@ and an sm_90 CUDA target, so that Triton's real ``Autotuner.run`` and ``JITFunct
 specialization of every argument, the cache key and lookup, the grid, the launch call. The compiled kernel they
 look up is a stand-in put into the JIT's cache under the key Triton computes, whose launch is a no-op. Each of
 mamba-ssm's autotuned kernels below is launched with arguments of the kinds its wrapper passes (small CPU
-tensors for the ``*_ptr`` parameters, distinct ints for the others, its constexprs as keywords), with one config
-per kernel (MAMBA_DETERMINISTIC=1, set by the script, as in every GPU measurement here). Per launch, median of
-``--reps`` batches of ``--calls``:
+tensors for the ``*_ptr`` parameters, distinct ints for the others, its constexprs as keywords), in mamba-ssm's
+deterministic mode (MAMBA_DETERMINISTIC=1, set by the script, as in every GPU measurement here) with every
+autotune config kept (``--configs all``: TRITON_CACHE_AUTOTUNING=1, as benchmarks/device_one_gpu.sh sets it, so
+``Autotuner.run`` builds its key on every launch; a fake benchmarker makes it keep the first config) or one
+config per kernel (``--configs one``). Per launch, median of ``--reps`` batches of ``--calls``:
 
 - ``triton_us``: ``Autotuner.run`` then ``JITFunction.run`` (the config's pre-hook included: mamba-ssm's
   ``init_to_zero`` zero-fills);
@@ -33,6 +35,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,6 +79,10 @@ class _CpuDriver:
 
     def get_active_torch_device(self):
         return torch.device("cpu")
+
+    def get_benchmarker(self):
+        # Autotuner's benchmark of each config: equal times (nothing runs), so it keeps the first config
+        return lambda kernel_call, quantiles=None, **kwargs: [1.0, 1.0, 1.0]
 
 
 def _seed_cache(jit, args, kwargs, kernel):
@@ -127,9 +134,22 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--git-commit", default=None, help="the commit measured (default: git rev-parse --short HEAD)")
+    p.add_argument(
+        "--configs",
+        choices=("all", "one"),
+        default="all",
+        help="all: every autotune config kept (TRITON_CACHE_AUTOTUNING=1, as the GPU runs here set it: Autotuner.run "
+        "then builds its key on every launch); one: mamba-ssm's deterministic mode picks one config per kernel",
+    )
     args = p.parse_args(argv)
-    # one config per kernel, as in every GPU measurement of this project (and no GPU to tune with here)
+    # mamba-ssm's deterministic mode, as in every GPU measurement of this project; with TRITON_CACHE_AUTOTUNING=1
+    # (benchmarks/device_one_gpu.sh sets it) it keeps every config and Triton tunes (here: the fake benchmarker)
     os.environ["MAMBA_DETERMINISTIC"] = "1"
+    if args.configs == "all":
+        os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+        os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="probe_launch_layer_"))
+    else:
+        os.environ.pop("TRITON_CACHE_AUTOTUNING", None)
     from triton.runtime.driver import driver
 
     from ds_mamba_spcp import _upstream
@@ -174,6 +194,7 @@ def main(argv=None):
         commit=commit, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), python=platform.python_version(),
         torch=torch.__version__, triton=__import__("triton").__version__, calls=args.calls, reps=args.reps,
+        configs=args.configs,
     )  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"header": header, "kernels": res}, f, indent=1)
