@@ -162,7 +162,9 @@ class _Keys:
             raise _Unkeyable
         number, by_value, tensors = plan  # the plan's number stands for the types in the key (one hash less)
         ts = tensors(args)
-        misalign = tuple([p & 15 for p in map(_DATA_PTR, ts)])
+        ptrs = tuple(map(_DATA_PTR, ts))
+        # all 16-byte aligned (the usual case, one C-level reduction), else each tensor's address modulo 16
+        misalign = True if not functools.reduce(operator.or_, ptrs, 0) & 15 else tuple([p & 15 for p in ptrs])
         if kwargs:
             values = tuple(kwargs.values())
             kinds = tuple(map(type, values))
