@@ -23,6 +23,10 @@ summaries), so a segment chain reproduces the single-device op up to rounding. T
 quantities (S_ext, log_a, S_in, L, dS_out) are fp32. Nothing here reads a tensor value on the
 host, so forward and backward can be captured in a CUDA graph.
 
+Launches: every kernel (mamba-ssm's, through its wrappers, and this module's) is reached through ``_kernels()``:
+Triton's own launch path, or with DS_MAMBA_SPCP_FAST_LAUNCH set, ``ops/launch.py``'s (the same kernels and
+configs, launched through their compiled kernels' C launchers; experimental).
+
 Memory: the autograd Function saves the inputs, the halo, S_in and the gathered decays, plus the
 pre-gate output y as upstream's op does (freed as soon as the gate's backward has used it; with
 recompute_output=True it is recomputed instead); the conv output, x/B/C, chunk states and CB are
