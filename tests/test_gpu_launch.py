@@ -108,20 +108,23 @@ def test_third_run_takes_the_c_launcher(runs, case):
 
 
 def test_check_mode_catches_a_wrong_kernel(runs):
+    """Every recorded fold launch given the ddA-tail kernel's compiled kernel instead: check mode must refuse."""
     from ds_mamba_spcp.ops import launch
     from ds_mamba_spcp.ops import triton as tb
 
-    kernels = tb._direct_launch(check=True)
+    kernels = tb._direct_launch(True)  # positional, as _kernels() calls it (functools.cache keys on the form)
     fold, tail = kernels.fold_chunks, kernels.ddA_tail
     assert fold.entries and tail.entries
-    entry = next(iter(fold.entries.values()))
-    kept = entry.kernel
-    entry.kernel = next(iter(tail.entries.values())).kernel
+    wrong = next(iter(tail.entries.values())).kernel
+    kept = {key: entry.kernel for key, entry in fold.entries.items()}
     mp = pytest.MonkeyPatch()
     mp.setenv(launch.ENV, "check")
     try:
+        for entry in fold.entries.values():
+            entry.kernel = wrong
         with pytest.raises(launch.LaunchMismatch, match="another compiled kernel"):
             _run("gate_init_final")
     finally:
-        entry.kernel = kept
+        for key, kernel in kept.items():
+            fold.entries[key].kernel = kernel
         mp.undo()
