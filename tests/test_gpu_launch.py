@@ -10,10 +10,12 @@ packed rows (seq_idx), and the plain gate with an initial state and a final-stat
    and the distance (relative RMS) between the two runs for the others.
 2. Check mode, three runs: the first records every key, the later ones launch through the C launcher and, on
    every launch, ask Triton which compiled kernel it would launch and bind the arguments as Triton does
-   (``LaunchMismatch`` otherwise). The same kernels on the same arguments: the results that (1) found
-   reproducible must be bitwise equal to Triton's path; the others within one bf16 step (relative RMS at most
-   eps(bf16), the bound of tests/test_gpu_conv.py for the same atomics).
-3. The third run takes the C launcher for every launch ("fast" counts, none "first" or "through").
+   (``LaunchMismatch`` otherwise); then three runs with the variable at 1 (its own launchers: from the third run
+   an autotuned launch takes the recorded compiled kernel without the inner key). The same kernels on the same
+   arguments: the results that (1) found reproducible must be bitwise equal to Triton's path; the others within
+   one bf16 step (relative RMS at most eps(bf16), the bound of tests/test_gpu_conv.py for the same atomics).
+3. The third run of each mode takes the C launcher for every launch ("fast" counts, none "first" or "through";
+   at 1, none "config" either).
 4. Negative control: an entry whose compiled kernel is swapped for another kernel's fails check mode.
 """
 
@@ -77,7 +79,14 @@ def runs():
             fast = [_run(case), _run(case)]
             launch.COUNTS.clear()
             fast.append(_run(case))
-            res[case] = dict(triton=(first, second), fast=fast, counts=dict(launch.COUNTS))
+            counts = dict(launch.COUNTS)
+            # the production path (=1): its own launchers, and from the third run the autotuned launches take
+            # the recorded compiled kernel without the inner key
+            mp.setenv(launch.ENV, "1")
+            fast += [_run(case), _run(case)]
+            launch.COUNTS.clear()
+            fast.append(_run(case))
+            res[case] = dict(triton=(first, second), fast=fast, counts=counts, counts_on=dict(launch.COUNTS))
     finally:
         mp.undo()
     return res
@@ -99,12 +108,14 @@ def test_fast_launch_equals_triton_launch(runs, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_third_run_takes_the_c_launcher(runs, case):
-    counts = runs[case]["counts"]
-    by_path = {}
-    for name, path in counts:
-        by_path.setdefault(path, set()).add(name)
-    assert not by_path.get("through") and not by_path.get("first"), by_path
-    assert len(by_path.get("fast", ())) >= 15, by_path  # mamba-ssm's SSD kernels, the norm's, ours
+    for mode in ("counts", "counts_on"):
+        by_path = {}
+        for name, path in runs[case][mode]:
+            by_path.setdefault(path, set()).add(name)
+        assert not by_path.get("through") and not by_path.get("first"), (mode, by_path)
+        assert len(by_path.get("fast", ())) >= 15, (mode, by_path)  # mamba-ssm's SSD kernels, the norm's, ours
+        if mode == "counts_on":
+            assert not by_path.get("config"), by_path  # every autotuned launch took the recorded compiled kernel
 
 
 def test_check_mode_catches_a_wrong_kernel(runs):
