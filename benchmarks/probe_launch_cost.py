@@ -261,11 +261,10 @@ def _host_ms(step, inp, n):
     return statistics.median(out)
 
 
-def _alternate(names, n, variants):
-    """Host ms (forward and backward calls) and step ms (until the GPU is done) of each step under each variant
-    (name -> a function that switches to it), alternating step by step so that the host's drift falls on all
-    alike; medians of ``n`` steps each, after 3 warm-up rounds."""
-    inp, steps = _steps()
+def _alternate(names, n, variants, inp, steps):
+    """Host ms (forward and backward calls) and step ms (until the GPU is done) of each step (``_steps()``) under
+    each variant (name -> a function that switches to it), alternating step by step so that the host's drift falls
+    on all alike; medians of ``n`` steps each, after 3 warm-up rounds."""
     res = {}
     for name in names.split(","):
         times = {v: ([], []) for v in variants}
@@ -301,7 +300,7 @@ def ab_conv(names, n):
         return switch
 
     try:
-        return _alternate(names, n, {v: use(v) for v in fns})
+        return _alternate(names, n, {v: use(v) for v in fns}, *_steps())
     finally:
         tb._conv_fwd_fn, tb._conv_bwd_fn = fns["cpp"]
 
@@ -316,11 +315,10 @@ def ab_launch(names, n):
     def use(value):
         return lambda: os.environ.__setitem__(launch.ENV, value)
 
+    inp, steps = _steps()
     try:
-        res = _alternate(names, n, {"triton": use("0"), "fast_launch": use("1")})
-        launch.COUNTS.clear()
+        res = _alternate(names, n, {"triton": use("0"), "fast_launch": use("1")}, inp, steps)
         os.environ[launch.ENV] = "1"
-        inp, steps = _steps()
         for name in names.split(","):
             launch.COUNTS.clear()
             torch.autograd.grad(steps[name](), inp.leaves, inp.dout)
@@ -329,7 +327,10 @@ def ab_launch(names, n):
                 by_path[path] = by_path.get(path, 0) + count
             res[name]["fast_launch"]["launches_per_step"] = by_path
     finally:
-        os.environ.pop(launch.ENV, None) if before is None else os.environ.__setitem__(launch.ENV, before)
+        if before is None:
+            os.environ.pop(launch.ENV, None)
+        else:
+            os.environ[launch.ENV] = before
     return res
 
 

@@ -123,7 +123,7 @@ def test_check_mode_catches_a_wrong_kernel(runs):
     from ds_mamba_spcp.ops import launch
     from ds_mamba_spcp.ops import triton as tb
 
-    kernels = tb._direct_launch(True)  # positional, as _kernels() calls it (functools.cache keys on the form)
+    kernels = tb._direct_launch(check=True)  # the launchers check mode used above
     fold, tail = kernels.fold_chunks, kernels.ddA_tail
     assert fold.entries and tail.entries
     wrong = next(iter(tail.entries.values())).kernel

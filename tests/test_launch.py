@@ -176,6 +176,8 @@ def test_autotuned_kernel_runs_the_config_pre_hook_on_every_direct_launch(fake_g
 
     # negative control: the same launches with the recorded pre-hook dropped leave out's 7s in the sum
     assert fast.best_config is tuner.configs[0] and fast.configs is tuner.configs
+    with pytest.raises(AttributeError):
+        getattr(fast, "run")  # noqa: B009 (the tuner's own launch would bypass the launcher's best_config)
     for entry in fast.entries.values():
         entry[0] = None
     out.fill_(7.0)

@@ -276,11 +276,6 @@ class _Launcher:
     def _call(self, grid, *args, **kwargs):
         return self.launch(grid, args, kwargs)[0]
 
-    def run(self, *args, grid, warmup=False, **kwargs):
-        if warmup:
-            return self.kernel.run(*args, grid=grid, warmup=True, **kwargs)
-        return self.launch(grid, args, kwargs)[0]
-
     def launch(self, grid, args, kwargs):
         """-> (what Triton's launch returns, the recorded compiled launch used, or None)."""
         raise NotImplementedError
@@ -345,7 +340,7 @@ class _JitLauncher(_Launcher):
         return self.kernel.run(*args, grid=grid, warmup=False, **kwargs), None
 
     def launch(self, grid, args, kwargs):
-        if self.broken or getattr(self.kernel, "pre_run_hooks", None) or _hooks_set():
+        if getattr(self.kernel, "pre_run_hooks", None) or _hooks_set():
             return self._through(grid, args, kwargs)
         device = _driver_calls()[0]()
         try:
@@ -365,7 +360,7 @@ class _JitLauncher(_Launcher):
         kernel = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
         if hasattr(kernel, "result"):  # an asynchronous compile's future
             kernel = kernel.result()
-        if len(self.entries) >= MAX_KEYS:
+        if self.broken or len(self.entries) >= MAX_KEYS:  # (a broken kernel has no entries: every launch is here)
             return kernel, None
         try:
             entry = _Compiled(kernel, self.params, self.index, len(args), kwargs)
@@ -400,7 +395,7 @@ class _InterpretedLauncher(_Launcher):
     """Triton's interpreter (TRITON_INTERPRET=1, CPU tests) compiles nothing: every launch goes through it, so
     that the layers above (autotune configs and pre-hooks, heuristics) run as they do on a GPU."""
 
-    def __init__(self, kernel, check=False):
+    def __init__(self, kernel):
         self.kernel = kernel
         self.name = kernel.__name__
 
@@ -425,8 +420,9 @@ class _AutotuneLauncher(_Launcher):
 
     def __getattr__(self, name):
         # what mamba-ssm's wrappers read of their kernels (configs, ...), except the per-launch state, which
-        # belongs to this launcher: best_config is set by its own launches, as Autotuner.run sets it
-        if name in ("best_config", "nargs") or name.startswith("__"):
+        # belongs to this launcher (best_config is set by its own launches, as Autotuner.run sets it), and the
+        # tuner's own launch methods, which would leave that state behind: a launch is launcher[grid](...)
+        if name in ("best_config", "nargs", "run", "warmup") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.kernel, name)
 
@@ -457,7 +453,7 @@ class _AutotuneLauncher(_Launcher):
         full = {**kwargs, **config_kwargs}
         if pre_hook is not None:
             pre_hook(_Named(self.index, args, full))  # Autotuner.run: {**positional by name, **kwargs, **config}
-        if compiled is not None and not self.check:
+        if compiled is not None and not self.check and not getattr(self.inner.kernel, "pre_run_hooks", None):
             COUNTS[self.name, "fast"] += 1
             return compiled.launch(grid, args, full, key[0]), compiled
         COUNTS[self.name, "config"] += 1
@@ -470,7 +466,7 @@ class _AutotuneLauncher(_Launcher):
 class _HeuristicsLauncher(_Launcher):
     """Heuristics.run: each heuristic's value from the arguments, on every launch, passed on as a kwarg."""
 
-    def __init__(self, heuristics, inner, check=False):
+    def __init__(self, heuristics, inner):
         self.kernel = heuristics
         self.inner = inner
         self.name = inner.name
@@ -504,7 +500,11 @@ def launcher(kernel, check=False):
         inner = launcher(kernel.fn, check)
         if inner is None:
             return None
-        return (_AutotuneLauncher if isinstance(kernel, t.Autotuner) else _HeuristicsLauncher)(kernel, inner, check)
+        return (
+            _AutotuneLauncher(kernel, inner, check)
+            if isinstance(kernel, t.Autotuner)
+            else _HeuristicsLauncher(kernel, inner)
+        )
     return None
 
 

@@ -46,7 +46,6 @@ illegal memory access. The guard's bound (208412 tokens for that shape) sits bet
 
 from __future__ import annotations
 
-import functools
 import math
 import types
 from typing import NamedTuple
@@ -327,13 +326,18 @@ _THROUGH_TRITON = _Kernels(
 )
 
 
-@functools.cache
+_DIRECT: dict[bool, _Kernels] = {}  # check -> the launchers (built on first use: their recorded keys live there)
+
+
 def _direct_launch(check: bool) -> _Kernels:
     """The same, launched through ``ops/launch.py`` (mamba-ssm's wrappers rebound to its launchers); check:
     every recorded launch verified against Triton."""
-    spaces = launch.redirect(_THROUGH_TRITON[:6], check)
-    modules = [spaces[m.__name__] for m in _THROUGH_TRITON[:6]]
-    return _Kernels(*modules, launch.launcher(_fold_chunks_kernel, check), launch.launcher(_ddA_tail_kernel, check))
+    if check not in _DIRECT:
+        spaces = launch.redirect(_THROUGH_TRITON[:6], check)
+        modules = [spaces[m.__name__] for m in _THROUGH_TRITON[:6]]
+        fold, tail = launch.launcher(_fold_chunks_kernel, check), launch.launcher(_ddA_tail_kernel, check)
+        _DIRECT[check] = _Kernels(*modules, fold, tail)
+    return _DIRECT[check]
 
 
 def _kernels() -> _Kernels:
