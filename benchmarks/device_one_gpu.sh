@@ -13,7 +13,8 @@
 #               alternating (benchmarks/probe_launch_cost.py --all; results/launch_cost_023b81d_h200x1.json)
 #   fast_launch issue 23: ops/launch.py (DS_MAMBA_SPCP_FAST_LAUNCH): its GPU test in check mode, then the two launch
 #               paths alternating step by step (probe_launch_cost.py --ab-launch), then bench_mixer's eager cells
-#               on each path; fast_launch_bench: the bench cells twice more, old / new / old / new
+#               on each path; fast_launch_test: its first two steps alone; fast_launch_bench: the bench cells
+#               twice more, old / new / old / new. SAVE_CACHE=1 sends the Triton cache back as $OUT/tc.tgz
 #   longest     issue 24: the 130M with block tiles of 32,768 at 3,145,728 and 3,407,872 (its longest at 7349b3b;
 #               a search from 1,572,864 with 150 s trials timed out on its first, cold trial)
 #   offload     issue 24: the 780M with the pinned pool at 524,288 and 786,432 (budget 0), and 1,048,576 with
@@ -29,6 +30,11 @@ fi
 export MAMBA_DETERMINISTIC=1 TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
 out=${OUT:-/tmp/ds_mamba_spcp_out}
 mkdir -p "$out"
+# A fresh machine compiles for minutes: a cache that an earlier call sent back (as $out/tc.tgz, copied to
+# .devtmp/tc.tgz and carried) is unpacked first, and the cache is sent back again at the end when SAVE_CACHE=1.
+[ -f .devtmp/tc.tgz ] && [ ! -d /tmp/tc ] && tar xzf .devtmp/tc.tgz -C /tmp
+save_cache() { [ "${SAVE_CACHE:-0}" = 1 ] && tar czf "$out/tc.tgz" -C /tmp tc; }
+trap save_cache EXIT
 bench_pair() {  # bench_mixer's eager cells through Triton's launch path, then through ops/launch.py
     for v in 0 1; do
         DS_MAMBA_SPCP_FAST_LAUNCH=$v timeout 100 python3 benchmarks/bench_mixer.py --seqlens 128K:32K,32K:16K,32K:8K \
@@ -57,6 +63,12 @@ launch)
     timeout 240 python3 benchmarks/probe_launch_cost.py --all --steps 30 --out "$out/launch_cost_h200x1.json" \
         > "$out/launch.log" 2>&1
     echo "probe exit $?"; grep -E "^(ideal|tiles)" "$out/launch.log" | head -3 ;;
+fast_launch_test)  # fast_launch's first two steps alone (a cold machine compiles for most of a call)
+    timeout 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_launch.py > "$out/test_gpu_launch.log" 2>&1
+    echo "test_gpu_launch exit $?: $(grep -E '[0-9]+ (passed|failed)' "$out/test_gpu_launch.log" | tail -1)"
+    timeout 150 python3 benchmarks/probe_launch_cost.py --ab-launch ideal,tiles_16k,tiles_8k --steps 20 \
+        --out "$out/ab_launch_h200x1.json" > "$out/ab_launch.log" 2>&1
+    echo "probe exit $?"; grep -E "^(ideal|tiles)" "$out/ab_launch.log" | cut -c1-240 ;;
 fast_launch)
     timeout 180 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_launch.py > "$out/test_gpu_launch.log" 2>&1
     echo "test_gpu_launch exit $?: $(grep -E '[0-9]+ (passed|failed)' "$out/test_gpu_launch.log" | tail -1)"
@@ -80,5 +92,5 @@ offload)
         --offload-gpu-budget-gib 36 --trial-timeout 180 > "$out/o3.log" 2>&1
     grep -h "L=" "$out"/o[123].log | cut -c1-200 ;;
 *)
-    echo "unknown stage $stage (tests, host_time, sync, launch, fast_launch, fast_launch_bench, longest, offload)"; exit 2 ;;
+    echo "unknown stage $stage (tests, host_time, sync, launch, fast_launch, fast_launch_test, fast_launch_bench, longest, offload)"; exit 2 ;;
 esac
