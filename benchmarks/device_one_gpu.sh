@@ -70,7 +70,7 @@ fast_launch_test)  # fast_launch's first two steps alone (a cold machine compile
         --out "$out/ab_launch_h200x1.json" > "$out/ab_launch.log" 2>&1
     echo "probe exit $?"; grep -E "^(ideal|tiles)" "$out/ab_launch.log" | cut -c1-240 ;;
 fast_launch)
-    timeout 180 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_launch.py > "$out/test_gpu_launch.log" 2>&1
+    timeout 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_launch.py > "$out/test_gpu_launch.log" 2>&1
     echo "test_gpu_launch exit $?: $(grep -E '[0-9]+ (passed|failed)' "$out/test_gpu_launch.log" | tail -1)"
     timeout 120 python3 benchmarks/probe_launch_cost.py --ab-launch ideal,tiles_16k,tiles_8k --steps 20 \
         --out "$out/ab_launch_h200x1.json" > "$out/ab_launch.log" 2>&1

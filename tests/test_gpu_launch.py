@@ -12,8 +12,9 @@ packed rows (seq_idx), and the plain gate with an initial state and a final-stat
    every launch, ask Triton which compiled kernel it would launch and bind the arguments as Triton does
    (``LaunchMismatch`` otherwise); then three runs with the variable at 1 (its own launchers: from the third run
    an autotuned launch takes the recorded compiled kernel without the inner key). The same kernels on the same
-   arguments: the results that (1) found reproducible must be bitwise equal to Triton's path; the others within
-   one bf16 step (relative RMS at most eps(bf16), the bound of tests/test_gpu_conv.py for the same atomics).
+   arguments: the results that (1) found reproducible must be bitwise equal to Triton's path; the others, and
+   always the conv weight and bias gradients (causal-conv1d's fp32 atomics), within one bf16 step (relative RMS
+   at most eps(bf16), the bound of tests/test_gpu_conv.py for the same atomics).
 3. The third run of each mode takes the C launcher for every launch ("fast" counts, none "first" or "through";
    at 1, none "config" either).
 4. Negative control: an entry whose compiled kernel is swapped for another kernel's fails check mode.
@@ -30,6 +31,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 SEQLEN, TILE = 8192, 4096
 EPS_BF16 = 2.0**-7  # one bf16 rounding step, relative
+# causal-conv1d sums these with fp32 atomics: two runs can agree bitwise by luck (the first GPU run of this test
+# saw Triton's path agree with itself on dconv1d_weight and check mode's second run differ), so they are always
+# held to the one-bf16-step bound, never to bitwise equality
+ATOMIC = ("dconv1d_weight", "dconv1d_bias")
 CASES = {"rms_packed": dict(rms=True, packed=True), "gate_init_final": dict(rms=False, packed=False)}
 
 
@@ -95,7 +100,7 @@ def runs():
 @pytest.mark.parametrize("case", list(CASES))
 def test_fast_launch_equals_triton_launch(runs, case):
     (first, second), fast = runs[case]["triton"], runs[case]["fast"]
-    exact = [k for k in first if torch.equal(first[k], second[k])]
+    exact = [k for k in first if k not in ATOMIC and torch.equal(first[k], second[k])]
     noisy = {k: rel(second[k].float(), first[k].float()) for k in first if k not in exact}
     print(f"{case}: bitwise reproducible {exact}; run-to-run distance of the others {noisy}")
     assert {"out", "dzxbcdt"} <= set(exact), "Triton's own path is not deterministic here"
@@ -103,6 +108,7 @@ def test_fast_launch_equals_triton_launch(runs, case):
         differ = [k for k in exact if not torch.equal(got[k], first[k])]
         assert not differ, f"{case}, run {i}: not bitwise equal to Triton's path: {differ}"
         far = {k: rel(got[k].float(), first[k].float()) for k in noisy}
+        print(f"{case}, run {i}: distance of the others {far}")
         assert all(v <= EPS_BF16 for v in far.values()), f"{case}, run {i}: {far}"
 
 
