@@ -610,7 +610,15 @@ def environment(args, ctx: Context) -> dict:
         backend=ctx.backend,
         backend_module=backend_module,
         env={k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
+        launch_path=_launch_path(),
     )
+
+
+def _launch_path() -> str:
+    """The Triton backend's launch path this run took: 'off' (Triton's), 'on' (ops/launch.py) or 'check'."""
+    from ds_mamba_spcp.ops import launch
+
+    return launch.mode()
 
 
 def write_json(path: str, payload: dict):

@@ -45,7 +45,7 @@ bench_pair() {  # bench_mixer's eager cells through Triton's launch path, then t
 }
 case "$stage" in
 tests)
-    for t in test_gpu_launch test_gpu_conv test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_prefill_gpu; do
+    for t in ${TESTS:-test_gpu_launch test_gpu_conv test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_prefill_gpu}; do
         timeout 240 python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1
         echo "$t exit $?: $(grep -E '[0-9]+ (passed|failed)' "$out/$t.log" | tail -1)"
     done ;;
@@ -78,6 +78,8 @@ fast_launch)
     bench_pair 1 ;;
 fast_launch_bench)
     bench_pair 1; bench_pair 2 ;;
+fast_launch_bench_tests)  # the two bench pairs, then the tests stage (TESTS= to choose) on the warm cache
+    bench_pair 1; bench_pair 2; bash "$0" "$commit" tests ;;
 longest)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 540 python3 benchmarks/train_runs.py \
         --preset mamba-130m --lengths 3145728,3407872 --block-tile-tokens 32768 --trial-timeout 270 \
@@ -92,5 +94,5 @@ offload)
         --offload-gpu-budget-gib 36 --trial-timeout 180 > "$out/o3.log" 2>&1
     grep -h "L=" "$out"/o[123].log | cut -c1-200 ;;
 *)
-    echo "unknown stage $stage (tests, host_time, sync, launch, fast_launch, fast_launch_test, fast_launch_bench, longest, offload)"; exit 2 ;;
+    echo "unknown stage $stage (tests, host_time, sync, launch, fast_launch, fast_launch_test, fast_launch_bench, fast_launch_bench_tests, longest, offload)"; exit 2 ;;
 esac

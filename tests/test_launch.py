@@ -226,9 +226,19 @@ def test_launch_hooks_and_unkeyable_arguments_go_through_triton(fake_gpu, monkey
 
 
 def test_mode_values(monkeypatch):
-    for raw, want in (("", "off"), ("0", "off"), ("1", "on"), ("check", "check")):
+    for raw, want in (("0", "off"), ("1", "on"), ("check", "check")):
         monkeypatch.setenv(launch.ENV, raw)
         assert launch.mode() == want
+    # unset or auto: the layer only on a Triton that tests/test_gpu_launch.py has passed on
+    for verified, want in (((triton.__version__,), "on"), (("0.0.0",), "off")):
+        monkeypatch.setattr(launch, "VERIFIED_TRITON", verified)
+        launch._auto.cache_clear()
+        for raw in ("", "auto"):
+            monkeypatch.setenv(launch.ENV, raw)
+            assert launch.mode() == want, (verified, raw)
+        monkeypatch.delenv(launch.ENV)
+        assert launch.mode() == want
+    launch._auto.cache_clear()
     monkeypatch.setenv(launch.ENV, "yes")
     with pytest.raises(ValueError, match="expected 0"):
         launch.mode()

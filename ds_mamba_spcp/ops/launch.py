@@ -1,11 +1,12 @@
-"""Triton launches at the host cost of the compiled kernel's C launcher (opt-in, experimental: issue 23).
+"""Triton launches at the host cost of the compiled kernel's C launcher (issue 23; on by default where the
+installed Triton is one ``tests/test_gpu_launch.py`` has passed on, ``VERIFIED_TRITON``).
 
 Why: on the H200 host, Triton's Python launch path (``Autotuner.run`` then ``JITFunction.run``) costs 90-120 us
 per launch inside a training step, against ~6-11 us for the compiled kernel's C launcher under it; a 16K tile
 makes ~23 such launches, 2.0 of its 4.8 ms of host time (docs/host_time.md, "Where a step's host time goes").
 
-``DS_MAMBA_SPCP_FAST_LAUNCH=1`` makes the Triton backend (``ops/triton.py``) launch mamba-ssm's kernels and its
-own through this module:
+With ``DS_MAMBA_SPCP_FAST_LAUNCH`` unset (or ``auto``) on a verified Triton, or ``1`` on any, the Triton backend
+(``ops/triton.py``) launches mamba-ssm's kernels and its own through this module (``0``: Triton's own path):
 
 - ``launcher(kernel)`` wraps a ``@triton.jit`` function, and ``@triton.autotune`` / ``@triton.heuristics``
   layers over one, in an object launched the same way (``launcher(kernel)[grid](*args, **kwargs)``).
@@ -54,10 +55,11 @@ import warnings
 import torch
 
 ENV = "DS_MAMBA_SPCP_FAST_LAUNCH"
-_MODES = {"": "off", "0": "off", "1": "on", "check": "check"}
-# Triton versions whose compiled-kernel launch convention tests/test_gpu_launch.py has passed on (none yet:
-# the module was written when no GPU was lent); any other version gets a warning, once
-VERIFIED_TRITON: tuple[str, ...] = ()
+_MODES = {"": "auto", "auto": "auto", "0": "off", "1": "on", "check": "check"}
+# Triton versions whose compiled-kernel launch convention tests/test_gpu_launch.py has passed on (3.6.0: on one
+# H200, both cases, check mode and the production path, at 390aa9d). Unset, the variable means this layer on
+# these versions and Triton's own path on any other; 1 on another version warns, once
+VERIFIED_TRITON: tuple[str, ...] = ("3.6.0",)
 MAX_KEYS = 64  # per launcher: past it, new keys go through Triton (a call site whose arguments never repeat)
 
 # launches per (kernel name, path): "fast" (the C launcher), "first" (a key's first launch, through
@@ -72,11 +74,26 @@ class LaunchMismatch(RuntimeError):
 
 
 def mode() -> str:
-    """'off', 'on' or 'check', from ``DS_MAMBA_SPCP_FAST_LAUNCH`` (read on every call)."""
+    """'off', 'on' or 'check', from ``DS_MAMBA_SPCP_FAST_LAUNCH`` (read on every call); unset or ``auto``: 'on'
+    where the installed Triton is one of ``VERIFIED_TRITON``, else 'off'."""
     raw = os.environ.get(ENV, "").strip().lower()
     if raw not in _MODES:
-        raise ValueError(f"{ENV}={raw!r}: expected 0 (Triton's own launch path, the default), 1 or check")
-    return _MODES[raw]
+        raise ValueError(
+            f"{ENV}={raw!r}: expected 0 (Triton's own launch path), 1 (this package's launch layer), check (the "
+            f"layer, every launch verified against Triton) or auto / unset (the layer on a verified Triton: "
+            f"{', '.join(VERIFIED_TRITON)})"
+        )
+    found = _MODES[raw]
+    return _auto() if found == "auto" else found
+
+
+@functools.cache
+def _auto() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "off"
+    return "on" if triton.__version__ in VERIFIED_TRITON else "off"
 
 
 # ---------------------------------------------------------------------------------------------
