@@ -46,7 +46,7 @@ bench_pair() {  # bench_mixer's eager cells through Triton's launch path, then t
 case "$stage" in
 tests)
     for t in ${TESTS:-test_gpu_launch test_gpu_conv test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_prefill_gpu}; do
-        timeout 240 python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1
+        timeout 290 python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1
         echo "$t exit $?: $(grep -E '[0-9]+ (passed|failed)' "$out/$t.log" | tail -1)"
     done ;;
 host_time)

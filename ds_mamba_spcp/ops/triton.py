@@ -341,8 +341,8 @@ def _direct_launch(check: bool) -> _Kernels:
 
 
 def _kernels() -> _Kernels:
-    """Triton's own launch path unless DS_MAMBA_SPCP_FAST_LAUNCH is set (and never under torch.compile, which
-    traces Triton's kernel objects)."""
+    """ops/launch.py's launchers where ``launch.mode()`` says so (by default on a verified Triton), else Triton's
+    own launch path (always under torch.compile, which traces Triton's kernel objects)."""
     mode = launch.mode()
     if mode == "off" or torch.compiler.is_compiling():
         return _THROUGH_TRITON
