@@ -39,7 +39,7 @@ from ds_mamba_spcp import comm, documents, layout, modes, scan
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops import tiles as tiling
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import Ready, drive_bwd, drive_fwd
+from ds_mamba_spcp.ops.segment import Ready, drive_bwd, drive_fwd, run_bwd_known, run_fwd_known
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 
@@ -316,6 +316,20 @@ def _forward(zxbcdt, params, initial_states, seq_idx, st: _Static):
 
     tiles, saved = st.tiles(rows), {}
     keep_y = not st.recompute_output
+    if plan.alone:
+        # a group of one: S_in is the initial state (or zeros), known before the segment starts, so the backend
+        # runs it (and its tiles, one after the other) in known mode: no summary (ops/segment.py)
+        dtype = torch.promote_types(rows.dtype, torch.float32)
+        S_in = (
+            torch.zeros(rows.shape[0], spec.nheads, spec.headdim, spec.dstate, dtype=dtype, device=rows.device)
+            if initial_states is None
+            else initial_states.to(dtype)
+        )
+        gen = st.segment_fwd(tiles, saved, rows, halo, *params, spec=spec, seq_idx=local_ids, keep_y=keep_y,
+                             S_in=S_in)  # fmt: skip
+        out, y, exchange.final_states = run_fwd_known(gen)
+        exchange.S_in = S_in
+        return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, exchange, saved
     gen = st.segment_fwd(tiles, saved, rows, halo, *params, spec=spec, seq_idx=local_ids, keep_y=keep_y)
     out, y = drive_fwd(gen, post)
     return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, exchange, saved
@@ -328,9 +342,16 @@ def _backward(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, local_ids, st
     rows = layout.pack_segments(zxbcdt, plan.nlocal)
     dout = layout.pack_segments(dout, plan.nlocal)
     exchange = _SummaryExchange(plan, batch, log_a_all=log_a_all, dfinal_states=dfinal, start0=start0)
-    gen = st.segment_bwd(st.tiles(rows), saved, dout, rows, halo, *params, S_in=S_in, spec=spec, seq_idx=local_ids,
-                         kept=kept)  # fmt: skip
-    (dzxbcdt, *dparams), dtail = drive_bwd(gen, exchange.post_grad, lambda dh: _post_halo_grad(dh, mask, plan))
+    post_halo_grad = lambda dh: _post_halo_grad(dh, mask, plan)  # noqa: E731
+    if plan.alone:  # known mode, as the forward ran: dS_out is the final state's gradient (or zeros)
+        dS_out = torch.zeros_like(S_in) if dfinal is None else dfinal.to(S_in.dtype)
+        gen = st.segment_bwd(st.tiles(rows), saved, dout, rows, halo, *params, S_in=S_in, spec=spec,
+                             seq_idx=local_ids, kept=kept, dS_out=dS_out)  # fmt: skip
+        (dzxbcdt, *dparams), exchange.dinitial_states, dtail = run_bwd_known(gen, post_halo_grad)
+    else:
+        gen = st.segment_bwd(st.tiles(rows), saved, dout, rows, halo, *params, S_in=S_in, spec=spec,
+                             seq_idx=local_ids, kept=kept)  # fmt: skip
+        (dzxbcdt, *dparams), dtail = drive_bwd(gen, exchange.post_grad, post_halo_grad)
     if dtail is not None:
         dtail = dtail.wait()
         start = spec.d_inner  # xBC's channels inside zxbcdt; dzxbcdt is the backend's own fresh buffer

@@ -107,15 +107,34 @@ def test_a_per_call_limit_tiles_rows_and_stretches(monkeypatch):
         assert rel(got[3][k], want[3][k]) < TOL, k
 
 
-def test_negative_control_a_dropped_carry_fails(monkeypatch):
+@pytest.mark.parametrize("dropped", ["state", "gradient"])
+def test_negative_control_a_dropped_carry_fails(monkeypatch, dropped):
+    """A group of one runs its tiles in known mode (ops/segment.py): each tile's S_out is the next one's S_in,
+    each tile's dS_in the previous one's dS_out. Dropping either carry must show."""
     from ds_mamba_spcp import mamba_split_conv1d_scan_sp
-    from ds_mamba_spcp.ops import tiles
+    from ds_mamba_spcp.ops import reference
 
     t, grads = make_inputs(1, 64)
     want = run_op(mamba_split_conv1d_scan_sp, t, grads, t["zxbcdt"], grads["out"])
-    monkeypatch.setattr(tiles, "_decay", lambda log_a: torch.zeros_like(log_a)[:, :, None, None])
+    fwd, bwd = reference.segment_fwd, reference.segment_bwd
+
+    def fwd_dropping(*args, **kwargs):
+        out, y, S_out = yield from fwd(*args, **kwargs)
+        return out, y, torch.zeros_like(S_out)
+
+    def bwd_dropping(*args, **kwargs):
+        *grads_, dS_in = yield from bwd(*args, **kwargs)
+        return (*grads_, torch.zeros_like(dS_in))
+
+    if dropped == "state":
+        monkeypatch.setattr(reference, "segment_fwd", fwd_dropping)
+    else:
+        monkeypatch.setattr(reference, "segment_bwd", bwd_dropping)
     got = run_op(mamba_split_conv1d_scan_sp, t, grads, t["zxbcdt"], grads["out"], tile_length=16)
-    assert rel(got[0], want[0]) > 1e-3
+    if dropped == "state":
+        assert rel(got[0], want[0]) > 1e-3
+    else:
+        assert rel(got[0], want[0]) < TOL and rel(got[2], want[2]) > 1e-3  # the output intact, dzxbcdt not
 
 
 MODES = {

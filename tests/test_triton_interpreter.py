@@ -189,6 +189,7 @@ def segments_main():
             bad = _run_segment(triton_backend, t, grads, spec, initial_states=None, backward=False)
             results["bug_zero_S_in"] = dict(errs=_errors(bad, want), seconds=0.0)
     results["fold_chunks"] = _fold_chunks_vs_upstream(triton_backend)
+    results["group_of_one_tiled"] = _group_of_one_tiled(triton_backend)
     results["fast_launch"] = _fast_launch_vs_triton(triton_backend, through_triton)
     print("RESULT " + json.dumps(results), flush=True)
 
@@ -277,12 +278,77 @@ def _fold_chunks_vs_upstream(triton_backend):
         bwd = triton_backend._fold_chunks(x, dA_last, reverse=True, **extra).reshape(b, h, p * n)
         errs["S_ext" + tag] = (fwd - final).abs().max().item()
         errs["L" + tag] = (bwd - dinit).abs().max().item()
+        # known mode: the fold started from a state (forward) or from dS_out (backward, dS_in = L + a dS_out)
+        init = torch.randn(b, h, p, n, generator=g)
+        _, final = sp._state_passing_fwd(flat, dA_last, initial_states=init.reshape(b, h, p * n), **extra)
+        _, _, dinit = sp._state_passing_bwd(prev, dA_last, flat, dfinal_states=init.reshape(b, h, p * n),
+                                            has_initial_states=True, dstates_dtype=torch.float32, **extra)  # fmt: skip
+        fwd = triton_backend._fold_chunks(x, dA_last, reverse=False, init=init, **extra).reshape(b, h, p * n)
+        bwd = triton_backend._fold_chunks(x, dA_last, reverse=True, init=init, **extra).reshape(b, h, p * n)
+        errs["S_out" + tag] = (fwd - final).abs().max().item()
+        errs["dS_in" + tag] = (bwd - dinit).abs().max().item()
     return dict(errs=errs, seconds=0.0)
+
+
+def _group_of_one_tiled(triton_backend):
+    """The public op in a group of one (no process group) in tiles of 16 of 37 tokens, packed rows, initial and
+    final states: state_passing's known mode (ops/segment.py) over the Triton kernels, against the fp64
+    reference op. The negative control runs the tiles without the carry between them (each from zero)."""
+    from ds_mamba_spcp import mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp
+
+    opts = dict(rms=True)
+    t, grads = make_inputs(opts, SEG_BATCH, SEG_LEN, seed=4)
+    t.pop("halo")
+    names = [k for k, v in t.items() if v is not None]
+    labels = segment_labels(SEG_BATCH, SEG_LEN)
+    kw = dict(headdim=SHAPE["headdim"], ngroups=SHAPE["ngroups"], return_final_states=True, seq_idx=labels)
+
+    def call(fn, inputs, **extra):
+        args = [inputs[k] for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D")]
+        out, final = fn(*args, SHAPE["chunk"], rmsnorm_weight=inputs["rmsnorm_weight"],
+                        initial_states=inputs["initial_states"], **kw, **extra)  # fmt: skip
+        ((out * grads["out"].to(out.dtype)).sum() + (final * grads["final"].to(final.dtype)).sum()).backward()
+        got = {"out": out.detach(), "final_states": final.detach()}
+        got.update({"d" + k: inputs[k].grad for k in names})
+        return got
+
+    start = time.perf_counter()
+    want = call(mamba_split_conv1d_scan_ref, {k: t[k].double().requires_grad_() for k in names})
+    got = call(mamba_split_conv1d_scan_sp, {k: t[k].clone().requires_grad_() for k in names}, backend="triton",
+               tile_length=16, recompute_output=False)  # fmt: skip
+    res = dict(errs=_errors(got, want), seconds=time.perf_counter() - start)
+    real = triton_backend.segment_fwd
+
+    def from_zero(*args, S_in=None, **kwargs):  # negative control: every tile starts from zero
+        return (yield from real(*args, S_in=None if S_in is None else torch.zeros_like(S_in), **kwargs))
+
+    triton_backend.segment_fwd = from_zero
+    try:
+        bad = call(mamba_split_conv1d_scan_sp, {k: t[k].clone().requires_grad_() for k in names}, backend="triton",
+                   tile_length=16)  # fmt: skip
+    finally:
+        triton_backend.segment_fwd = real
+    res["bug_no_carry"] = _errors({"out": bad["out"]}, want)
+    return res
 
 
 def test_fold_chunks_equals_upstream(segment_results):
     """Same recurrence, same order, fp32: bitwise equal under the interpreter (numpy, no fused multiply-add)."""
-    assert segment_results["fold_chunks"]["errs"] == {"S_ext": 0.0, "L": 0.0, "S_ext_packed": 0.0, "L_packed": 0.0}
+    want = {f"{k}{tag}": 0.0 for k in ("S_ext", "L", "S_out", "dS_in") for tag in ("", "_packed")}
+    assert segment_results["fold_chunks"]["errs"] == want
+
+
+def test_group_of_one_tiles_in_known_mode_match_the_reference(segment_results):
+    """4 (a group of one): its tiles each from the previous one's final state, backward each from the next one's
+    dS_in (ops/segment.py's known mode, no summary fold), within TOL of the fp64 reference op; the negative
+    control (no carry between the tiles) is far off."""
+    res = segment_results["group_of_one_tiled"]
+    want = {"out", "final_states", "dzxbcdt", "dconv1d_weight", "dconv1d_bias", "ddt_bias", "dA", "dD",
+            "drmsnorm_weight", "dinitial_states"}  # fmt: skip
+    assert set(res["errs"]) == want
+    bad = {k: v for k, v in res["errs"].items() if not v <= TOL}
+    assert not bad, f"errors over {TOL}: {bad} (all: {res['errs']})"
+    assert res["bug_no_carry"]["out"] > 100 * TOL, res["bug_no_carry"]
 
 
 def test_fast_launch_equals_triton_launch(segment_results):

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops import get_backend
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import Ready, finish
+from ds_mamba_spcp.ops.segment import run_bwd_known, run_fwd_known
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 KEY = "mamba_sequence_parallel.block_tile_tokens"
@@ -68,36 +68,32 @@ def tile_spans(seqlen: int, tile_tokens: int) -> tuple:
 
 class _TileCore(torch.autograd.Function):
     """(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in) -> (out, S_out) of one
-    segment on one device, through the backend's ``segment_fwd`` / ``segment_bwd`` (ops/segment.py):
-    S_out = exp(log_a) S_in + S_ext, dS_in = L + exp(log_a) dS_out. No math of its own."""
+    segment on one device, through the backend's ``segment_fwd`` / ``segment_bwd`` in known mode
+    (ops/segment.py): the backend returns S_out = exp(log_a) S_in + S_ext and dS_in = L + exp(log_a) dS_out.
+    No math of its own."""
 
     @staticmethod
     def forward(ctx, backend, spec, labels, keep_y, zxbcdt, halo, *params_and_state):
         *params, S_in = params_and_state
-        gen = backend.segment_fwd(zxbcdt, halo, *params, spec=spec, seq_idx=labels, keep_y=keep_y)
-        S_ext, log_a = next(gen)
-        out, y = finish(gen, Ready(S_in))
-        S_out = torch.exp(log_a)[:, :, None, None] * S_in + S_ext
+        gen = backend.segment_fwd(zxbcdt, halo, *params, spec=spec, seq_idx=labels, keep_y=keep_y, S_in=S_in)
+        out, y, S_out = run_fwd_known(gen)
         ctx.backend, ctx.spec, ctx.labels = backend, spec, labels
         ctx.kept = [y] if y is not None else None
         ctx.has = [t is not None for t in params]
-        ctx.save_for_backward(zxbcdt, halo, *params, S_in, log_a)
+        ctx.save_for_backward(zxbcdt, halo, *params, S_in)
         return out, S_out
 
     @staticmethod
     @first_order_only
     def backward(ctx, dout, dS_out):
-        zxbcdt, halo, *params, S_in, log_a = ctx.saved_tensors
+        zxbcdt, halo, *params, S_in = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros(*zxbcdt.shape[:2], ctx.spec.d_inner, dtype=zxbcdt.dtype, device=zxbcdt.device)
+        dS_out = torch.zeros_like(S_in) if dS_out is None else dS_out.to(S_in.dtype)
         gen = ctx.backend.segment_bwd(dout, zxbcdt, halo, *params, S_in, spec=ctx.spec, seq_idx=ctx.labels,
-                                      kept=ctx.kept)  # fmt: skip
-        L = next(gen)
-        dS_out = torch.zeros_like(L) if dS_out is None else dS_out.to(L.dtype)
-        dhalo = gen.send(Ready(dS_out))
-        dzxbcdt, *dparams = finish(gen, None)
+                                      kept=ctx.kept, dS_out=dS_out)  # fmt: skip
+        (dzxbcdt, *dparams), dS_in, dhalo = run_bwd_known(gen)
         ctx.kept = None
-        dS_in = L + torch.exp(log_a)[:, :, None, None].to(L.dtype) * dS_out
         dparams = [g if has else None for g, has in zip(dparams, ctx.has)]
         return None, None, None, None, dzxbcdt, dhalo, *dparams, dS_in.to(S_in.dtype)
 

@@ -249,8 +249,9 @@ def _ready(halo):
 
 
 def segment_fwd(
-    zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False
-):
+    zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False,
+    S_in=None,
+):  # fmt: skip
     """Forward of one causal segment (batch may hold several segments, see layout.py), a generator.
 
     halo: (batch, d_conv-1, conv_dim) pre-conv xBC rows of the causally previous segment, or a handle
@@ -261,20 +262,26 @@ def segment_fwd(
     incoming state reaches its end (-inf when a document starts inside); is then sent a handle whose
     ``wait()`` gives S_in, the state entering the segment (it reaches the tokens labelled 0); returns
     ``(out (batch, seqlen, d_inner), y)``, y being the pre-gate output kept for segment_bwd when
-    keep_y (this backend recomputes everything and keeps None).
+    keep_y (this backend recomputes everything and keeps None). Known mode (``ops/segment.py``): S_in given,
+    nothing is yielded and ``(out, y, S_out)`` is returned, S_out = exp(log_a) S_in + S_ext.
     """
+    known = S_in is not None
     with torch.no_grad():
         pre = _segment_pre(zxbcdt, _ready(halo), conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx)
     z, x, B, C, dt, y0, S_ext, log_a = pre
-    handle = yield S_ext, log_a
+    if not known:
+        handle = yield S_ext, log_a
+        S_in = handle.wait()
     with torch.no_grad():
-        out = _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, handle.wait(), spec, seq_idx)
+        out = _segment_post(z, x, C, dt, y0, A, D, rmsnorm_weight, S_in, spec, seq_idx)
+        if known:
+            return out, None, S_ext + torch.exp(log_a)[:, :, None, None] * S_in.to(S_ext.dtype)
     return out, None
 
 
 def segment_bwd(
     dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, seq_idx=None,
-    kept=None,
+    kept=None, dS_out=None,
 ):  # fmt: skip
     """Backward of ``segment_fwd`` by recomputation under autograd, a generator.
 
@@ -284,8 +291,11 @@ def segment_bwd(
     ``wait()`` gives dS_out, the gradient that later segments send to S_out; yields the halo's
     gradient (batch, d_conv-1, conv_dim) (None without a halo), so that the caller can post its
     return while the backend finishes; returns the gradients of (zxbcdt, conv1d_weight, conv1d_bias,
-    dt_bias, A, D, rmsnorm_weight) in that order (None for a None input).
+    dt_bias, A, D, rmsnorm_weight) in that order (None for a None input). Known mode (``ops/segment.py``):
+    dS_out given, only the halo's gradient is yielded, and the gradient reaching S_in (L + exp(log_a) dS_out)
+    is returned after the others.
     """
+    known = dS_out is not None
     inputs = [zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight]
     leaves = [t.detach().requires_grad_() if t is not None else None for t in inputs]
     S_in = S_in.detach().requires_grad_()
@@ -296,9 +306,13 @@ def segment_bwd(
     live = [t for t in leaves if t is not None]
     # pass 1: the output's gradient, and L = its part that reaches S_in
     g1 = torch.autograd.grad(out, live + [S_in], dout, retain_graph=True, allow_unused=True)
-    handle = yield g1[-1]
+    L = torch.zeros_like(S_in) if g1[-1] is None else g1[-1]
+    if not known:
+        handle = yield L
+        dS_out = handle.wait()
     # pass 2: what later segments send back through S_out (S_in is a constant here)
-    g2 = torch.autograd.grad(S_out, live, handle.wait().to(S_out.dtype), allow_unused=True)
+    dS_out = dS_out.to(S_out.dtype)
+    g2 = torch.autograd.grad(S_out, live, dS_out, allow_unused=True)
     grads, it = [], iter(zip(g1[:-1], g2))
     for t in leaves:
         if t is None:
@@ -308,6 +322,10 @@ def segment_bwd(
         g = a if b is None else (b if a is None else a + b)
         grads.append(torch.zeros_like(t) if g is None else g)
     yield grads[1]
+    if known:
+        with torch.no_grad():
+            dS_in = L + torch.exp(log_a.detach())[:, :, None, None].to(L.dtype) * dS_out.to(L.dtype)
+        return (grads[0], *grads[2:], dS_in)
     return (grads[0], *grads[2:])
 
 

@@ -15,6 +15,17 @@ of the same shard, nowhere) and the backend's code still reads "post, compute, w
 
 A handle is anything with ``wait()``. ``LocalExchange`` is the exchange of a lone segment: the
 initial state comes in, the final state goes out, nothing is communicated.
+
+Where the incoming state is known before the segment starts (a group of one, each tile of its chain, a
+block tile), the generators run without a summary ("known mode"):
+
+    forward   out, y, S_out = run_fwd_known(segment_fwd(..., S_in=S_in))
+                  segment_fwd yields nothing and returns the state after the segment too (fp32 or wider)
+    backward  grads, dS_in, dhalo = run_bwd_known(segment_bwd(..., dS_out=dS_out), post_halo_grad)
+                  segment_bwd yields only the halo's gradient and returns the gradient reaching S_in last
+
+so that a backend can skip what only the exchange needs (the Triton backend: the forward's fold of the
+chunk states, and the backward's separate L; dS_in = L + exp(log_a) dS_out comes out of one fold).
 """
 
 from __future__ import annotations
@@ -56,6 +67,25 @@ def drive_bwd(gen, post_grad, post_halo_grad=None):
     if dhalo is not None and post_halo_grad is not None:
         dhalo = post_halo_grad(dhalo)
     return finish(gen, None), dhalo
+
+
+def run_fwd_known(gen):
+    """Runs a ``segment_fwd`` generator started with ``S_in=``: it yields nothing. -> (out, y, S_out)."""
+    try:
+        next(gen)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("a segment generator in known mode (S_in given) yielded a summary")
+
+
+def run_bwd_known(gen, post_halo_grad=None):
+    """Runs a ``segment_bwd`` generator started with ``dS_out=``: it yields the halo's gradient once.
+    -> (the gradients, dS_in, post_halo_grad's result or the raw dhalo)."""
+    dhalo = next(gen)
+    if dhalo is not None and post_halo_grad is not None:
+        dhalo = post_halo_grad(dhalo)
+    *grads, dS_in = finish(gen, None)
+    return grads, dS_in, dhalo
 
 
 class LocalExchange:

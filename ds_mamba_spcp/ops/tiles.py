@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import Ready, finish
+from ds_mamba_spcp.ops.segment import Ready, finish, run_bwd_known, run_fwd_known
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 
@@ -132,14 +132,17 @@ def _fold(chains, summaries, decay):
     return _cat(S_ext_rows), _cat(log_a_rows)
 
 
-def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec, seq_idx=None, keep_y=False):
+def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec, seq_idx=None, keep_y=False,
+                S_in=None):  # fmt: skip
     """``backend.segment_fwd`` over ``tiles`` (the protocol of ops/segment.py). ``saved`` receives the
     tiles' incoming states and decays exp(log_a) ("S_in", "decay": lists per row group; None in a row group of
-    one tile) for segment_bwd; the kept y is a list with one entry per tile."""
+    one tile) for segment_bwd; the kept y is a list with one entry per tile. Known mode (S_in given): ``_known_fwd``."""
     chains = _chains(zxbcdt, halo, seq_idx, spec, tiles)
     out = torch.empty(*zxbcdt.shape[:2], spec.d_inner, dtype=zxbcdt.dtype, device=zxbcdt.device)
     # a backend that can writes each tile's output into its view of out (no copy afterwards)
     into = getattr(backend, "WRITES_INTO", False)
+    if S_in is not None:
+        return _known_fwd(backend, chains, saved, out, into, params, spec, keep_y, S_in)
     gens, summaries = [], []
     for ch in chains:
         for k, (s, e) in enumerate(ch.spans):
@@ -182,13 +185,18 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec,
 
 
 def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params, S_in, spec, seq_idx=None,
-                kept=None):  # fmt: skip
+                kept=None, dS_out=None):  # fmt: skip
     """``backend.segment_bwd`` over ``tiles``; ``saved`` as filled by ``segment_fwd``; ``kept``: a list
-    holding the list of the tiles' kept y (or nothing)."""
+    holding the list of the tiles' kept y (or nothing). Known mode (dS_out given): ``_known_bwd``."""
     chains = _chains(zxbcdt, halo, seq_idx, spec, tiles)
     ys = kept.pop() if kept else None
     dzxbcdt = torch.empty_like(zxbcdt)
     into = getattr(backend, "WRITES_INTO", False)  # each tile's gradient lands in its view of dzxbcdt
+    if dS_out is not None:
+        dhalo, result = _known_bwd(backend, chains, saved, dout, dzxbcdt, into, params, spec, ys, dS_out)
+        del ys
+        yield dhalo
+        return result
     gens, Ls, i = [], [], 0
     for c, ch in enumerate(chains):
         for k, (s, e) in enumerate(ch.spans):
@@ -241,6 +249,66 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
         i += n
     yield None if dhalo_rows[0] is None else torch.cat(dhalo_rows)
     return (dzxbcdt, *dparams)
+
+
+# ---------------------------------------------------------------------------------------------
+# known mode (ops/segment.py): the incoming state is there before the first tile (a group of one), so each
+# tile runs from its first kernel to its end before the next starts, with its own incoming state: no summary
+# and no fold of summaries, and one tile's intermediates alive at a time (forward and backward)
+# ---------------------------------------------------------------------------------------------
+
+
+def _known_fwd(backend, chains, saved, out, into, params, spec, keep_y, S_in):
+    """-> (out, ys (one per tile, or None), S_out (rows, ...): the state after every row's last tile)."""
+    ys, finals = [], []
+    saved["S_in"], saved["decay"] = [], []
+    for ch in chains:
+        state, states = S_in[ch.r0 : ch.r1], []
+        for k, (s, e) in enumerate(ch.spans):
+            extra = dict(out=out[ch.r0 : ch.r1, s:e]) if into else {}
+            tile_in = ch.keep(k, state)
+            gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
+                                      keep_y=keep_y, S_in=tile_in, **extra)  # fmt: skip
+            tile_out, y, state = run_fwd_known(gen)
+            _put(out[ch.r0 : ch.r1, s:e], tile_out)
+            ys.append(y)
+            states.append(tile_in)
+        saved["S_in"].append(states)
+        saved["decay"].append([None] * len(states))  # the known backward needs no decays
+        finals.append(state)
+    return out, (ys if keep_y else None), _cat(finals)
+
+
+def _known_bwd(backend, chains, saved, dout, dzxbcdt, into, params, spec, ys, dS_out):
+    """From every row's last tile back, each tile's backward whole, its dS_in the dS_out of the tile before.
+    -> (the segment's halo gradient or None, (dzxbcdt, *dparams, dS_in))."""
+    dparams, dhalo_rows, dS_in_rows, i = None, [], [], 0
+    xbc = slice(spec.d_inner, spec.d_inner + spec.conv_dim)
+    K = spec.d_conv
+    for c, ch in enumerate(chains):
+        n = len(ch.spans)
+        grad, carry = dS_out[ch.r0 : ch.r1], None  # carry: the halo gradient tile k+1 sends to tile k's last rows
+        for k in reversed(range(n)):
+            s, e = ch.spans[k]
+            tile_kept = [ys[i + k]] if ys is not None and ys[i + k] is not None else None
+            extra = dict(dzxbcdt=dzxbcdt[ch.r0 : ch.r1, s:e]) if into else {}
+            gen = backend.segment_bwd(dout[ch.r0 : ch.r1, s:e], ch.zx[:, s:e], _halo_value(ch, k), *params,
+                                      saved["S_in"][c][k], spec=spec, seq_idx=ch.labels[k], kept=tile_kept,
+                                      dS_out=grad, **extra)  # fmt: skip
+            tile_grads, dS_in, dhalo = run_bwd_known(gen)
+            _put(dzxbcdt[ch.r0 : ch.r1, s:e], tile_grads[0])
+            if carry is not None:
+                dzxbcdt[ch.r0 : ch.r1, e - (K - 1) : e, xbc].add_(carry.to(dzxbcdt.dtype))  # (+= would copy it back)
+            dparams = _add(dparams, tile_grads[1:])
+            if k > 0:
+                carry = None if dhalo is None else _masked(dhalo, ch.masks[k])
+                grad = ch.keep(k, dS_in)  # a tile that begins a document got no state: none of its gradient passes
+            else:
+                dhalo_rows.append(dhalo)
+                dS_in_rows.append(dS_in)
+        i += n
+    dhalo = None if dhalo_rows[0] is None else torch.cat(dhalo_rows)
+    return dhalo, (dzxbcdt, *dparams, _cat(dS_in_rows))
 
 
 def _cat(rows):
@@ -310,19 +378,28 @@ def forward_known(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None, in
     chains = _chains_of(zxbcdt, halo, seq_idx, spec, groups)
     out, states = _Out(zxbcdt, spec, chains), []
     for ch in chains:
-        state, after = None if initial_states is None else initial_states[ch.r0 : ch.r1], []
+        state = _state_rows(zxbcdt, spec, ch) if initial_states is None else initial_states[ch.r0 : ch.r1]
+        state, after = state.to(_state_dtype(zxbcdt)), []
         for k, (s, e) in enumerate(ch.spans):
             gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
-                                      keep_y=False)  # fmt: skip
-            S_ext, log_a = next(gen)
-            S_in = ch.keep(k, torch.zeros_like(S_ext) if state is None else state.to(S_ext.dtype))
-            tile_out, _ = finish(gen, Ready(S_in))
+                                      keep_y=False, S_in=ch.keep(k, state))  # fmt: skip
+            tile_out, _, state = run_fwd_known(gen)  # as the training route's known mode (a group of one) runs it
             out.put(ch, s, e, tile_out)
             del gen, tile_out
-            state = torch.addcmul(S_ext, _decay(ch.log_a(k, log_a)), S_in)  # as segment_fwd rounds it
             after.append(state)
         states.append(after)
     return out.value, states
+
+
+def _state_dtype(zxbcdt):
+    """The states' dtype: fp32, or wider for wider inputs (the fp64 reference)."""
+    return torch.promote_types(zxbcdt.dtype, torch.float32)
+
+
+def _state_rows(zxbcdt, spec: CoreSpec, ch: _Chain):
+    """A zero state for the rows of a chain."""
+    return torch.zeros(ch.r1 - ch.r0, spec.nheads, spec.headdim, spec.dstate, dtype=_state_dtype(zxbcdt),
+                       device=zxbcdt.device)  # fmt: skip
 
 
 def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None):

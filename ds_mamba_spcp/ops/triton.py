@@ -57,6 +57,7 @@ import triton.language as tl
 from ds_mamba_spcp import _upstream
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops import launch
+from ds_mamba_spcp.ops.segment import Ready
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 _upstream.check_pinned_versions()
@@ -196,12 +197,13 @@ def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None, seq_id
 
 @triton.jit
 def _fold_chunks_kernel(
-    x_ptr, dA_ptr, out_ptr, seq_idx_ptr, log_a_ptr, nchunks, dim, seqlen, chunk_size,
+    x_ptr, dA_ptr, out_ptr, seq_idx_ptr, log_a_ptr, init_ptr, nchunks, dim, seqlen, chunk_size,
     stride_x_b, stride_x_c, stride_x_h, stride_x_d,
     stride_dA_b, stride_dA_h, stride_dA_c,
     stride_out_b, stride_out_h, stride_out_d,
-    stride_seq_b, stride_seq_l, stride_la_b, stride_la_h,
-    REVERSE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, LOG_A: tl.constexpr, BLOCK: tl.constexpr,
+    stride_seq_b, stride_seq_l, stride_la_b, stride_la_h, stride_init_b, stride_init_h, stride_init_d,
+    REVERSE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, LOG_A: tl.constexpr, HAS_INIT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_b, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -209,7 +211,11 @@ def _fold_chunks_kernel(
     x_ptr += pid_b * stride_x_b + pid_h * stride_x_h + offs * stride_x_d
     dA_ptr += pid_b * stride_dA_b + pid_h * stride_dA_h
     seq_idx_ptr += pid_b * stride_seq_b
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    if HAS_INIT:
+        init_ptrs = init_ptr + pid_b * stride_init_b + pid_h * stride_init_h + offs * stride_init_d
+        acc = tl.load(init_ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
     total = tl.zeros((1,), dtype=tl.float32)
     for i in range(nchunks):
         c = nchunks - 1 - i if REVERSE else i
@@ -234,8 +240,8 @@ def _fold_chunks_kernel(
         tl.store(log_a_ptr + pid_b * stride_la_b + pid_h * stride_la_h + one, total, mask=(one + pid_m) == 0)
 
 
-def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, log_a=False):
-    """acc <- s_c * acc + x[c] over the chunks, from zero; fp32 (b, h, p, n).
+def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, log_a=False, init=None):
+    """acc <- s_c * acc + x[c] over the chunks, from zero (or from init (b, h, p, n)); fp32 (b, h, p, n).
 
     x: (b, c, h, p, n) per-chunk values; dA_last: (b, h, c) each chunk's total log-decay; s_c =
     exp(dA_last[c]), zeroed for a chunk whose last token starts or lies in another document than the
@@ -247,6 +253,9 @@ def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, lo
     (dinitial_states), but the per-chunk outputs those write and we would throw away are never
     stored: one read of x. log_a=True: also returns the segment's total log-decay (b, h) fp32 from
     the same launch, the sum of dA_last over the chunks (-inf for a row whose labels end past 0).
+    init (reverse, known mode): dS_out, the gradient reaching the state after the segment; the fold then
+    returns dS_in = L + exp(log_a) dS_out, carried through the chunks as _state_passing_bwd carries
+    dfinal_states, in fp32 (its own dinitial_states would be in the compute dtype).
     """
     b, nchunks, h, p, n = x.shape
     flat = x.reshape(b, nchunks, h, p * n)
@@ -257,12 +266,14 @@ def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, lo
     grid = (triton.cdiv(p * n, block), b, h)
     has_seq = seq_idx is not None
     seq_strides = seq_idx.stride() if has_seq else (0, 0)
+    init_flat = None if init is None else init.reshape(b, h, p * n)
     with torch.cuda.device(x.device.index):
         k.fold_chunks[grid](
-            flat, dA_last, out, seq_idx if has_seq else flat, total, nchunks, p * n,
-            seq_idx.shape[1] if has_seq else 0, chunk_size if has_seq else 0,
+            flat, dA_last, out, seq_idx if has_seq else flat, total, flat if init is None else init_flat, nchunks,
+            p * n, seq_idx.shape[1] if has_seq else 0, chunk_size if has_seq else 0,
             *flat.stride(), *dA_last.stride(), *out.stride(), *seq_strides, *(total.stride() if log_a else (0, 0)),
-            REVERSE=reverse, HAS_SEQ_IDX=has_seq, LOG_A=log_a, BLOCK=block, num_warps=4,
+            *(init_flat.stride() if init is not None else (0, 0, 0)),
+            REVERSE=reverse, HAS_SEQ_IDX=has_seq, LOG_A=log_a, HAS_INIT=init is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return (out.view(b, h, p, n), total) if log_a else out.view(b, h, p, n)
 
@@ -407,7 +418,7 @@ WRITES_INTO = True  # segment_fwd takes out=, segment_bwd dzxbcdt=: buffers (vie
 
 def segment_fwd(
     zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False,
-    out=None,
+    out=None, S_in=None,
 ):  # fmt: skip
     """Forward of one causal segment (segments packed on the batch axis), a generator with the
     protocol of ``ops/reference.py``'s (see ``ops/segment.py``).
@@ -419,31 +430,45 @@ def segment_fwd(
     the pre-gate output when keep_y (what upstream's op saves; the backward then skips one
     _chunk_scan_fwd), else None. out: a (batch, seqlen, nheads*headdim) buffer (a view of a longer
     one) to write the output into where the kernels can (the returned out is then that buffer).
+    Known mode (``ops/segment.py``): S_in (fp32) given, no fold and nothing yielded; returns (out, y, S_out),
+    S_out the state passing's final state (as mamba-ssm's op carries it).
     """
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
     D = D.contiguous()
     k = _kernels()
+    known = S_in is not None
     z, _, _, x, B, C, dt, dA_cumsum, chunk_states = _scan_inputs(
         zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx
     )
-    dA_last = dA_cumsum[:, :, :, -1]
-    # S_ext and log_a (the segment's total decay, exp(log_a); -inf where a document starts inside) in one launch
-    S_ext, log_a = _fold_chunks(
-        chunk_states, dA_last, reverse=False, seq_idx=seq_idx, chunk_size=spec.chunk_size, log_a=True
-    )
-    handle = yield S_ext, log_a
-    CB = k.bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)  # overlaps
-    S_in = handle.wait()
-    prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, C.dtype, seq_idx, spec.chunk_size)
+    if known:
+        CB = k.bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)
+    else:
+        # S_ext and log_a (the segment's total decay, exp(log_a); -inf where a document starts inside): one launch
+        S_ext, log_a = _fold_chunks(
+            chunk_states, dA_cumsum[:, :, :, -1], reverse=False, seq_idx=seq_idx, chunk_size=spec.chunk_size,
+            log_a=True,
+        )  # fmt: skip
+        handle = yield S_ext, log_a
+        CB = k.bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)  # overlaps
+        S_in = handle.wait()
+    prev_states, S_out = _pass_states(chunk_states, dA_cumsum, S_in, C.dtype, seq_idx, spec.chunk_size)
     del chunk_states
+    res, y = _scan_out(CB, x, dt, dA_cumsum, C, prev_states, D, z, rmsnorm_weight, spec, seq_idx, out, k)
+    y = y if keep_y else None  # y: before the gate
+    return (res, y, S_out) if known else (res, y)
+
+
+def _scan_out(CB, x, dt, dA_cumsum, C, prev_states, D, z, rmsnorm_weight, spec, seq_idx, out, k):
+    """The chunk scan and the gate (or the gated RMSNorm): (out (batch, seqlen, d_inner), y)."""
+    batch, seqlen = x.shape[:2]
     if rmsnorm_weight is None:
         if _can_write_scan_into(out, x):
             into = out.unflatten(-1, x.shape[-2:])
             _, y = _chunk_scan_fwd_into(CB, x, dt, dA_cumsum, C, prev_states, D, z, seq_idx, into)
-            return out, (y if keep_y else None)
+            return out, y
         res, y = k.chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z, seq_idx=seq_idx)
-        return res.flatten(-2), (y if keep_y else None)  # y: before the gate
+        return res.flatten(-2), y
     y, _ = k.chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=None, seq_idx=seq_idx)
     y_rms, z_rms = _rms_args(y, z, spec)
     out_rows = None if out is None else _flat_rows(out)
@@ -451,12 +476,12 @@ def segment_fwd(
         y_rms, rmsnorm_weight.contiguous(), None, spec.rmsnorm_eps, z_rms, out=out_rows,
         group_size=spec.d_inner // spec.ngroups, norm_before_gate=spec.norm_before_gate, is_rms_norm=True,
     )  # fmt: skip
-    return (out if out_rows is not None else res.view(batch, seqlen, -1)), (y if keep_y else None)
+    return (out if out_rows is not None else res.view(batch, seqlen, -1)), y
 
 
 def segment_bwd(
     dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, seq_idx=None,
-    kept=None, dzxbcdt=None,
+    kept=None, dzxbcdt=None, dS_out=None,
 ):  # fmt: skip
     """Backward of ``segment_fwd`` by recomputation, a generator with the protocol of ``ops/reference.py``'s.
 
@@ -466,8 +491,10 @@ def segment_bwd(
     D, rmsnorm_weight) (None for None inputs). kept: the list segment_fwd's y was put in; it is
     popped, so that y is freed once the gate's backward has used it. None or empty: y is recomputed.
     dzxbcdt: a buffer shaped like zxbcdt (a view of a longer one) that receives the gradient of zxbcdt
-    (returned as the first gradient) instead of a fresh tensor.
+    (returned as the first gradient) instead of a fresh tensor. Known mode (``ops/segment.py``): dS_out
+    given, L is not yielded; the fold starts from dS_out and gives dS_in (fp32), returned last.
     """
+    known = dS_out is not None
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
     chunk = spec.chunk_size
@@ -519,7 +546,11 @@ def segment_bwd(
     dprev = k.chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, seq_idx=seq_idx, dtype=torch.float32)
     prev_flat, dprev_flat = prev_states.flatten(-2), dprev.flatten(-2)
     dA_last = dA_cumsum[:, :, :, -1]
-    handle = yield _fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk)
+    if known:
+        dS_in = _fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk, init=dS_out)
+        handle = Ready(dS_out)
+    else:
+        handle = yield _fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk)
 
     # needs no dS_out: overlaps the all-gather
     dCB = k.chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, seq_idx=seq_idx, ngroups=spec.ngroups).to(CB.dtype)
@@ -564,7 +595,7 @@ def segment_bwd(
     _, dA, ddt_bias = k.chunk_state._chunk_cumsum_bwd(
         ddA, ddt, dt_raw.clone(), A, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit, ddt=ddt_given
     )  # upstream clones dt here too (a Triton "invalid device context" workaround)
-    return (
+    grads = (
         dzxbcdt,
         dweight,
         dbias,
@@ -573,6 +604,7 @@ def segment_bwd(
         dD,
         drmsnorm_weight,
     )
+    return (*grads, dS_in) if known else grads
 
 
 # ---------------------------------------------------------------------------------------------
