@@ -15,9 +15,13 @@ chain with the algebra the ranks use (docs/design.md, "The algebra"), only local
 
 The generators have the protocol of ``ops/segment.py``, so the strategies use them in place of the
 backend's. Packed rows: a tile that begins a document gets log_a = -inf, S_in = 0 and no L, and its
-halo rows of another document are zeroed (as between ranks). Memory: the tiles' intermediates live
-from their first phase to their finish, as the untiled call's do, so tiling removes the length cap
+halo rows of another document are zeroed (as between ranks). Memory: with ranks, the tiles' intermediates
+live from their first phase to their finish, as the untiled call's do, so tiling removes the length cap
 without lowering the op's peak; the tiles' incoming states (fp32, tiny) are kept for the backward.
+
+Known mode (a group of one: the segment's S_in is there before it starts, ops/segment.py): no summaries and
+no fold; each tile runs whole from the previous one's S_out, and backward from the next one's dS_in, one
+tile's intermediates alive at a time.
 """
 
 from __future__ import annotations
