@@ -138,10 +138,10 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
     carry: None (the sequence starts here) or (state (batch, nheads, headdim, dstate) fp32, tail (batch,
     d_conv, conv_dim)): the state after the previous tokens and their last d_conv pre-conv columns (zeros
     where there were fewer). Returns (out (batch, tile, nheads*headdim), the carry after this tile): the
-    state S_out = exp(log_a) * S_in + S_ext (the algebra the ranks use, DESIGN.md section 2, here from
+    state S_out = exp(log_a) * S_in + S_ext (the algebra the ranks use, docs/design.md "The algebra", here from
     one tile to the next) and the new tail; ``carry[1].transpose(1, 2)`` is the decode conv state."""
     from ds_mamba_spcp.ops import get_backend
-    from ds_mamba_spcp.ops.segment import Ready
+    from ds_mamba_spcp.ops.segment import run_fwd_known
     from ds_mamba_spcp.ops.spec import CoreSpec
 
     args, kwargs = core.op_arguments()
@@ -160,14 +160,11 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
     else:
         state, tail = carry
     with torch.no_grad():
+        # known mode (ops/segment.py): the carried state is the tile's S_in, its S_out the next carry
         gen = get_backend(backend, zxbcdt.device).segment_fwd(
-            zxbcdt, tail[:, 1:], conv1d_weight, conv1d_bias, dt_bias, A, D, kwargs["rmsnorm_weight"], spec=spec
-        )
-        S_ext, log_a = next(gen)
-        try:
-            gen.send(Ready(state.to(S_ext.dtype)))
-        except StopIteration as stop:
-            out, _ = stop.value
-        new_state = torch.exp(log_a)[..., None, None] * state.to(S_ext.dtype) + S_ext
+            zxbcdt, tail[:, 1:], conv1d_weight, conv1d_bias, dt_bias, A, D, kwargs["rmsnorm_weight"], spec=spec,
+            S_in=state.to(torch.promote_types(zxbcdt.dtype, torch.float32)),
+        )  # fmt: skip
+        out, _, new_state = run_fwd_known(gen)
         new_tail = torch.cat([tail, zxbcdt[..., d_inner : d_inner + conv_dim]], 1)[:, -d_conv:]
     return out, (new_state, new_tail)
