@@ -226,8 +226,6 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
     dS_out_all = handle.wait()
     dparams = None
     dhalo_rows = []
-    xbc = slice(spec.d_inner, spec.d_inner + spec.conv_dim)
-    K = spec.d_conv
     i = 0
     for c, ch in enumerate(chains):
         n = len(ch.spans)
@@ -239,9 +237,7 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
             gen = gens[i + k]
             dhalo = gen.send(Ready(grad))
             tile_grads = finish(gen, None)
-            _put(dzxbcdt[ch.r0 : ch.r1, s:e], tile_grads[0])
-            if carry is not None:
-                dzxbcdt[ch.r0 : ch.r1, e - (K - 1) : e, xbc].add_(carry.to(dzxbcdt.dtype))  # (+= would copy it back)
+            _land(dzxbcdt, ch, s, e, tile_grads[0], carry, spec)
             dparams = _add(dparams, tile_grads[1:])
             if k > 0:
                 carry = None if dhalo is None else _masked(dhalo, ch.masks[k])
@@ -287,8 +283,6 @@ def _known_bwd(backend, chains, saved, dout, dzxbcdt, into, params, spec, ys, dS
     """From every row's last tile back, each tile's backward whole, its dS_in the dS_out of the tile before.
     -> (the segment's halo gradient or None, (dzxbcdt, *dparams, dS_in))."""
     dparams, dhalo_rows, dS_in_rows, i = None, [], [], 0
-    xbc = slice(spec.d_inner, spec.d_inner + spec.conv_dim)
-    K = spec.d_conv
     for c, ch in enumerate(chains):
         n = len(ch.spans)
         grad, carry = dS_out[ch.r0 : ch.r1], None  # carry: the halo gradient tile k+1 sends to tile k's last rows
@@ -300,9 +294,7 @@ def _known_bwd(backend, chains, saved, dout, dzxbcdt, into, params, spec, ys, dS
                                       saved["S_in"][c][k], spec=spec, seq_idx=ch.labels[k], kept=tile_kept,
                                       dS_out=grad, **extra)  # fmt: skip
             tile_grads, dS_in, dhalo = run_bwd_known(gen)
-            _put(dzxbcdt[ch.r0 : ch.r1, s:e], tile_grads[0])
-            if carry is not None:
-                dzxbcdt[ch.r0 : ch.r1, e - (K - 1) : e, xbc].add_(carry.to(dzxbcdt.dtype))  # (+= would copy it back)
+            _land(dzxbcdt, ch, s, e, tile_grads[0], carry, spec)
             dparams = _add(dparams, tile_grads[1:])
             if k > 0:
                 carry = None if dhalo is None else _masked(dhalo, ch.masks[k])
@@ -313,6 +305,16 @@ def _known_bwd(backend, chains, saved, dout, dzxbcdt, into, params, spec, ys, dS
         i += n
     dhalo = None if dhalo_rows[0] is None else torch.cat(dhalo_rows)
     return dhalo, (dzxbcdt, *dparams, _cat(dS_in_rows))
+
+
+def _land(dzxbcdt, ch, s, e, dzx, carry, spec: CoreSpec):
+    """A tile's gradient of zxbcdt into its view of the whole, plus on its last rows the halo gradient that tile
+    k+1 sent back (carry, or None)."""
+    _put(dzxbcdt[ch.r0 : ch.r1, s:e], dzx)
+    if carry is not None:
+        xbc = slice(spec.d_inner, spec.d_inner + spec.conv_dim)
+        rows = slice(e - (spec.d_conv - 1), e)
+        dzxbcdt[ch.r0 : ch.r1, rows, xbc].add_(carry.to(dzxbcdt.dtype))  # (+= would copy it back)
 
 
 def _cat(rows):
