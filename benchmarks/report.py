@@ -40,17 +40,18 @@ def load(paths: list[str]) -> tuple[list[dict], list[dict]]:
 
 
 def _key(r: dict) -> tuple:
-    return (r["cp"], r["nheads"], r["ngroups"], r["batch"], r.get("docs_per_row", 0), r["seqlen"], r["mode"],
-            bool(r["cuda_graph"]))  # fmt: skip
+    return (r["cp"], *_shape(r), r["seqlen"], r["mode"], bool(r["cuda_graph"]))
 
 
 def _shape(r: dict) -> tuple:
-    """(nheads, ngroups, batch, documents per row: 0 for unpacked rows)."""
-    return (r["nheads"], r["ngroups"], r["batch"], r.get("docs_per_row", 0))
+    """(nheads, ngroups, batch, documents per row: 0 for unpacked rows, tile length: 0 for none). Cells of one
+    length in different tiles (bench_mixer's ``128K:32K,32K:16K,32K:8K``) are different shapes, not one cell."""
+    return (r["nheads"], r["ngroups"], r["batch"], r.get("docs_per_row", 0), r.get("tile_length") or 0)
 
 
 def _shape_text(shape) -> str:
-    return f"nheads={shape[0]}, ngroups={shape[1]}, batch={shape[2]}" + (f", {shape[3]} docs/row" if shape[3] else "")
+    text = f"nheads={shape[0]}, ngroups={shape[1]}, batch={shape[2]}" + (f", {shape[3]} docs/row" if shape[3] else "")
+    return text + (f", tiles of {fmt_len(shape[4])}" if shape[4] else "")
 
 
 def _ok(r) -> bool:
@@ -417,7 +418,7 @@ def plot(idx: Index, prefix: str) -> list[str]:
                 ax.legend(fontsize=8)
         fig.suptitle(f"Mamba2 mixer core fwd+bwd, {_shape_text(shape)}")
         fig.tight_layout()
-        docs = f"_d{shape[3]}" if shape[3] else ""
+        docs = (f"_d{shape[3]}" if shape[3] else "") + (f"_t{shape[4]}" if shape[4] else "")
         path = f"{prefix}.png" if i == 0 else f"{prefix}_h{shape[0]}_g{shape[1]}_b{shape[2]}{docs}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -195,6 +195,25 @@ def test_target_check_verdicts():
     assert report.verdict(only("CUDA graphs, L=8K and 16K")) == "NO DATA"
 
 
+def test_report_keeps_cells_of_one_length_in_different_tiles_apart():
+    """bench_mixer's 32K:16K and 32K:8K cells share L = 32K: each tile length is a section of its own (the report
+    used to keep only the last one read). Hand-made records, not measurements."""
+    report = _load_report()
+    K = 1024
+
+    def rec(mode, ms, tile, graph=False):
+        return dict(mode=mode, cp=1, seqlen=32 * K, batch=1, nheads=64, ngroups=8, cuda_graph=graph, status="ok",
+                    fwd_bwd_ms=ms, peak_mem_gib=None, tile_length=tile)  # fmt: skip
+
+    records = [rec("ideal", 7.5, 16 * K), rec("state_passing", 8.1, 16 * K), rec("ideal", 7.5, 8 * K),
+               rec("state_passing", 13.4, 8 * K)]  # fmt: skip
+    idx = report.Index(records)
+    assert len(idx.shapes()) == 2
+    text = report.markdown([dict(file="hand-made.json", complete=True)], idx, report.check_targets(idx))
+    assert "tiles of 16K" in text and "tiles of 8K" in text, text
+    assert "8.10" in text and "13.40" in text, text
+
+
 def test_profile_host_cpu(tmp_path):
     """benchmarks/profile_host.py on 2 gloo ranks: one profile per mode, naming the op's own code."""
     port = free_port()
