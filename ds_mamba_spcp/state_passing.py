@@ -39,7 +39,7 @@ from ds_mamba_spcp import comm, documents, layout, modes, scan
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops import tiles as tiling
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import Ready, drive_bwd, drive_fwd, run_bwd_known, run_fwd_known
+from ds_mamba_spcp.ops.segment import drive_bwd, drive_fwd, run_bwd_known, run_fwd_known, state_dtype, zero_state
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 
@@ -183,6 +183,7 @@ class _HaloGrad:
 
 class _SummaryExchange:
     """Where the backend's summaries go: post the local ones, wait for S_in (and the mirror in backward).
+    With ranks only: the lone segment of a group of one runs in known mode (``_forward``) and posts nothing.
 
     Local segments sit on the batch axis: row i*nlocal + k is batch element i's local segment k
     (layout.pack_segments). start0: (b*nlocal,) bool, the segments that begin a document, or None.
@@ -205,15 +206,6 @@ class _SummaryExchange:
         """S_ext (b*nlocal, h, p, n), log_a (b*nlocal, h), both fp32 or wider."""
         cdtype = torch.promote_types(S_ext.dtype, torch.float32)
         S_ext, log_a = S_ext.to(cdtype), log_a.to(cdtype)
-        if self.plan.alone:  # S_in is the initial state: nothing is gathered or scanned
-            # the one-segment scan, term for term: S_in = initial (or 0), final = a * initial + S_ext
-            self.log_a_all = log_a[None]
-            if self.initial_states is None:
-                self.S_in, self.final_states = torch.zeros_like(S_ext), S_ext
-            else:
-                self.S_in = self.initial_states.to(cdtype)
-                self.final_states = S_ext + torch.exp(log_a)[:, :, None, None] * self.S_in
-            return Ready(self.S_in)
         if self.start0 is not None:
             log_a = torch.where(self.start0[:, None], float("-inf"), log_a)
         numel = S_ext[0].numel()
@@ -233,14 +225,6 @@ class _SummaryExchange:
     def post_grad(self, L):
         """L (b*nlocal, h, p, n): gradient reaching the incoming states from this rank's outputs."""
         cdtype = torch.promote_types(L.dtype, torch.float32)
-        if self.plan.alone:  # S_in is the initial state: nothing is gathered or scanned
-            L = L.to(cdtype)
-            if self.dfinal_states is None:
-                self.dinitial_states = L
-                return Ready(torch.zeros_like(L))
-            dS_out = self.dfinal_states.to(cdtype)
-            self.dinitial_states = L + torch.exp(self.log_a_all[0].to(cdtype))[:, :, None, None] * dS_out
-            return Ready(dS_out)
         L = self.plan.split(self._keep(L.to(cdtype)))
         if self.dfinal_states is not None:
             # final_states is returned on every rank: the gradients that reach its copies add up
@@ -319,12 +303,7 @@ def _forward(zxbcdt, params, initial_states, seq_idx, st: _Static):
     if plan.alone:
         # a group of one: S_in is the initial state (or zeros), known before the segment starts, so the backend
         # runs it (and its tiles, one after the other) in known mode: no summary (ops/segment.py)
-        dtype = torch.promote_types(rows.dtype, torch.float32)
-        S_in = (
-            torch.zeros(rows.shape[0], spec.nheads, spec.headdim, spec.dstate, dtype=dtype, device=rows.device)
-            if initial_states is None
-            else initial_states.to(dtype)
-        )
+        S_in = zero_state(rows, spec) if initial_states is None else initial_states.to(state_dtype(rows))
         gen = st.segment_fwd(tiles, saved, rows, halo, *params, spec=spec, seq_idx=local_ids, keep_y=keep_y,
                              S_in=S_in)  # fmt: skip
         out, y, exchange.final_states = run_fwd_known(gen)

@@ -141,7 +141,7 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
     state S_out = exp(log_a) * S_in + S_ext (the algebra the ranks use, docs/design.md "The algebra", here from
     one tile to the next) and the new tail; ``carry[1].transpose(1, 2)`` is the decode conv state."""
     from ds_mamba_spcp.ops import get_backend
-    from ds_mamba_spcp.ops.segment import run_fwd_known
+    from ds_mamba_spcp.ops.segment import run_fwd_known, state_dtype, zero_state
     from ds_mamba_spcp.ops.spec import CoreSpec
 
     args, kwargs = core.op_arguments()
@@ -154,8 +154,7 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
     d_inner, (conv_dim, d_conv) = A.shape[0] * core.headdim, conv1d_weight.shape
     batch = zxbcdt.shape[0]
     if carry is None:
-        state = torch.zeros(batch, A.shape[0], core.headdim, spec.dstate, dtype=torch.float32, device=zxbcdt.device)
-        state = state.to(torch.promote_types(zxbcdt.dtype, torch.float32))
+        state = zero_state(zxbcdt, spec)
         tail = zxbcdt.new_zeros(batch, d_conv, conv_dim)
     else:
         state, tail = carry
@@ -163,7 +162,7 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
         # known mode (ops/segment.py): the carried state is the tile's S_in, its S_out the next carry
         gen = get_backend(backend, zxbcdt.device).segment_fwd(
             zxbcdt, tail[:, 1:], conv1d_weight, conv1d_bias, dt_bias, A, D, kwargs["rmsnorm_weight"], spec=spec,
-            S_in=state.to(torch.promote_types(zxbcdt.dtype, torch.float32)),
+            S_in=state.to(state_dtype(zxbcdt)),
         )  # fmt: skip
         out, _, new_state = run_fwd_known(gen)
         new_tail = torch.cat([tail, zxbcdt[..., d_inner : d_inner + conv_dim]], 1)[:, -d_conv:]

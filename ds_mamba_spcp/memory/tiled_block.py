@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.ops import get_backend
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import run_bwd_known, run_fwd_known
+from ds_mamba_spcp.ops.segment import run_bwd_known, run_fwd_known, zero_state
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 KEY = "mamba_sequence_parallel.block_tile_tokens"
@@ -138,9 +138,7 @@ class _Block:
                 halo = F.pad(halo, (0, 0, K - 1 - nhalo, 0))
         core = mixer._core()
         if S_in is None:
-            dtype = torch.promote_types(zxbcdt.dtype, torch.float32)
-            S_in = torch.zeros(zxbcdt.shape[0], spec.nheads, spec.headdim, spec.dstate, dtype=dtype,
-                               device=zxbcdt.device)  # fmt: skip
+            S_in = zero_state(zxbcdt, spec)
         if self.starts[k] is not None:  # a tile that begins a document gets no state
             S_in = S_in * (~self.starts[k]).to(S_in.dtype)[:, None, None, None]
         with torch.autocast(device_type=zxbcdt.device.type, enabled=False):

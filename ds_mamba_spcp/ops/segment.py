@@ -69,6 +69,17 @@ def drive_bwd(gen, post_grad, post_halo_grad=None):
     return finish(gen, None), dhalo
 
 
+def state_dtype(zxbcdt) -> torch.dtype:
+    """The dtype of the states a backend carries for ``zxbcdt``: fp32, or wider for wider inputs (fp64)."""
+    return torch.promote_types(zxbcdt.dtype, torch.float32)
+
+
+def zero_state(zxbcdt, spec) -> torch.Tensor:
+    """A zero incoming state (batch, nheads, headdim, dstate) for the rows of ``zxbcdt``."""
+    return torch.zeros(zxbcdt.shape[0], spec.nheads, spec.headdim, spec.dstate, dtype=state_dtype(zxbcdt),
+                       device=zxbcdt.device)  # fmt: skip
+
+
 def run_fwd_known(gen):
     """Runs a ``segment_fwd`` generator started with ``S_in=``: it yields nothing. -> (out, y, S_out)."""
     try:

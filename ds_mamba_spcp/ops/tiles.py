@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import Ready, finish, run_bwd_known, run_fwd_known
+from ds_mamba_spcp.ops.segment import Ready, finish, run_bwd_known, run_fwd_known, state_dtype, zero_state
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 
@@ -258,24 +258,34 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
 # ---------------------------------------------------------------------------------------------
 
 
+def _known_tiles(backend, ch, params, spec, keep_y, state, out=None):
+    """One chain's tiles in known mode, each run whole before the next starts: yields (s, e, S_in, out, y, S_out)
+    per tile, S_out the next tile's S_in. out: the buffer the backend may write each tile's output into."""
+    for k, (s, e) in enumerate(ch.spans):
+        extra = dict(out=out[ch.r0 : ch.r1, s:e]) if out is not None else {}
+        tile_in = ch.keep(k, state)
+        gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
+                                  keep_y=keep_y, S_in=tile_in, **extra)  # fmt: skip
+        tile_out, y, state = run_fwd_known(gen)
+        yield s, e, tile_in, tile_out, y, state
+        tile_out = y = None  # the caller has what it keeps: this tile's output goes before the next tile runs
+
+
 def _known_fwd(backend, chains, saved, out, into, params, spec, keep_y, S_in):
     """-> (out, ys (one per tile, or None), S_out (rows, ...): the state after every row's last tile)."""
     ys, finals = [], []
     saved["S_in"], saved["decay"] = [], []
     for ch in chains:
-        state, states = S_in[ch.r0 : ch.r1], []
-        for k, (s, e) in enumerate(ch.spans):
-            extra = dict(out=out[ch.r0 : ch.r1, s:e]) if into else {}
-            tile_in = ch.keep(k, state)
-            gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
-                                      keep_y=keep_y, S_in=tile_in, **extra)  # fmt: skip
-            tile_out, y, state = run_fwd_known(gen)
+        states, afters = [], []
+        tiles = _known_tiles(backend, ch, params, spec, keep_y, S_in[ch.r0 : ch.r1], out if into else None)
+        for s, e, tile_in, tile_out, y, S_out in tiles:
             _put(out[ch.r0 : ch.r1, s:e], tile_out)
             ys.append(y)
             states.append(tile_in)
+            afters.append(S_out)
         saved["S_in"].append(states)
         saved["decay"].append([None] * len(states))  # the known backward needs no decays
-        finals.append(state)
+        finals.append(afters[-1])
     return out, (ys if keep_y else None), _cat(finals)
 
 
@@ -384,28 +394,15 @@ def forward_known(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None, in
     chains = _chains_of(zxbcdt, halo, seq_idx, spec, groups)
     out, states = _Out(zxbcdt, spec, chains), []
     for ch in chains:
-        state = _state_rows(zxbcdt, spec, ch) if initial_states is None else initial_states[ch.r0 : ch.r1]
-        state, after = state.to(_state_dtype(zxbcdt)), []
-        for k, (s, e) in enumerate(ch.spans):
-            gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
-                                      keep_y=False, S_in=ch.keep(k, state))  # fmt: skip
-            tile_out, _, state = run_fwd_known(gen)  # as the training route's known mode (a group of one) runs it
+        given = None if initial_states is None else initial_states[ch.r0 : ch.r1].to(state_dtype(ch.zx))
+        after = []
+        # the training route's known mode (a group of one) runs the same tiles: the two agree bitwise
+        tiles = _known_tiles(backend, ch, params, spec, False, zero_state(ch.zx, spec) if given is None else given)
+        for s, e, _, tile_out, _, S_out in tiles:
             out.put(ch, s, e, tile_out)
-            del gen, tile_out
-            after.append(state)
+            after.append(S_out)
         states.append(after)
     return out.value, states
-
-
-def _state_dtype(zxbcdt):
-    """The states' dtype: fp32, or wider for wider inputs (the fp64 reference)."""
-    return torch.promote_types(zxbcdt.dtype, torch.float32)
-
-
-def _state_rows(zxbcdt, spec: CoreSpec, ch: _Chain):
-    """A zero state for the rows of a chain."""
-    return torch.zeros(ch.r1 - ch.r0, spec.nheads, spec.headdim, spec.dstate, dtype=_state_dtype(zxbcdt),
-                       device=zxbcdt.device)  # fmt: skip
 
 
 def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None):
