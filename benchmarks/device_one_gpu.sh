@@ -6,6 +6,7 @@
 #   bash benchmarks/device_one_gpu.sh COMMIT STAGE
 # STAGE:
 #   tests       the one-GPU tests of the final tree: the launch path, the conv's C++ path, graphs, offload, tiles, the tiled block, the prefill
+#               (TESTS= picks them, TEST_TIMEOUT= seconds each, 290 by default)
 #               (transformers 5.24 from .whl/extra when it is there)
 #   host_time   issue 23's three cells (eager, whole-step graph, the op's cuda_graphs mode) and the launch lists
 #   sync        issue 23: does the step's host wait for the GPU? (benchmarks/probe_host_sync.py)
@@ -44,7 +45,7 @@ bench_pair() {  # bench_mixer's eager cells through Triton's launch path, then t
 case "$stage" in
 tests)
     for t in ${TESTS:-test_gpu_launch test_gpu_conv test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_prefill_gpu}; do
-        timeout 290 python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1
+        timeout "${TEST_TIMEOUT:-290}" python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1
         echo "$t exit $?: $(grep -E '[0-9]+ (passed|failed)' "$out/$t.log" | tail -1)"
     done ;;
 host_time)
