@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ds_mamba_spcp import _upstream
 from ds_mamba_spcp.autograd import first_order_only
-from ds_mamba_spcp.ops import launch, replay
+from ds_mamba_spcp.ops import launch
 from ds_mamba_spcp.ops.segment import Ready
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
@@ -351,30 +351,11 @@ def _direct_launch(check: bool) -> _Kernels:
     return _DIRECT[check]
 
 
-_REPLAYED: dict[tuple, _Kernels] = {}  # (launch mode, replay check) -> wrappers replayed over those launches
-
-
-def _replayed(launch_mode: str, check: bool) -> _Kernels:
-    """mamba-ssm's wrappers as ``ops/replay.py``'s recorded programs, over Triton's launch path or the launchers."""
-    key = (launch_mode, check)
-    if key not in _REPLAYED:
-        base = _THROUGH_TRITON if launch_mode == "off" else _direct_launch(launch_mode == "check")
-        spaces = replay.redirect(base[:6], check)
-        _REPLAYED[key] = _Kernels(*(spaces[m.__name__] for m in base[:6]), base.fold_chunks, base.ddA_tail)
-    return _REPLAYED[key]
-
-
 def _kernels() -> _Kernels:
     """ops/launch.py's launchers where ``launch.mode()`` says so (by default on a verified Triton), else Triton's
-    own launch path (always under torch.compile, which traces Triton's kernel objects); mamba-ssm's wrappers
-    replayed (``ops/replay.py``) where ``replay.mode`` says so (by default wherever the launchers are on)."""
-    if torch.compiler.is_compiling():
-        return _THROUGH_TRITON
+    own launch path (always under torch.compile, which traces Triton's kernel objects)."""
     mode = launch.mode()
-    replaying = replay.mode(mode)
-    if replaying != "off":
-        return _replayed(mode, replaying == "check")
-    if mode == "off":
+    if mode == "off" or torch.compiler.is_compiling():
         return _THROUGH_TRITON
     return _direct_launch(mode == "check")
 
