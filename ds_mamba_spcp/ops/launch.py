@@ -67,6 +67,9 @@ MAX_KEYS = 64  # per launcher: past it, new keys go through Triton (a call site 
 # "config" (an autotuned kernel launched with the config recorded for its key, then through the launcher below
 # it), "interpreted" (TRITON_INTERPRET)
 COUNTS: collections.Counter = collections.Counter()
+# while ops/programs.py records a call (any thread): a hook every launch of a launcher goes to, which records it
+# (in the recording's thread) and launches it
+RECORDING: list = []
 
 
 class LaunchMismatch(RuntimeError):
@@ -291,6 +294,8 @@ class _Launcher:
         return functools.partial(self._call, grid)
 
     def _call(self, grid, *args, **kwargs):
+        if RECORDING:
+            return RECORDING[-1](self, grid, args, kwargs)
         return self.launch(grid, args, kwargs)[0]
 
     def launch(self, grid, args, kwargs):
@@ -490,12 +495,83 @@ class _HeuristicsLauncher(_Launcher):
         self.arg_names = list(heuristics.arg_names)
         self.values = dict(heuristics.values)
 
-    def launch(self, grid, args, kwargs):
+    def heuristic_kwargs(self, args, kwargs):
         kwargs = dict(kwargs)
         named = dict(zip(self.arg_names, args))
         for name, heuristic in self.values.items():
             kwargs[name] = heuristic({**named, **kwargs})
-        return self.inner.launch(grid, args, kwargs)
+        return kwargs
+
+    def launch(self, grid, args, kwargs):
+        return self.inner.launch(grid, args, self.heuristic_kwargs(args, kwargs))
+
+
+class Bound:
+    """One launch's compiled kernel bound to everything but its tensors' addresses (``bound``): the config's
+    pre-hook, the grid evaluated, the arguments after the positional ones, the device. Called with the positional
+    arguments of a launch that differs from the bound one at most in which tensors it passes (same dtypes): launches
+    it through the C launcher and returns True, or returns False (nothing launched) where a tensor's address modulo
+    16 differs from the bound launch's, which would be another key of the launcher."""
+
+    __slots__ = ("name", "compiled", "pre_hook", "index", "full", "tail", "grid", "device", "tensors", "align")
+
+    def __init__(self, name, compiled, pre_hook, index, full, grid, args, device):
+        self.name, self.compiled, self.pre_hook, self.index, self.full = name, compiled, pre_hook, index, full
+        vals = compiled.values(args, full)
+        self.tail = vals[len(args) :]
+        if callable(grid):
+            grid = grid(_Named(compiled.index, vals, {}))
+        n = len(grid)
+        self.grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
+        self.device = device
+        self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.align = tuple(args[i].data_ptr() & 15 for i in self.tensors)
+
+    def __call__(self, args) -> bool:
+        if tuple(args[i].data_ptr() & 15 for i in self.tensors) != self.align:
+            return False
+        if self.pre_hook is not None:
+            self.pre_hook(_Named(self.index, args, self.full))
+        c = self.compiled
+        stream = _driver_calls()[1](self.device)
+        c._run(*self.grid, stream, c._function, c._packed, None, None, None, *args, *self.tail)
+        COUNTS[self.name, "fast"] += 1
+        return True
+
+
+def bound(launcher, grid, args, kwargs) -> Bound | None:
+    """The launch ``launcher[grid](*args, **kwargs)`` bound (``Bound``), for a launch whose key the launcher has
+    recorded (it ran before); None where it has none, or would not launch it directly (check mode, hooks, an
+    argument not keyed, a tensor among the keywords, the interpreter). The grid is evaluated once: it must depend
+    only on what the key fixes (mamba-ssm's grids read sizes and the config's block sizes), and the heuristics of a
+    ``@triton.heuristics`` layer likewise (mamba-ssm's test arguments for None)."""
+    if _hooks_set() or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None
+    if isinstance(launcher, _HeuristicsLauncher):
+        kwargs = launcher.heuristic_kwargs(args, kwargs)
+        launcher = launcher.inner
+    if isinstance(launcher, _AutotuneLauncher):
+        if launcher.check or not isinstance(launcher.inner, _JitLauncher):
+            return None
+        try:
+            key = launcher.keys(_driver_calls()[0](), args, kwargs)
+        except _Unkeyable:
+            return None
+        entry = launcher.entries.get(key)
+        if entry is None or entry[2] is None or getattr(launcher.inner.kernel, "pre_run_hooks", None):
+            return None
+        pre_hook, config_kwargs, compiled, _ = entry
+        return Bound(launcher.name, compiled, pre_hook, launcher.index, {**kwargs, **config_kwargs}, grid, args, key[0])
+    if isinstance(launcher, _JitLauncher):
+        if launcher.check or getattr(launcher.kernel, "pre_run_hooks", None):
+            return None
+        device = _driver_calls()[0]()
+        try:
+            entry = launcher.entries.get(launcher.keys(device, args, kwargs))
+        except _Unkeyable:
+            return None
+        return None if entry is None else Bound(launcher.name, entry, None, None, kwargs, grid, args, device)
+    return None
 
 
 def is_kernel(obj) -> bool:
