@@ -15,8 +15,10 @@ packed rows (seq_idx), and the plain gate with an initial state and a final-stat
    arguments: the results that (1) found reproducible must be bitwise equal to Triton's path; the others, and
    always the conv weight and bias gradients (causal-conv1d's fp32 atomics), within one bf16 step (relative RMS
    at most eps(bf16), the bound of tests/test_gpu_conv.py for the same atomics).
+   Then ops/programs.py (with the variable at 1): two runs in its check mode (every call run, recorded and
+   compared with its key's program: ``ProgramMismatch`` otherwise) and three replayed; held to the same bounds.
 3. The third run of each mode takes the C launcher for every launch ("fast" counts, none "first" or "through";
-   at 1, none "config" either).
+   at 1, none "config" either); with programs, the third run replays both tiles in both directions.
 4. Negative control: an entry whose compiled kernel is swapped for another kernel's fails check mode.
 """
 
@@ -70,7 +72,7 @@ def _run(case):
 
 @pytest.fixture(scope="module")
 def runs():
-    from ds_mamba_spcp.ops import launch
+    from ds_mamba_spcp.ops import launch, programs
 
     mp = pytest.MonkeyPatch()
     res = {}
@@ -79,19 +81,32 @@ def runs():
             mp.setenv(launch.ENV, "0")
             first, second = _run(case), _run(case)
             mp.setenv(launch.ENV, "check")
+            mp.setenv(programs.ENV, "0")
             # an autotuned kernel's key: Triton's launch, then the jit's first launch with the recorded config
             # (in the first run or the second), then the C launcher; the counts are the third run's
             fast = [_run(case), _run(case)]
             launch.COUNTS.clear()
             fast.append(_run(case))
             counts = dict(launch.COUNTS)
-            # the production path (=1): its own launchers, and from the third run the autotuned launches take
+            # the launch layer alone (=1): its own launchers, and from the third run the autotuned launches take
             # the recorded compiled kernel without the inner key
             mp.setenv(launch.ENV, "1")
             fast += [_run(case), _run(case)]
             launch.COUNTS.clear()
             fast.append(_run(case))
-            res[case] = dict(triton=(first, second), fast=fast, counts=counts, counts_on=dict(launch.COUNTS))
+            counts_on = dict(launch.COUNTS)
+            # programs (ops/programs.py), in check mode: every call run, recorded and compared with its key's program
+            mp.setenv(programs.ENV, "check")
+            fast += [_run(case), _run(case)]
+            # programs replayed (the default where the launch layer is on): counts of the third run
+            mp.setenv(programs.ENV, "1")
+            fast += [_run(case), _run(case)]
+            launch.COUNTS.clear()
+            before = dict(programs.COUNTS)
+            fast.append(_run(case))
+            replayed = {k: v - before.get(k, 0) for k, v in programs.COUNTS.items() if v != before.get(k, 0)}
+            res[case] = dict(triton=(first, second), fast=fast, counts=counts, counts_on=counts_on,
+                             counts_programs=dict(launch.COUNTS), replayed=replayed)  # fmt: skip
     finally:
         mp.undo()
     return res
@@ -114,14 +129,20 @@ def test_fast_launch_equals_triton_launch(runs, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_third_run_takes_the_c_launcher(runs, case):
-    for mode in ("counts", "counts_on"):
+    for mode in ("counts", "counts_on", "counts_programs"):
         by_path = {}
         for name, path in runs[case][mode]:
             by_path.setdefault(path, set()).add(name)
         assert not by_path.get("through") and not by_path.get("first"), (mode, by_path)
         assert len(by_path.get("fast", ())) >= 15, (mode, by_path)  # mamba-ssm's SSD kernels, the norm's, ours
-        if mode == "counts_on":
+        if mode != "counts":
             assert not by_path.get("config"), by_path  # every autotuned launch took the recorded compiled kernel
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_programs_replay_every_tile(runs, case):
+    """The third run with programs replays both tiles in both directions, and nothing runs unrecorded."""
+    assert runs[case]["replayed"] == {("_fwd_known", "replay"): 2, ("_bwd_known", "replay"): 2}, runs[case]
 
 
 def test_check_mode_catches_a_wrong_kernel(runs):

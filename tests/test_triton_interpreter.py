@@ -35,6 +35,7 @@ Runtime: ~1.5 s per segment forward and ~5-7 s per backward on one core; the who
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -189,8 +190,9 @@ def segments_main():
             bad = _run_segment(triton_backend, t, grads, spec, initial_states=None, backward=False)
             results["bug_zero_S_in"] = dict(errs=_errors(bad, want), seconds=0.0)
     results["fold_chunks"] = _fold_chunks_vs_upstream(triton_backend)
-    results["group_of_one_tiled"] = _group_of_one_tiled(triton_backend)
+    results["group_of_one_tiled"], tiled_case = _group_of_one_tiled(triton_backend)
     results["fast_launch"] = _fast_launch_vs_triton(triton_backend, through_triton)
+    results["programs"] = _programs_vs_run(triton_backend, *tiled_case)
     print("RESULT " + json.dumps(results), flush=True)
 
 
@@ -331,7 +333,94 @@ def _group_of_one_tiled(triton_backend):
     finally:
         triton_backend.segment_fwd = real
     res["bug_no_carry"] = _errors({"out": bad["out"]}, want)
+    return res, (t, grads, names, kw, got)  # the case and its results, for _programs_vs_run
+
+
+def _programs_vs_run(triton_backend, t, grads, names, kw, want):
+    """ops/programs.py on the interpreter, through the launch layer: _group_of_one_tiled's case (the public op in a
+    group of one in tiles of 16 of 37 tokens: the rows together in three tiles, the first without a halo, the last
+    of 5 tokens, so three keys per direction; packed, gated RMSNorm, the kept y, initial and final states) twice
+    with programs (DS_MAMBA_SPCP_PROGRAMS=1: the first run records, the second replays), against ``want``, its results
+    with the segment code (Triton's launch path, which the launch layer matches bitwise: test above). Per run: the
+    results that differ (bitwise). Then, forward only: check mode, and two negative controls: the kept forward
+    programs without their last launch (the comparison must see it), and a forward whose ops change under the same
+    key (check mode must raise)."""
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.ops import programs
+
+    def call(mode, backward=True):
+        os.environ[programs.ENV] = mode
+        inputs = {k: t[k].clone().requires_grad_(backward) for k in names}
+        args = [inputs[k] for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D")]
+        out, final = mamba_split_conv1d_scan_sp(*args, SHAPE["chunk"], rmsnorm_weight=inputs["rmsnorm_weight"],
+                                                initial_states=inputs["initial_states"], **kw, backend="triton",
+                                                tile_length=16, recompute_output=False)  # fmt: skip
+        got = {"out": out.detach(), "final_states": final.detach()}
+        if backward:
+            ((out * grads["out"].to(out.dtype)).sum() + (final * grads["final"].to(final.dtype)).sum()).backward()
+            got.update({"d" + k: inputs[k].grad for k in names})
+        return got
+
+    def differ(got, want):
+        return sorted(k for k in got if not torch.equal(got[k], want[k]))
+
+    os.environ["DS_MAMBA_SPCP_FAST_LAUNCH"] = "1"
+    start = time.perf_counter()
+    res = dict(errs={})
+    try:
+        before = collections.Counter(programs.COUNTS)
+        for i in range(2):
+            res["errs"][f"run{i}"] = differ(call("1"), want)
+        res["counts"] = {f"{n}:{p}": c - before[n, p] for (n, p), c in programs.COUNTS.items() if c > before[n, p]}
+        with torch.no_grad():
+            res["errs"]["check"] = differ(call("check", backward=False), want)
+        # negative control 1: the last launch (the chunk scan) of each kept forward program dropped
+        kept = {key: p.steps for key, p in triton_backend._FWD_KNOWN.programs.items()}
+        for p in triton_backend._FWD_KNOWN.programs.values():
+            last = max(i for i, s in enumerate(p.steps) if isinstance(s[1], programs._Launch))
+            p.steps = p.steps[:last] + p.steps[last + 1 :]
+        with torch.no_grad():
+            res["bug_dropped_launch"] = differ(call("1", backward=False), want)
+        for key, steps in kept.items():
+            triton_backend._FWD_KNOWN.programs[key].steps = steps
+        # negative control 2: a forward that clones its output on every other call, under the same key
+        real, flips = triton_backend._scan_out, [0]
+
+        def flipping(*args):
+            flips[0] += 1
+            out, y = real(*args)
+            return (out.clone() if flips[0] % 2 else out), y
+
+        triton_backend._scan_out = flipping
+        try:
+            with torch.no_grad():
+                call("check", backward=False)
+            res["bug_outside_key"] = "no error"
+        except programs.ProgramMismatch as e:
+            res["bug_outside_key"] = f"ProgramMismatch: {e}"[:300]
+        finally:
+            triton_backend._scan_out = real
+    finally:
+        os.environ.pop(programs.ENV, None)
+        os.environ.pop("DS_MAMBA_SPCP_FAST_LAUNCH", None)
+    res["seconds"] = time.perf_counter() - start
     return res
+
+
+def test_programs_replay_equals_the_segment_code(segment_results):
+    """ops/programs.py: a group of one's tiles replayed from recorded programs are bitwise equal to the segment
+    code's run (three replays, both directions, both tile lengths), and so is check mode; a program without one of
+    its launches is not (the comparison sees a dropped step); a segment whose ops change under the same key raises
+    ProgramMismatch in check mode. This is the test of what programs record (aten ops, views, launches, the conv as
+    an extern step) against what the segment code computes; tests/test_programs.py tests the mechanism alone."""
+    res = segment_results["programs"]
+    assert res["errs"] == {"run0": [], "run1": [], "check": []}, res
+    # the rows run together, three tiles: the first run records each tile's key (the first tile has no halo, the
+    # last is 5 tokens long), the second replays all three, in both directions; nothing runs unrecorded
+    want = {f"_{d}_known:{p}": 3 for d in ("fwd", "bwd") for p in ("record", "replay")}
+    assert res["counts"] == want, res["counts"]
+    assert res["bug_dropped_launch"], "a program without its last launch gave the same results"
+    assert res["bug_outside_key"].startswith("ProgramMismatch"), res["bug_outside_key"]
 
 
 def test_fold_chunks_equals_upstream(segment_results):

@@ -56,12 +56,12 @@ import triton.language as tl
 
 from ds_mamba_spcp import _upstream
 from ds_mamba_spcp.autograd import first_order_only
-from ds_mamba_spcp.ops import launch
-from ds_mamba_spcp.ops.segment import Ready
+from ds_mamba_spcp.ops import launch, programs
+from ds_mamba_spcp.ops.segment import Ready, run_bwd_known, run_fwd_known
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 _upstream.check_pinned_versions()
-_conv_fwd_fn, _conv_bwd_fn = _upstream.causal_conv1d_functions()
+_conv_fwd_fn, _conv_bwd_fn = map(programs.extern, _upstream.causal_conv1d_functions())  # C++ writes: program steps
 _bmm = _upstream.mamba_module("ops.triton.ssd_bmm")
 _chunk_state = _upstream.mamba_module("ops.triton.ssd_chunk_state")
 _state_passing = _upstream.mamba_module("ops.triton.ssd_state_passing")
@@ -433,6 +433,18 @@ def segment_fwd(
     Known mode (``ops/segment.py``): S_in (fp32) given, no fold and nothing yielded; returns (out, y, S_out),
     S_out the state passing's final state (as mamba-ssm's op carries it).
     """
+    if S_in is not None:
+        return _known(_FWD_KNOWN, zxbcdt, _ready(halo), conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
+                      S_in, seq_idx, out, spec=spec, keep_y=keep_y)  # fmt: skip
+    return (yield from _segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
+                                    spec=spec, seq_idx=seq_idx, keep_y=keep_y, out=out))  # fmt: skip
+
+
+def _segment_fwd(
+    zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False,
+    out=None, S_in=None,
+):  # fmt: skip
+    """``segment_fwd``'s body (known mode: S_in given)."""
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
     D = D.contiguous()
@@ -494,6 +506,21 @@ def segment_bwd(
     (returned as the first gradient) instead of a fresh tensor. Known mode (``ops/segment.py``): dS_out
     given, L is not yielded; the fold starts from dS_out and gives dS_in (fp32), returned last.
     """
+    if dS_out is not None:
+        y = kept.pop() if kept else None
+        *grads, dS_in, dhalo = _known(_BWD_KNOWN, dout, zxbcdt, _ready(halo), conv1d_weight, conv1d_bias, dt_bias,
+                                      A, D, rmsnorm_weight, S_in, seq_idx, y, dzxbcdt, dS_out, spec=spec)  # fmt: skip
+        yield dhalo
+        return (*grads, dS_in)
+    return (yield from _segment_bwd(dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
+                                    S_in, spec=spec, seq_idx=seq_idx, kept=kept, dzxbcdt=dzxbcdt))  # fmt: skip
+
+
+def _segment_bwd(
+    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, seq_idx=None,
+    kept=None, dzxbcdt=None, dS_out=None,
+):  # fmt: skip
+    """``segment_bwd``'s body (known mode: dS_out given)."""
     known = dS_out is not None
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
@@ -605,6 +632,36 @@ def segment_bwd(
         drmsnorm_weight,
     )
     return (*grads, dS_in) if known else grads
+
+
+def _fwd_known(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, seq_idx, out, *, spec,
+               keep_y):  # fmt: skip
+    """A known-mode forward as one function of tensors (what ``ops/programs.py`` records): (out, y, S_out)."""
+    return run_fwd_known(_segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
+                                      spec=spec, seq_idx=seq_idx, keep_y=keep_y, out=out, S_in=S_in))  # fmt: skip
+
+
+def _bwd_known(dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, seq_idx, y,
+               dzxbcdt, dS_out, *, spec):  # fmt: skip
+    """A known-mode backward as one function of tensors: (*gradients, dS_in, the halo's gradient or None)."""
+    grads, dS_in, dhalo = run_bwd_known(_segment_bwd(
+        dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, spec=spec,
+        seq_idx=seq_idx, kept=None if y is None else [y], dzxbcdt=dzxbcdt, dS_out=dS_out,
+    ))  # fmt: skip
+    return (*grads, dS_in, dhalo)
+
+
+_FWD_KNOWN = programs.Programs(_fwd_known)
+_BWD_KNOWN = programs.Programs(_bwd_known)
+
+
+def _known(core: programs.Programs, *args, **kwargs):
+    """A known-mode segment: replayed from its recorded program where ``programs.mode`` says so (by default wherever
+    the launch layer is on), else run."""
+    mode = "off" if torch.compiler.is_compiling() else programs.mode(launch.mode())
+    if mode == "off":
+        return core.fn(*args, **kwargs)
+    return core(mode == "check", *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,631 @@
+"""A known-mode segment replayed as a recorded program of torch ops and launches (issue 23; ``DS_MAMBA_SPCP_PROGRAMS``).
+
+Why: at short segments the Triton backend is host-bound. With the launch layer (``ops/launch.py``) a segment's
+~25 Triton launches cost the host ~10-25 us each, but everything around them (mamba-ssm's wrappers, this
+package's glue, their ~60 torch ops and ~100 views, ~500 ``stride()`` calls, the grid lambdas) costs three times
+that: on this project's CPU model of the host (``benchmarks/probe_host_model_cpu.py``) 1.4 ms per segment
+forward and backward, of which the launches are ~0.5 ms. A segment of a group of one runs the same Python with the
+same shapes on every tile and every step, and that Python computes nothing from tensor values.
+
+What: ``Programs(fn)`` calls ``fn`` (a segment's forward or backward in known mode, ``ops/triton.py``) as it is,
+keyed on its arguments: each tensor's shape, strides, dtype and device; which tensor arguments are one object;
+every other argument by type and value (the ``CoreSpec`` included); and the state the code reads besides (the
+launch layer's mode, mamba-ssm's deterministic mode, grad and inference mode, the current device). A key's first
+call runs ``fn`` under a recorder that keeps, in order:
+
+- every aten op it dispatches, with its tensor arguments as references (to the call's inputs, or to results of
+  earlier steps) and everything else as constants; a view of a program tensor is kept as its sizes, strides and
+  offset from its base, and replayed with ``torch.as_strided``;
+- every Triton launch through the launch layer (``launch.RECORDING``): the launcher, the grid, the arguments;
+- every call of a function marked ``extern`` (causal-conv1d's C++ conv forward and backward, which write into
+  tensors outside torch's dispatcher), with its arguments and results the same way;
+
+and what ``fn`` returns. Later calls of the key replay that program with the new call's tensors: the same ops
+(through torch's Python bindings of the same native functions where ``_FAST`` has one), the same launches (through
+the launchers, which key their own arguments again: address alignment included), the same extern calls. The
+program holds no tensor.
+
+Soundness rests on ``fn``'s Python being a function of the key: for the same shapes, strides, dtypes, devices and
+other arguments it dispatches the same ops with the same non-tensor arguments, launches the same kernels with the
+same grids and scalars, and calls the same extern functions. What the segment code reads of a tensor is its
+metadata (never a value: an op that reads one to the host, ``aten._local_scalar_dense``, makes a call
+unrecordable); the one address comparison (``ops/triton.py``: whether causal-conv1d returned the buffer it was
+given) is decided by the extern function, not by the addresses. A call is run by ``fn`` itself, and not recorded,
+where an argument is of a type not keyed, a tensor it touches is neither an input nor made by a recorded step, a
+launch goes around the launch layer, or ``fn`` raised. ``DS_MAMBA_SPCP_PROGRAMS=check`` runs ``fn`` on every call,
+records it, and raises ``ProgramMismatch`` where the program differs from the one kept for the key: what the key
+must determine, checked on every call (``tests/test_programs.py``, ``tests/test_gpu_launch.py``).
+
+``0`` turns programs off; unset (or ``auto``) means on wherever the launch layer is on (the launches must go
+through it to be recorded); ``1`` on wherever the launch layer is on, ``check`` likewise. Under ``torch.compile``
+the backend runs as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import os
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ds_mamba_spcp.ops import launch
+
+ENV = "DS_MAMBA_SPCP_PROGRAMS"
+_MODES = {"": "auto", "auto": "auto", "0": "off", "1": "on", "check": "check"}
+MAX_KEYS = 64  # per function: past it, new keys run the function (a caller whose shapes never repeat)
+
+# calls per (function name, path): "replay", "record" (a key's first call), "through" (run, not recorded), "check"
+COUNTS: collections.Counter = collections.Counter()
+
+
+class ProgramMismatch(RuntimeError):
+    """Check mode: a call differs from the program kept for its key."""
+
+
+def mode(launch_mode: str) -> str:
+    """'off', 'on' or 'check', from ``DS_MAMBA_SPCP_PROGRAMS`` and the launch layer's mode (``launch.mode()``):
+    programs record launches through the launch layer, so they are off wherever it is."""
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw not in _MODES:
+        raise ValueError(
+            f"{ENV}={raw!r}: expected 0 (the segment code runs on every call), 1 (recorded programs replayed), check "
+            "(every call run, recorded and compared with its key's program) or auto / unset (1 wherever the launch "
+            "layer is on)"
+        )
+    if launch_mode == "off":
+        return "off"
+    found = _MODES[raw]
+    return "on" if found == "auto" else found
+
+
+def _state():
+    """What the segment code reads besides its arguments."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else -1
+    deterministic = os.environ.get("MAMBA_DETERMINISTIC", "")[:1] == "1" or torch.are_deterministic_algorithms_enabled()
+    return (launch.mode(), deterministic, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), device)
+
+
+# ---------------------------------------------------------------------------------------------
+# the key
+# ---------------------------------------------------------------------------------------------
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype})
+
+
+def _value_key(v):
+    t = type(v)
+    if t in _SCALARS:
+        return (t, v)
+    if t is tuple:
+        return (tuple, tuple(map(_value_key, v)))
+    if getattr(t, "__dataclass_params__", None) is not None and t.__dataclass_params__.frozen:
+        return (t, v)  # a frozen dataclass of values (CoreSpec): hashed and compared by value
+    raise _Unkeyable
+
+
+def _key(args, kwargs):
+    parts, seen = [], {}
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            first = seen.setdefault(id(a), len(seen))
+            parts.append((a.shape, a.stride(), a.dtype, a.get_device(), first))
+        else:
+            parts.append(_value_key(a))
+    return tuple(kwargs), tuple(parts), _state()
+
+
+def _inputs(args, kwargs):
+    """The call's tensors, each object once, in argument order (the key records which arguments are one)."""
+    seen, out = set(), []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and id(a) not in seen:
+            seen.add(id(a))
+            out.append(a)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------------
+
+
+class _Ref:
+    """A tensor of the program: the call's inputs first, then every step's new tensors in order."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i):
+        self.i = i
+
+    def __eq__(self, other):
+        return type(other) is _Ref and other.i == self.i
+
+    def __hash__(self):
+        return hash(("ref", self.i))
+
+    def __repr__(self):
+        return f"%{self.i}"
+
+
+class _NotRecordable(Exception):
+    pass
+
+
+def _flat(out) -> list:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if type(out) in (list, tuple):
+        return [t for x in out for t in _flat(x)]
+    return []
+
+
+class _Recorder(TorchDispatchMode):
+    """Keeps the steps of one call: aten ops (dispatched here), launches and extern calls (reported to it)."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.refs: dict[int, _Ref] = {}  # id(tensor) -> its ref
+        self.n = 0
+        self.alive: list = []  # every tensor seen, so that no id is reused while recording
+        self.steps: list = []
+        self.bound: dict = {}  # id(launch step) -> its launch.Bound
+        self.paused = 0
+        self.error: str | None = None
+        for t in inputs:
+            self._new(t)
+        self.n_inputs = self.n
+
+    def _new(self, t):
+        if id(t) not in self.refs:
+            self.refs[id(t)] = _Ref(self.n)
+            self.n += 1
+            self.alive.append(t)
+
+    def template(self, v):
+        if isinstance(v, torch.Tensor):
+            ref = self.refs.get(id(v))
+            if ref is None:
+                raise _NotRecordable("a tensor that is neither an input nor made by a recorded step")
+            return ref
+        if type(v) in (list, tuple):
+            return type(v)(self.template(x) for x in v)
+        if type(v) is dict:
+            return {k: self.template(x) for k, x in v.items()}
+        return v
+
+    def _results(self, out) -> tuple:
+        """The positions, among a step's tensor results (flattened), of the new ones (in-place and out= ops return
+        tensors the program has)."""
+        new = []
+        for i, t in enumerate(_flat(out)):
+            if id(t) not in self.refs:
+                self._new(t)
+                new.append(i)
+        return tuple(new)
+
+    def fail(self, why):
+        if self.error is None:
+            self.error = why
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused or self.error is not None:
+            return out
+        try:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                raise _NotRecordable("a tensor value read to the host")
+            if func.is_view and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.refs:
+                base = args[0]
+                views = _flat(out)
+                if all(v.dtype == base.dtype for v in views):
+                    offset = base.storage_offset()
+                    geometry = tuple((tuple(v.shape), v.stride(), v.storage_offset() - offset) for v in views)
+                    self.steps.append(("view", self.refs[id(base)], geometry, self._results(out)))
+                    return out
+            self.steps.append(("op", func, self.template(args), self.template(kwargs), self._results(out)))
+        except _NotRecordable as e:
+            self.fail(str(e))
+        return out
+
+    def call(self, kind, fn, grid, args, kwargs, run):
+        """A launch (kind "launch", grid) or an extern call (kind "extern"): recorded, then run unrecorded."""
+        if self.error is None:
+            try:
+                step = (kind, fn, grid, self.template(args), self.template(kwargs))
+            except _NotRecordable as e:
+                self.fail(str(e))
+        self.paused += 1  # what the launch does (a config's pre-hook, the interpreter's copies) is the launch's own
+        try:
+            out = run()
+            if kind == "launch" and self.error is None:
+                bound = launch.bound(fn, grid, args, kwargs)
+        finally:
+            self.paused -= 1
+        if self.error is None:
+            self.steps.append((*step, self._results(out) if kind == "extern" else ()))
+            if kind == "launch" and bound is not None:
+                self.bound[id(self.steps[-1])] = bound
+        return out
+
+
+class _Local(threading.local):
+    stack: list  # the recorders of this thread's recordings (a recording sees only its own thread's steps)
+
+    def __init__(self):
+        self.stack = []
+
+
+_LOCAL = _Local()
+
+
+def _recording():
+    """This thread's recorder, where it records now (not inside a launch or an extern call), else None."""
+    stack = _LOCAL.stack
+    return stack[-1] if stack and not stack[-1].paused else None
+
+
+def _launch_hook(launcher, grid, args, kwargs):
+    """``launch.RECORDING``'s entry: the launch layer reports each launch here while any thread records."""
+    rec = _recording()
+    if rec is None:
+        return launcher.launch(grid, args, kwargs)[0]
+    return rec.call("launch", launcher, grid, args, kwargs, lambda: launcher.launch(grid, args, kwargs)[0])
+
+
+def extern(fn):
+    """``fn`` (a function that writes tensors outside torch's dispatcher: a C++ extension's call) as a step of a
+    recorded program, called with its arguments and results as program tensors."""
+
+    @functools.wraps(fn)
+    def recorded(*args, **kwargs):
+        rec = _recording()
+        if rec is not None:
+            return rec.call("extern", fn, None, args, kwargs, lambda: fn(*args, **kwargs))
+        return fn(*args, **kwargs)
+
+    return recorded
+
+
+@contextlib.contextmanager
+def _triton_guarded():
+    """While a call is recorded, a Triton kernel launched as ``kernel[grid](...)`` on Triton's own object (not a
+    launcher of the launch layer) while the recorder records makes the call unrecordable: its program would lack
+    that launch. (``KernelInterface.__getitem__`` is where every such launch starts: Triton's ``JITFunction``,
+    ``Autotuner``, ``Heuristics`` and the interpreter's function share it, and an instance cannot shadow it.)"""
+    from triton.runtime.jit import KernelInterface
+
+    getitem = KernelInterface.__dict__["__getitem__"]
+
+    @functools.wraps(getitem)
+    def guarded(self, grid):
+        rec = _recording()
+        if rec is not None:
+            rec.fail(f"{getattr(self, '__name__', type(self).__name__)} launched around the launch layer")
+        return getitem(self, grid)
+
+    KernelInterface.__getitem__ = guarded
+    try:
+        yield
+    finally:
+        KernelInterface.__getitem__ = getitem
+
+
+# ---------------------------------------------------------------------------------------------
+# programs
+# ---------------------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+# aten ops replayed through torch's Python bindings of the same native functions (the same schema, the same kernel)
+# at a fraction of an OpOverload call's host cost (~1.5 us against ~6 us for an empty, on this project's CPU)
+_FAST = {
+    _aten.empty.memory_format: torch.empty,
+    _aten.zeros.default: torch.zeros,
+    _aten.empty_like.default: torch.empty_like,
+    _aten.zeros_like.default: torch.zeros_like,
+    _aten.sum.dim_IntList: torch.sum,
+    _aten.cumsum.out: torch.cumsum,
+    _aten.cumsum.default: torch.cumsum,
+    _aten.copy_.default: torch.Tensor.copy_,
+    _aten.add_.Tensor: torch.Tensor.add_,
+    _aten.add.Tensor: torch.add,
+    _aten.mul.Tensor: torch.mul,
+    _aten.zero_.default: torch.Tensor.zero_,
+    _aten.clone.default: torch.clone,
+    _aten.exp.default: torch.exp,
+    _aten.cat.default: torch.cat,
+}
+
+
+def _has_ref(t) -> bool:
+    c = t.__class__
+    if c is _Ref:
+        return True
+    if c is tuple or c is list:
+        return any(map(_has_ref, t))
+    if c is dict:
+        return any(map(_has_ref, t.values()))
+    return False
+
+
+def _fill(t, vals):
+    c = t.__class__
+    if c is _Ref:
+        return vals[t.i]
+    if c is tuple or c is list:
+        return c(_fill(x, vals) for x in t)
+    if c is dict:
+        return {k: _fill(x, vals) for k, x in t.items()}
+    return t
+
+
+def _slots(template):
+    """[(position, ref index)] of the template's top-level refs, or None where a ref sits deeper (a list of
+    tensors): that step fills its arguments recursively."""
+    items = template.items() if type(template) is dict else enumerate(template)
+    slots = []
+    for pos, v in items:
+        if type(v) is _Ref:
+            slots.append((pos, v.i))
+        elif _has_ref(v):
+            return None
+    return tuple(slots)
+
+
+def _grid_sig(grid):
+    """A grid by what it is: a tuple by value; a function (a wrapper's lambda, a new object on every call) by its
+    code, the values it closes over and its defaults."""
+    if grid is None or not callable(grid):
+        return grid
+    cells = tuple(c.cell_contents for c in (grid.__closure__ or ()))
+    return ("fn", grid.__code__, cells, grid.__defaults__)
+
+
+def _signature(steps):
+    sig = []
+    for s in steps:
+        if s[0] in ("launch", "extern"):
+            kind, fn, grid, args, kwargs, new = s
+            sig.append((kind, fn, _grid_sig(grid), args, tuple(kwargs.items()), new))
+        else:
+            sig.append(s)
+    return tuple(sig)
+
+
+def _refs_in(t, out):
+    c = t.__class__
+    if c is _Ref:
+        out.add(t.i)
+    elif c is tuple or c is list:
+        for x in t:
+            _refs_in(x, out)
+    elif c is dict:
+        for x in t.values():
+            _refs_in(x, out)
+    return out
+
+
+def _renumber(t, new):
+    c = t.__class__
+    if c is _Ref:
+        return _Ref(new[t.i])
+    if c is tuple or c is list:
+        return c(_renumber(x, new) for x in t)
+    if c is dict:
+        return {k: _renumber(x, new) for k, x in t.items()}
+    return t
+
+
+def _collapse_views(steps, result, n_inputs):
+    """(steps, result, the original index of each kept step): every view taken straight from the nearest tensor
+    that is not a view (an input or a result of an op, a launch or an extern call), the views nothing else uses
+    dropped, the refs renumbered. as_strided takes absolute sizes and strides, so a view of a view is its root
+    and the sum of the two offsets."""
+    first = []  # the index of the first ref each step makes
+    n = n_inputs
+    for st in steps:
+        first.append(n)
+        n += len(st[-1])
+    root = {}  # view ref -> (root ref, offset from the root)
+    used = _refs_in(result, set())
+    for st, f in zip(steps, first):
+        if st[0] == "view":
+            _, base, geometry, new = st
+            r, off = root.get(base.i, (base.i, 0))
+            for k, pos in enumerate(new):
+                root[f + k] = (r, off + geometry[pos][2])
+        else:
+            _refs_in(st[2:4] if st[0] == "op" else st[3:5], used)
+    remap = {i: i for i in range(n_inputs)}
+    out, origin = [], []
+    nxt = n_inputs
+    for j, (st, f) in enumerate(zip(steps, first)):
+        if st[0] == "view":
+            _, base, geometry, new = st
+            live = [(k, pos) for k, pos in enumerate(new) if f + k in used]
+            if not live:
+                continue
+            views = []
+            for k, pos in live:
+                size, stride, _ = geometry[pos]
+                views.append((size, stride, root[f + k][1]))
+                remap[f + k] = nxt
+                nxt += 1
+            out.append(("view", _Ref(remap[root[f][0]]), tuple(views), tuple(range(len(views)))))
+        else:
+            if st[0] == "op":
+                renamed = (st[0], st[1], _renumber(st[2], remap), _renumber(st[3], remap), st[4])
+            else:
+                renamed = (st[0], st[1], st[2], _renumber(st[3], remap), _renumber(st[4], remap), st[5])
+            for k in range(len(st[-1])):
+                remap[f + k] = nxt
+                nxt += 1
+            out.append(renamed)
+        origin.append(j)
+    return out, _renumber(result, remap), origin
+
+
+class _Program:
+    """One key's steps, laid out for replay: each step's callable bound once, its arguments a template whose tensor
+    positions are filled from the values (the call's inputs, then every step's new tensors)."""
+
+    __slots__ = ("steps", "result", "replay_result", "signature")
+
+    def __init__(self, steps, result, bound, n_inputs):
+        self.signature = _signature(steps)
+        self.result = result  # (as recorded: what check mode compares)
+        bound = [bound.get(id(st)) for st in steps]
+        steps, result, origin = _collapse_views(steps, result, n_inputs)
+        compiled = []
+        for s, j in zip(steps, origin):
+            if s[0] == "view":
+                _, base, geometry, new = s
+                compiled.append((0, base.i, geometry, None, None, None, new))
+                continue
+            if s[0] == "op":
+                _, func, args, kwargs, new = s
+                call = _FAST.get(func, func)
+            elif s[0] == "launch":
+                _, launcher, grid, args, kwargs, new = s
+                call = _Launch(launcher, grid, bound[j])
+            else:
+                _, call, _, args, kwargs, new = s
+            a, k = _slots(args), _slots(kwargs)
+            deep = a is None or k is None
+            compiled.append((1, call, args, kwargs, a or (), k or (), new) if not deep else
+                            (2, call, args, kwargs, None, None, new))  # fmt: skip
+        self.steps = tuple(compiled)
+        self.replay_result = result
+
+    def run(self, inputs):
+        vals = list(inputs)
+        as_strided = torch.as_strided
+        for kind, call, args, kwargs, aslots, kslots, new in self.steps:
+            if kind == 0:  # a view: call is the base's index, args its views' (sizes, strides, offset from it)
+                base = vals[call]
+                offset = base.storage_offset()
+                views = [as_strided(base, size, stride, offset + delta) for size, stride, delta in args]
+                if new == (0,) and len(views) == 1:
+                    vals.append(views[0])
+                else:
+                    vals.extend(views[i] for i in new)
+                continue
+            if kind == 1:
+                if aslots:
+                    args = list(args)
+                    for pos, i in aslots:
+                        args[pos] = vals[i]
+                if kslots:
+                    kwargs = dict(kwargs)
+                    for name, i in kslots:
+                        kwargs[name] = vals[i]
+                out = call(*args, **kwargs)
+            else:
+                out = call(*_fill(args, vals), **_fill(kwargs, vals))
+            if new:
+                if new == (0,) and isinstance(out, torch.Tensor):
+                    vals.append(out)
+                else:
+                    flat = _flat(out)
+                    vals.extend(flat[i] for i in new)
+        return _fill(self.replay_result, vals)
+
+
+class _Launch:
+    """A launch step: through its compiled kernel bound at recording (``launch.bound``) where the tensors' address
+    alignment matches, else through the launcher (which keys it again)."""
+
+    __slots__ = ("launcher", "grid", "bound")
+
+    def __init__(self, launcher, grid, bound):
+        self.launcher, self.grid, self.bound = launcher, grid, bound
+
+    def __call__(self, *args, **kwargs):
+        bound = self.bound
+        if bound is not None and bound(args):
+            return
+        self.launcher.launch(self.grid, args, kwargs)
+        if bound is None:  # the launcher had not recorded this key's compiled kernel at the recording: now it has
+            self.bound = launch.bound(self.launcher, self.grid, args, kwargs)
+
+
+def _difference(name, kept, now) -> str:
+    for i, (a, b) in enumerate(zip(kept.signature, now.signature)):
+        if a != b:
+            return f"{name}: step {i} differs from the program kept for the same key: {a!r} then {b!r}"
+    if len(kept.signature) != len(now.signature):
+        return f"{name}: {len(now.signature)} steps, the program kept for the key has {len(kept.signature)}"
+    return f"{name}: the result differs from the kept program's: {kept.result!r} then {now.result!r}"
+
+
+class Programs:
+    """``fn`` called as it is, or replayed from the program recorded for its arguments' key (see the module
+    docstring). ``check``: run, record and compare on every call."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.name = fn.__name__
+        self.programs: dict = {}
+        self.through: set = set()  # keys whose call could not be recorded: always run by fn
+
+    def __call__(self, check, *args, **kwargs):
+        if _LOCAL.stack:  # inside another recording: part of its program
+            return self.fn(*args, **kwargs)
+        try:
+            key = _key(args, kwargs)
+        except _Unkeyable:
+            COUNTS[self.name, "through"] += 1
+            return self.fn(*args, **kwargs)
+        program = self.programs.get(key)
+        if program is not None and not check:
+            COUNTS[self.name, "replay"] += 1
+            return program.run(_inputs(args, kwargs))
+        if key in self.through:
+            COUNTS[self.name, "through"] += 1
+            return self.fn(*args, **kwargs)
+        result, recorded = self._record(args, kwargs)
+        if recorded is None:
+            if len(self.through) < MAX_KEYS:
+                self.through.add(key)
+            return result
+        if program is not None:
+            COUNTS[self.name, "check"] += 1
+            if recorded.signature != program.signature or recorded.result != program.result:
+                raise ProgramMismatch(_difference(self.name, program, recorded))
+            return result
+        COUNTS[self.name, "record"] += 1
+        if len(self.programs) < MAX_KEYS:
+            self.programs[key] = recorded
+        return result
+
+    def _record(self, args, kwargs):
+        rec = _Recorder(_inputs(args, kwargs))
+        _LOCAL.stack.append(rec)
+        launch.RECORDING.append(_launch_hook)
+        try:
+            with _triton_guarded(), rec:
+                result = self.fn(*args, **kwargs)
+        finally:
+            launch.RECORDING.pop()
+            _LOCAL.stack.pop()
+        if rec.error is None:
+            try:
+                template = rec.template(result)
+            except _NotRecordable as e:
+                rec.fail(str(e))
+        if rec.error is not None:
+            COUNTS[self.name, "through"] += 1
+            return result, None
+        return result, _Program(rec.steps, template, rec.bound, rec.n_inputs)
+
+    def __repr__(self):
+        return f"<programs of {self.name}: {len(self.programs)} keys>"
