@@ -82,7 +82,9 @@ def _install():
         dinit = torch.empty(x.shape[0], weight.shape[1] - 1, x.shape[1], dtype=x.dtype).transpose(1, 2)
         return dx, dweight, dbias, dinit if return_dinit else None
 
-    backend._conv_fwd_fn, backend._conv_bwd_fn = conv_fwd, conv_bwd
+    from ds_mamba_spcp.ops import programs
+
+    backend._conv_fwd_fn, backend._conv_bwd_fn = programs.extern(conv_fwd), programs.extern(conv_bwd)
     return backend
 
 

@@ -11,7 +11,8 @@ The steps are ``probe_host_sync``'s (``ideal``, ``tiles_8k``, ``tiles_16k``: 32K
 ``--attribute`` times each one with self-time timers on Triton's launch path, mamba-ssm's functions and
 causal-conv1d's (``patch_for_attribution``); ``--ab-conv`` times them with causal-conv1d's custom ops and its C++
 functions, alternating; ``--ab-launch`` with Triton's launch path and with ``ops/launch.py``
-(DS_MAMBA_SPCP_FAST_LAUNCH=1), alternating, plus the launches per step that took the C launcher; ``--all``
+(DS_MAMBA_SPCP_FAST_LAUNCH=1), alternating, plus the launches per step that took the C launcher; ``--ab-programs``
+the same with a third variant, ``ops/programs.py`` over the launch layer (DS_MAMBA_SPCP_PROGRAMS=1); ``--all``
 runs ``--ab-conv``, the launch layers and ``--attribute`` into one JSON (``results/launch_cost_023b81d_h200x1.json``).
 ``--loop NAME`` runs one step for ``--seconds``, for an outside sampling profiler; py-spy could not keep up on
 the H200 machine (it fell 20-30 s behind and wrote nothing), which is why ``--attribute`` exists.
@@ -206,6 +207,12 @@ def main(argv=None):
         default=None,
         help="steps (comma-separated) to time with Triton's launch path and with ops/launch.py, alternating",
     )
+    p.add_argument(
+        "--ab-programs",
+        default=None,
+        help="steps (comma-separated) to time with Triton's launch path, with ops/launch.py alone and with "
+        "ops/programs.py over it, alternating",
+    )
     p.add_argument("--all", action="store_true", help="--ab-conv, the launch layers and --attribute, into one JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -220,6 +227,8 @@ def main(argv=None):
         return _write(args.out, ab_conv(args.ab_conv, args.steps))
     if args.ab_launch is not None:
         return _write(args.out, ab_launch(args.ab_launch, args.steps))
+    if args.ab_programs is not None:
+        return _write(args.out, ab_launch(args.ab_programs, args.steps, programs=True))
     if args.attribute is not None:
         return attribute(args)
     if args.loop is None:
@@ -305,32 +314,46 @@ def ab_conv(names, n):
         tb._conv_fwd_fn, tb._conv_bwd_fn = fns["cpp"]
 
 
-def ab_launch(names, n):
+def ab_launch(names, n, programs=False):
     """``_alternate`` with Triton's own launch path and with ``ops/launch.py`` (DS_MAMBA_SPCP_FAST_LAUNCH=1), and
-    the launches per step of each kind on the latter (``launch.COUNTS``: "fast" ones went through the C launcher)."""
+    the launches per step of each kind on the latter (``launch.COUNTS``: "fast" ones went through the C launcher).
+    programs: a third variant, ``ops/programs.py`` over the launch layer (DS_MAMBA_SPCP_PROGRAMS=1; the launch
+    layer's variant then runs with it at 0), with the segment calls per step it replayed."""
     from ds_mamba_spcp.ops import launch
+    from ds_mamba_spcp.ops import programs as prog
 
-    before = os.environ.get(launch.ENV)
+    before = {k: os.environ.get(k) for k in (launch.ENV, prog.ENV)}
 
-    def use(value):
-        return lambda: os.environ.__setitem__(launch.ENV, value)
+    def use(fast, replay="0"):
+        return lambda: os.environ.update({launch.ENV: fast, prog.ENV: replay})
 
+    variants = {"triton": use("0"), "fast_launch": use("1", "0" if programs else before[prog.ENV] or "")}
+    if programs:
+        variants["programs"] = use("1", "1")
     inp, steps = _steps()
     try:
-        res = _alternate(names, n, {"triton": use("0"), "fast_launch": use("1")}, inp, steps)
-        os.environ[launch.ENV] = "1"
+        res = _alternate(names, n, variants, inp, steps)
         for name in names.split(","):
-            launch.COUNTS.clear()
-            torch.autograd.grad(steps[name](), inp.leaves, inp.dout)
-            by_path = {}
-            for (_, path), count in launch.COUNTS.items():
-                by_path[path] = by_path.get(path, 0) + count
-            res[name]["fast_launch"]["launches_per_step"] = by_path
+            for v in variants:
+                if v == "triton":
+                    continue
+                variants[v]()
+                launch.COUNTS.clear()
+                replayed = dict(prog.COUNTS)
+                torch.autograd.grad(steps[name](), inp.leaves, inp.dout)
+                by_path = {}
+                for (_, path), count in launch.COUNTS.items():
+                    by_path[path] = by_path.get(path, 0) + count
+                res[name][v]["launches_per_step"] = by_path
+                res[name][v]["programs_per_step"] = {
+                    f"{k[0]}:{k[1]}": c - replayed.get(k, 0) for k, c in prog.COUNTS.items() if c != replayed.get(k, 0)
+                }
     finally:
-        if before is None:
-            os.environ.pop(launch.ENV, None)
-        else:
-            os.environ[launch.ENV] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return res
 
 
