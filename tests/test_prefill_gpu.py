@@ -221,11 +221,13 @@ def test_bf16_prefill_states_and_tokens_on_one_gpu(results, which):
 
 def test_forward_only_route_holds_one_tile_on_one_gpu():
     """The forward-only route's memory on the Triton kernels, one process: a group of one in tiles of 16,384 of
-    131,072 tokens (bf16, 24 heads of 64, dstate 128). The training route under no_grad opens every tile before
-    finishing any (their conv outputs and chunk states alive together) and keeps every tile's y; the forward-only
-    route runs one tile at a time. Peak memory above the inputs must drop below 0.7x (expected ~0.3x: the output
-    and one tile against the output and all eight); the results are the same kernels on the same tiles in the same
-    order (bitwise expected, bound at bf16 rounding)."""
+    131,072 tokens (bf16, 24 heads of 64, dstate 128). Both routes run one tile at a time (the training route in
+    known mode since ef33c13: before it, it opened every tile before finishing any, and this test asked for 0.7x);
+    the training route under no_grad still keeps every tile's pre-gate y for its backward, the forward-only route
+    none. So the forward-only peak above the inputs must sit below the training route's by at least half of all
+    the tiles' y (384 MiB here; at the peak, the last tile's, the training route holds seven of the eight: 336
+    MiB; the GPU run at 9af505c measured 874 against 634 MiB, 240 apart); the results are the same kernels on the
+    same tiles in the same order (bitwise expected, bound at bf16 rounding)."""
     from ds_mamba_spcp.inference.forward import mixer_core_prefill
 
     nheads, headdim, ngroups, dstate, d_conv, chunk, seqlen, tile = 24, 64, 1, 128, 4, 256, 1 << 17, 1 << 14
@@ -257,4 +259,5 @@ def test_forward_only_route_holds_one_tile_on_one_gpu():
     print(f"peak above the inputs: training route {peaks[False]:.0f} MiB, forward-only {peaks[True]:.0f} MiB "
           f"({peaks[True] / peaks[False]:.2f}x); out/state/tail errors {errs}, bitwise {same}")  # fmt: skip
     assert max(errs) <= 1e-2, errs
-    assert peaks[True] < 0.7 * peaks[False], peaks
+    kept_y = seqlen * d_inner * 2 / 2**20  # every tile's y, bf16, MiB
+    assert peaks[True] < peaks[False] - 0.5 * kept_y, (peaks, kept_y)
