@@ -31,7 +31,8 @@ same grids and scalars, and calls the same extern functions. What the segment co
 metadata (never a value: an op that reads one to the host, ``aten._local_scalar_dense``, makes a call
 unrecordable); the one address comparison (``ops/triton.py``: whether causal-conv1d returned the buffer it was
 given) is decided by the extern function, not by the addresses. A call is run by ``fn`` itself, and not recorded,
-where an argument is of a type not keyed, a tensor it touches is neither an input nor made by a recorded step, a
+where grad mode is on (the ops are recorded below autograd; the segments run inside autograd Functions, with it
+off), an argument is of a type not keyed, a tensor it touches is neither an input nor made by a recorded step, a
 launch goes around the launch layer, or ``fn`` raised. ``DS_MAMBA_SPCP_PROGRAMS=check`` runs ``fn`` on every call,
 records it, and raises ``ProgramMismatch`` where the program differs from the one kept for the key: what the key
 must determine, checked on every call (``tests/test_programs.py``, ``tests/test_gpu_launch.py``).
@@ -579,6 +580,9 @@ class Programs:
 
     def __call__(self, check, *args, **kwargs):
         if _LOCAL.stack:  # inside another recording: part of its program
+            return self.fn(*args, **kwargs)
+        if torch.is_grad_enabled():  # ops recorded below autograd would replay through it: not recorded
+            COUNTS[self.name, "through"] += 1
             return self.fn(*args, **kwargs)
         try:
             key = _key(args, kwargs)
