@@ -87,7 +87,8 @@ def _same(a, b):
     return all(_same(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_replay_equals_the_function(fake_gpu):
+@pytest.mark.usefixtures("fake_gpu")
+def test_replay_equals_the_function():
     """Three calls of one key (new values, inputs at other storage offsets): the first records, the next two
     replay; results, the caller's buffer and the launches as the function itself gives them. The launch replays
     through its bound compiled kernel (the config's pre-hook included: ACC adds into a zeroed out)."""
@@ -102,7 +103,7 @@ def test_replay_equals_the_function(fake_gpu):
             got = _run("on", fn, got_in, dict(n=12))
             assert _same(got, want) and torch.equal(got_in[2], want_in[2]), seed
             assert got[0].data_ptr() != want[0].data_ptr()  # fresh tensors, not the recorded call's
-    assert programs.COUNTS == {(fn.__name__, "record"): 1, (fn.__name__, "replay"): 2}
+    assert {(fn.__name__, "record"): 1, (fn.__name__, "replay"): 2} == programs.COUNTS
     # per call: the function's own launch, then the replayed one (bound: the stand-in's direct path)
     assert [e[0] for e in log[-4:]] == ["direct"] * 4 and launch.COUNTS["_axpy", "fast"] >= 4
 
@@ -138,14 +139,15 @@ def _launches_around_the_layer(x, w, out, *, n):
     return out
 
 
+@pytest.mark.usefixtures("fake_gpu")
 @pytest.mark.parametrize("fn", [_reads_a_value, _uses_a_module_tensor, _launches_around_the_layer])
-def test_a_call_that_cannot_be_recorded_runs_every_time(fake_gpu, fn):
+def test_a_call_that_cannot_be_recorded_runs_every_time(fn):
     _install_stand_in(_axpy, _axpy_math, [])
     with torch.no_grad():
         for seed in (0, 1, 2):
             want_in, got_in = _inputs(seed), _inputs(seed)
             assert _same(_run("on", fn, got_in, dict(n=12)), fn(*want_in, n=12))
-    assert programs.COUNTS == {(fn.__name__, "through"): 3}  # once unrecordable, that key always runs the function
+    assert {(fn.__name__, "through"): 3} == programs.COUNTS  # once unrecordable, that key always runs the function
 
 
 def test_the_key():
@@ -189,7 +191,8 @@ def test_check_mode_catches_python_outside_the_key(monkeypatch):
     assert programs.COUNTS[("_reads_a_global", "check")] == 2  # the second call and the one that raised
 
 
-def test_a_bound_launch_goes_back_to_the_launcher_for_another_alignment(fake_gpu):
+@pytest.mark.usefixtures("fake_gpu")
+def test_a_bound_launch_goes_back_to_the_launcher_for_another_alignment():
     """The recorded launch is bound to its tensors' address alignment: an input 4 bytes off takes the launcher's
     path (a new key of its own: through Triton's stand-in first), with the same result."""
     log = []
@@ -202,7 +205,7 @@ def test_a_bound_launch_goes_back_to_the_launcher_for_another_alignment(fake_gpu
             want = fn(*want_in, n=12)
             assert _same(_run("on", fn, got_in, dict(n=12)), want)
             assert torch.equal(got_in[2], want_in[2])
-    assert programs.COUNTS == {(fn.__name__, "record"): 1, (fn.__name__, "replay"): 2}
+    assert {(fn.__name__, "record"): 1, (fn.__name__, "replay"): 2} == programs.COUNTS
     assert launch.COUNTS["_axpy", "first"] >= 2  # the misaligned input's key went through Triton's stand-in
 
 
