@@ -10,9 +10,12 @@ tests/test_gpu_launch.py.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import triton
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_mamba_spcp.ops import launch, programs
 from tests.test_launch import _axpy, _axpy_math, _install_stand_in, _zero_out, fake_gpu  # noqa: F401 (a fixture)
@@ -217,3 +220,52 @@ def test_mode_values(monkeypatch):
     monkeypatch.setenv(programs.ENV, "yes")
     with pytest.raises(ValueError, match=programs.ENV):
         programs.mode("on")
+
+
+def _chain(x, w, out, *, n):
+    y = x
+    for _ in range(n):
+        y = y * 1.5 + w  # two temporaries per round, each dead after the next op
+    return y
+
+
+class _LiveCount(TorchDispatchMode):
+    """The most tensors made under it that were alive at once (weak references, checked at every op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.most = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _flat_tensors(out):
+            self.made.append(weakref.ref(t))
+        self.most = max(self.most, sum(r() is not None for r in self.made))
+        return out
+
+
+def _flat_tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for x in out for t in _flat_tensors(x)] if isinstance(out, (list, tuple)) else []
+
+
+def test_a_replay_drops_each_intermediate_after_its_last_use(monkeypatch):
+    """A replay holds no more tensors at once than the function does (one more at most: the replay frees a value
+    after the step that used it last, the function when its name is rebound); negative control: with nothing
+    dropped, every intermediate of the 30 rounds stays alive to the end."""
+    x, w, out = _inputs(0)
+
+    def most_alive(mode):
+        with torch.no_grad(), _LiveCount() as live:
+            _run(mode, _chain, (x, w, out), dict(n=30))
+        return live.most
+
+    ran = most_alive("off")
+    most_alive("on")  # records
+    assert most_alive("on") <= ran + 1, (ran, programs.COUNTS)
+    assert programs.COUNTS["_chain", "replay"] == 1
+    _PROGRAMS.clear()
+    monkeypatch.setattr(programs, "_last_uses", lambda steps, result, n_inputs: [()] * len(steps))
+    most_alive("on")
+    assert most_alive("on") > 30, "nothing dropped, yet few tensors alive: the count sees nothing"

@@ -475,6 +475,29 @@ def _collapse_views(steps, result, n_inputs):
     return out, _renumber(result, remap), origin
 
 
+def _last_uses(steps, result, n_inputs):
+    """Per step, the values to drop after it: those no later step uses and the result does not hold (a value no step
+    uses is dropped after the step that made it). Without this a replay would keep every intermediate tensor of the
+    segment alive to its end, where the segment code frees each when its last name goes."""
+    last, made, n = {}, [], n_inputs
+    for j, st in enumerate(steps):
+        used = {st[1].i} if st[0] == "view" else _refs_in(st[2:4] if st[0] == "op" else st[3:5], set())
+        for i in used:
+            last[i] = j
+        made.append(range(n, n + len(st[-1])))
+        n += len(st[-1])
+    keep = _refs_in(result, set())
+    free = [[] for _ in steps]
+    for j, new in enumerate(made):
+        for i in new:
+            if i not in keep:
+                free[last.get(i, j)].append(i)
+    for i in range(n_inputs):  # the program's references to the inputs, too (the caller holds its own)
+        if i in last and i not in keep:
+            free[last[i]].append(i)
+    return [tuple(f) for f in free]
+
+
 class _Program:
     """One key's steps, laid out for replay: each step's callable bound once, its arguments a template whose tensor
     positions are filled from the values (the call's inputs, then every step's new tensors)."""
@@ -504,13 +527,14 @@ class _Program:
             deep = a is None or k is None
             compiled.append((1, call, args, kwargs, a or (), k or (), new) if not deep else
                             (2, call, args, kwargs, None, None, new))  # fmt: skip
-        self.steps = tuple(compiled)
+        free = _last_uses(steps, result, n_inputs)
+        self.steps = tuple((*c, f) for c, f in zip(compiled, free))
         self.replay_result = result
 
     def run(self, inputs):
         vals = list(inputs)
         as_strided = torch.as_strided
-        for kind, call, args, kwargs, aslots, kslots, new in self.steps:
+        for kind, call, args, kwargs, aslots, kslots, new, free in self.steps:
             if kind == 0:  # a view: call is the base's index, args its views' (sizes, strides, offset from it)
                 base = vals[call]
                 offset = base.storage_offset()
@@ -519,6 +543,8 @@ class _Program:
                     vals.append(views[0])
                 else:
                     vals.extend(views[i] for i in new)
+                for i in free:
+                    vals[i] = None
                 continue
             if kind == 1:
                 if aslots:
@@ -538,6 +564,8 @@ class _Program:
                 else:
                     flat = _flat(out)
                     vals.extend(flat[i] for i in new)
+            for i in free:  # the program's last use of these: dropped, as the segment code drops its locals
+                vals[i] = None
         return _fill(self.replay_result, vals)
 
 
