@@ -21,9 +21,12 @@ call runs ``fn`` under a recorder that keeps, in order:
   tensors outside torch's dispatcher), with its arguments and results the same way;
 
 and what ``fn`` returns. Later calls of the key replay that program with the new call's tensors: the same ops
-(through torch's Python bindings of the same native functions where ``_FAST`` has one), the same launches (through
-the launchers, which key their own arguments again: address alignment included), the same extern calls. The
-program holds no tensor.
+(through torch's Python bindings of the same native functions where ``_FAST`` has one; views as ``as_strided``
+from their root tensor, relative to its offset, the unused ones dropped), the same launches (each through the
+compiled kernel the launch layer recorded for it, bound once by ``launch.bound``: where a tensor's address
+alignment differs from the recorded one's, through the launcher, which keys it again), the same extern calls.
+Each value is dropped after the step that uses it last, as the segment code drops its locals. The program holds
+no tensor.
 
 Soundness rests on ``fn``'s Python being a function of the key: for the same shapes, strides, dtypes, devices and
 other arguments it dispatches the same ops with the same non-tensor arguments, launches the same kernels with the
