@@ -343,17 +343,19 @@ def _programs_vs_run(triton_backend, t, grads, names, kw, want):
     with programs (DS_MAMBA_SPCP_PROGRAMS=1: the first run records, the second replays), against ``want``, its results
     with the segment code (Triton's launch path, which the launch layer matches bitwise: test above). Per run: the
     results that differ (bitwise). Then, forward only: check mode, two runs under no_grad (no kept y: the key of the
-    forward-only route and the chunked prefill; recorded, then replayed), and two negative controls: the kept forward
+    forward-only route and the chunked prefill; recorded, then replayed), the plain gate without RMSNorm (its chunk
+    scan writes into the output's view; against its own run with the code), and two negative controls: the kept forward
     programs without their last launch (the comparison must see it), and a forward whose ops change under the same
     key (check mode must raise)."""
     from ds_mamba_spcp import mamba_split_conv1d_scan_sp
     from ds_mamba_spcp.ops import programs
 
-    def call(mode, backward=True, recompute_output=False):
+    def call(mode, backward=True, recompute_output=False, rms=True):
         os.environ[programs.ENV] = mode
         inputs = {k: t[k].clone().requires_grad_(backward) for k in names}
         args = [inputs[k] for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D")]
-        out, final = mamba_split_conv1d_scan_sp(*args, SHAPE["chunk"], rmsnorm_weight=inputs["rmsnorm_weight"],
+        weight = inputs["rmsnorm_weight"] if rms else None
+        out, final = mamba_split_conv1d_scan_sp(*args, SHAPE["chunk"], rmsnorm_weight=weight,
                                                 initial_states=inputs["initial_states"], **kw, backend="triton",
                                                 tile_length=16, recompute_output=recompute_output)  # fmt: skip
         got = {"out": out.detach(), "final_states": final.detach()}
@@ -380,6 +382,9 @@ def _programs_vs_run(triton_backend, t, grads, names, kw, want):
             res["errs"]["no_grad"] = [differ(call("1", False, recompute_output=True), want) for _ in range(2)]
             res["counts_no_grad"] = {f"{n}:{p}": c - before[n, p] for (n, p), c in programs.COUNTS.items()
                                      if c > before[n, p]}  # fmt: skip
+            # the plain gate (no RMSNorm: the chunk scan writes the gated output into the tile's view of the whole)
+            gate = call("0", False, rms=False)
+            res["errs"]["gate"] = [differ(call("1", False, rms=False), gate) for _ in range(2)]
         # negative control 1: the last launch (the chunk scan) of each kept forward program dropped
         kept = {key: p.steps for key, p in triton_backend._FWD_KNOWN.programs.items()}
         for p in triton_backend._FWD_KNOWN.programs.values():
@@ -420,7 +425,7 @@ def test_programs_replay_equals_the_segment_code(segment_results):
     ProgramMismatch in check mode. This is the test of what programs record (aten ops, views, launches, the conv as
     an extern step) against what the segment code computes; tests/test_programs.py tests the mechanism alone."""
     res = segment_results["programs"]
-    assert res["errs"] == {"run0": [], "run1": [], "check": [], "no_grad": [[], []]}, res
+    assert res["errs"] == {"run0": [], "run1": [], "check": [], "no_grad": [[], []], "gate": [[], []]}, res
     # the rows run together, three tiles: the first run records each tile's key (the first tile has no halo, the
     # last is 5 tokens long), the second replays all three, in both directions; nothing runs unrecorded
     want = {f"_{d}_known:{p}": 3 for d in ("fwd", "bwd") for p in ("record", "replay")}

@@ -52,6 +52,7 @@ import contextlib
 import functools
 import os
 import threading
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -179,7 +180,10 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.refs: dict[int, _Ref] = {}  # id(tensor) -> its ref
         self.n = 0
-        self.alive: list = []  # every tensor seen, so that no id is reused while recording
+        # a weak reference per tensor seen, whose callback forgets its id when it is freed: a tensor made later
+        # at the same address of Python objects is not taken for it, and the recording keeps no tensor alive (the
+        # segment's peak memory stays the code's on a key's first call too)
+        self.watch: dict[int, weakref.ref] = {}
         self.steps: list = []
         self.bound: dict = {}  # id(launch step) -> its launch.Bound
         self.paused = 0
@@ -190,9 +194,14 @@ class _Recorder(TorchDispatchMode):
 
     def _new(self, t):
         if id(t) not in self.refs:
-            self.refs[id(t)] = _Ref(self.n)
+            key = id(t)
+            self.refs[key] = _Ref(self.n)
             self.n += 1
-            self.alive.append(t)
+            self.watch[key] = weakref.ref(t, lambda _, key=key: self._gone(key))
+
+    def _gone(self, key):
+        self.refs.pop(key, None)
+        self.watch.pop(key, None)
 
     def template(self, v):
         if isinstance(v, torch.Tensor):
