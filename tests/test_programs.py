@@ -270,3 +270,23 @@ def test_a_replay_drops_each_intermediate_after_its_last_use(monkeypatch):
     monkeypatch.setattr(programs, "_last_uses", lambda steps, result, n_inputs: [()] * len(steps))
     most_alive("on")
     assert most_alive("on") > 30, "nothing dropped, yet few tensors alive: the count sees nothing"
+
+
+def _maybe_copies(x, w, out, *, n):
+    a = x.t().contiguous()  # a copy: its schema says it may alias
+    b = x[:, ::2].reshape(-1)  # a copy too (not viewable)
+    c = x.reshape(-1)  # a view (viewable)
+    return a * 2, b + 1, c * w.sum()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_ops_that_may_alias_replay_as_what_they_did(mode):
+    """Under inference mode ``contiguous`` and ``reshape`` reach the recorder whole, with schemas that say they may
+    alias their input: recorded as views only where they returned one (a replay of a copy as a view of the input
+    would read the input's memory in the copy's strides)."""
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with ctx():
+        for seed in (0, 1, 2):
+            args = _inputs(seed)
+            assert _same(_run("on", _maybe_copies, args, dict(n=12)), _maybe_copies(*args, n=12)), seed
+    assert programs.COUNTS == {("_maybe_copies", "record"): 1, ("_maybe_copies", "replay"): 2}

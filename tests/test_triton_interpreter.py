@@ -344,7 +344,8 @@ def _programs_vs_run(triton_backend, t, grads, names, kw, want):
     with the segment code (Triton's launch path, which the launch layer matches bitwise: test above). Per run: the
     results that differ (bitwise). Then, forward only: check mode, two runs under no_grad (no kept y: the key of the
     forward-only route and the chunked prefill; recorded, then replayed), the plain gate without RMSNorm (its chunk
-    scan writes into the output's view; against its own run with the code), and two negative controls: the kept forward
+    scan writes into the output's view; against its own run with the code), two under inference mode, and two
+    negative controls: the kept forward
     programs without their last launch (the comparison must see it), and a forward whose ops change under the same
     key (check mode must raise)."""
     from ds_mamba_spcp import mamba_split_conv1d_scan_sp
@@ -385,6 +386,8 @@ def _programs_vs_run(triton_backend, t, grads, names, kw, want):
             # the plain gate (no RMSNorm: the chunk scan writes the gated output into the tile's view of the whole)
             gate = call("0", False, rms=False)
             res["errs"]["gate"] = [differ(call("1", False, rms=False), gate) for _ in range(2)]
+        with torch.inference_mode():  # (contiguous and reshape reach the recorder whole here)
+            res["errs"]["inference_mode"] = [differ(call("1", False, recompute_output=True), want) for _ in range(2)]
         # negative control 1: the last launch (the chunk scan) of each kept forward program dropped
         kept = {key: p.steps for key, p in triton_backend._FWD_KNOWN.programs.items()}
         for p in triton_backend._FWD_KNOWN.programs.values():
@@ -425,7 +428,8 @@ def test_programs_replay_equals_the_segment_code(segment_results):
     ProgramMismatch in check mode. This is the test of what programs record (aten ops, views, launches, the conv as
     an extern step) against what the segment code computes; tests/test_programs.py tests the mechanism alone."""
     res = segment_results["programs"]
-    assert res["errs"] == {"run0": [], "run1": [], "check": [], "no_grad": [[], []], "gate": [[], []]}, res
+    clean = {"run0": [], "run1": [], "check": [], "no_grad": [[], []], "gate": [[], []], "inference_mode": [[], []]}
+    assert res["errs"] == clean, res
     # the rows run together, three tiles: the first run records each tile's key (the first tile has no halo, the
     # last is 5 tokens long), the second replays all three, in both directions; nothing runs unrecorded
     want = {f"_{d}_known:{p}": 3 for d in ("fwd", "bwd") for p in ("record", "replay")}

@@ -240,7 +240,10 @@ class _Recorder(TorchDispatchMode):
             if func.is_view and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.refs:
                 base = args[0]
                 views = _flat(out)
-                if all(v.dtype == base.dtype for v in views):
+                # an op whose schema says it may alias (contiguous, reshape: under inference mode they reach the
+                # recorder whole) is a view only where its result shares its input's memory; a copy is an op
+                storage = base.untyped_storage().data_ptr()
+                if all(v.dtype == base.dtype and v.untyped_storage().data_ptr() == storage for v in views):
                     offset = base.storage_offset()
                     geometry = tuple((tuple(v.shape), v.stride(), v.storage_offset() - offset) for v in views)
                     self.steps.append(("view", self.refs[id(base)], geometry, self._results(out)))
