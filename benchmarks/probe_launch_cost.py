@@ -317,8 +317,9 @@ def ab_conv(names, n):
 def ab_launch(names, n, programs=False):
     """``_alternate`` with Triton's own launch path and with ``ops/launch.py`` (DS_MAMBA_SPCP_FAST_LAUNCH=1), and
     the launches per step of each kind on the latter (``launch.COUNTS``: "fast" ones went through the C launcher).
-    programs: a third variant, ``ops/programs.py`` over the launch layer (DS_MAMBA_SPCP_PROGRAMS=1; the launch
-    layer's variant then runs with it at 0), with the segment calls per step it replayed."""
+    The launch layer's variant runs with DS_MAMBA_SPCP_PROGRAMS=0, whose default (on) would replay known-mode
+    segments over it. programs: a third variant, ``ops/programs.py`` over the launch layer
+    (DS_MAMBA_SPCP_PROGRAMS=1), with the segment calls per step it replayed."""
     from ds_mamba_spcp.ops import launch
     from ds_mamba_spcp.ops import programs as prog
 
@@ -327,7 +328,7 @@ def ab_launch(names, n, programs=False):
     def use(fast, replay="0"):
         return lambda: os.environ.update({launch.ENV: fast, prog.ENV: replay})
 
-    variants = {"triton": use("0"), "fast_launch": use("1", "0" if programs else before[prog.ENV] or "")}
+    variants = {"triton": use("0"), "fast_launch": use("1")}  # the launch layer alone, as before programs existed
     if programs:
         variants["programs"] = use("1", "1")
     inp, steps = _steps()
