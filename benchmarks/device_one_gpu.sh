@@ -8,6 +8,7 @@
 #   tests       the one-GPU tests of the final tree: the launch path, the conv's C++ path, graphs, offload, tiles, the tiled block, the prefill
 #               (TESTS= picks them, TEST_TIMEOUT= seconds each, 290 by default)
 #               (transformers 5.24 from .whl/extra when it is there)
+#   tests_parallel  the same files and test_gpu, test_gpu_shared, test_hf_gpu, test_accelerate's GPU test, all at once
 #   host_time   issue 23's three cells (eager, whole-step graph, the op's cuda_graphs mode) and the launch lists
 #   sync        issue 23: does the step's host wait for the GPU? (benchmarks/probe_host_sync.py)
 #   launch      issue 23: each launch layer's host cost, where a step's host time goes, the conv's two paths
@@ -52,6 +53,13 @@ tests)
         timeout "${TEST_TIMEOUT:-290}" python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1
         echo "$t exit $?: $(grep -E '[0-9]+ (passed|failed)' "$out/$t.log" | tail -1)"
     done ;;
+tests_parallel)  # every one-GPU test file at once, one process each (16 cores compile in parallel; peaks are per process)
+    files=${TESTS:-"test_gpu_launch test_gpu_conv test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_prefill_gpu test_gpu test_gpu_shared test_hf_gpu test_accelerate"}
+    for t in $files; do
+        timeout "${TEST_TIMEOUT:-520}" python3 -u -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1 &
+    done
+    wait
+    for t in $files; do echo "$t: $(grep -E '[0-9]+ (passed|failed|error)' "$out/$t.log" | tail -1)"; done ;;
 host_time)
     timeout 240 python3 benchmarks/bench_mixer.py --seqlens 128K:32K,32K:16K,32K:8K \
         --modes ideal,state_passing,sp_cuda_graphs --graphs --iters 10 --warmup 5 --no-progress \
@@ -109,5 +117,5 @@ offload)
         --offload-gpu-budget-gib 36 --trial-timeout 180 > "$out/o3.log" 2>&1
     grep -h "L=" "$out"/o[123].log | cut -c1-200 ;;
 *)
-    echo "unknown stage $stage (tests, host_time, sync, launch, fast_launch, fast_launch_test, fast_launch_bench, fast_launch_bench_tests, programs_test, programs, longest, offload)"; exit 2 ;;
+    echo "unknown stage $stage (tests, tests_parallel, host_time, sync, launch, fast_launch, fast_launch_test, fast_launch_bench, fast_launch_bench_tests, programs_test, programs, longest, offload)"; exit 2 ;;
 esac
