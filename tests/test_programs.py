@@ -91,7 +91,7 @@ def _same(a, b):
 
 
 @pytest.mark.usefixtures("fake_gpu")
-def test_replay_equals_the_function():
+def test_replay_equals_the_function(monkeypatch):
     """Three calls of one key (new values, inputs at other storage offsets): the first records, the next two
     replay; results, the caller's buffer and the launches as the function itself gives them. The launch replays
     through its bound compiled kernel (the config's pre-hook included: ACC adds into a zeroed out)."""
@@ -109,6 +109,21 @@ def test_replay_equals_the_function():
     assert {(fn.__name__, "record"): 1, (fn.__name__, "replay"): 2} == programs.COUNTS
     # per call: the function's own launch, then the replayed one (bound: the stand-in's direct path)
     assert [e[0] for e in log[-4:]] == ["direct"] * 4 and launch.COUNTS["_axpy", "fast"] >= 4
+    # at the recording the launcher had no compiled kernel for the key yet (a key's first launch goes through
+    # Triton): the first replay launched through the launcher, and the program was generated again with the
+    # launch written out (the C launcher called from the program's own lines), which the last replay took
+    (program,) = _PROGRAMS[fn].programs.values()
+    assert "data_ptr() & 15 ==" in program.source
+    before = launch.COUNTS["_axpy", "fast"]
+    with torch.no_grad():
+        want_in, got_in = _inputs(4, 8), _inputs(4, 8)
+        want = fn(*want_in, n=12)
+        assert launch.COUNTS["_axpy", "fast"] == before + 1  # the function's own launch
+        with monkeypatch.context() as m:  # the written-out launch does not go through the Bound object
+            m.setattr(launch.Bound, "__call__", lambda self, args: pytest.fail("the launch was not written out"))
+            got = _run("on", fn, got_in, dict(n=12))
+        assert _same(got, want) and torch.equal(got_in[2], want_in[2])
+    assert launch.COUNTS["_axpy", "fast"] == before + 2 and log[-1][0] == "direct"
 
 
 def test_a_write_outside_torch_must_be_an_extern_step():

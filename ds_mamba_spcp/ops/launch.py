@@ -513,7 +513,7 @@ class Bound:
     it through the C launcher and returns True, or returns False (nothing launched) where a tensor's address modulo
     16 differs from the bound launch's, which would be another key of the launcher."""
 
-    __slots__ = ("name", "compiled", "pre_hook", "index", "full", "tail", "grid", "device", "tensors", "align")
+    __slots__ = ("name", "compiled", "pre_hook", "index", "full", "tail", "grid", "device", "stream", "align")
 
     def __init__(self, name, compiled, pre_hook, index, full, grid, args, device):
         self.name, self.compiled, self.pre_hook, self.index, self.full = name, compiled, pre_hook, index, full
@@ -524,17 +524,18 @@ class Bound:
         n = len(grid)
         self.grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
         self.device = device
-        self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        self.align = tuple(args[i].data_ptr() & 15 for i in self.tensors)
+        self.stream = _driver_calls()[1]  # (the active driver's: a compiled kernel is its driver's too)
+        # (position, address modulo 16) of each tensor argument
+        self.align = tuple((i, a.data_ptr() & 15) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
 
     def __call__(self, args) -> bool:
-        if tuple(args[i].data_ptr() & 15 for i in self.tensors) != self.align:
-            return False
+        for i, align in self.align:
+            if args[i].data_ptr() & 15 != align:
+                return False
         if self.pre_hook is not None:
             self.pre_hook(_Named(self.index, args, self.full))
         c = self.compiled
-        stream = _driver_calls()[1](self.device)
-        c._run(*self.grid, stream, c._function, c._packed, None, None, None, *args, *self.tail)
+        c._run(*self.grid, self.stream(self.device), c._function, c._packed, None, None, None, *args, *self.tail)
         COUNTS[self.name, "fast"] += 1
         return True
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import keyword
 import os
 import threading
 import weakref
@@ -373,30 +374,6 @@ def _has_ref(t) -> bool:
     return False
 
 
-def _fill(t, vals):
-    c = t.__class__
-    if c is _Ref:
-        return vals[t.i]
-    if c is tuple or c is list:
-        return c(_fill(x, vals) for x in t)
-    if c is dict:
-        return {k: _fill(x, vals) for k, x in t.items()}
-    return t
-
-
-def _slots(template):
-    """[(position, ref index)] of the template's top-level refs, or None where a ref sits deeper (a list of
-    tensors): that step fills its arguments recursively."""
-    items = template.items() if type(template) is dict else enumerate(template)
-    slots = []
-    for pos, v in items:
-        if type(v) is _Ref:
-            slots.append((pos, v.i))
-        elif _has_ref(v):
-            return None
-    return tuple(slots)
-
-
 def _grid_sig(grid):
     """A grid by what it is: a tuple by value; a function (a wrapper's lambda, a new object on every call) by its
     code, the values it closes over and its defaults."""
@@ -513,93 +490,180 @@ def _last_uses(steps, result, n_inputs):
     return [tuple(f) for f in free]
 
 
+def _returns_a_tensor(func) -> bool:
+    returns = getattr(getattr(func, "_schema", None), "returns", None)
+    return returns is not None and len(returns) == 1 and str(returns[0].type) == "Tensor"
+
+
+def _constant(v, names: dict) -> str:
+    """The source of a constant of a program: an int, a bool or None written out, anything else a global of the
+    generated function (the recorded object itself)."""
+    if v is None or type(v) in (int, bool):
+        return repr(v)
+    name = f"_k{len(names)}"
+    names[name] = v
+    return name
+
+
+def _expr(t, names: dict) -> str:
+    """The source of a template: refs as the values' names, containers rebuilt, constants as ``_constant``."""
+    c = t.__class__
+    if c is _Ref:
+        return f"v{t.i}"
+    if not _has_ref(t):
+        return _constant(t, names)
+    if c is tuple:
+        return "(" + "".join(_expr(x, names) + ", " for x in t) + ")"
+    if c is list:
+        return "[" + ", ".join(_expr(x, names) for x in t) + "]"
+    return "{" + ", ".join(f"{k!r}: {_expr(x, names)}" for k, x in t.items()) + "}"
+
+
+def _call_args(args, kwargs, names: dict) -> str:
+    parts = [_expr(a, names) for a in args]
+    for k, v in kwargs.items():
+        parts.append(f"{k}={_expr(v, names)}" if k.isidentifier() and not keyword.iskeyword(k) else
+                     f"**{{{k!r}: {_expr(v, names)}}}")  # fmt: skip
+    return ", ".join(parts)
+
+
+def _inline_launch(b: launch.Bound, args: list, fallback: str, names: dict) -> list:
+    """A launch step's lines where its compiled kernel is bound (``launch.Bound``, what its ``__call__`` does,
+    written out): the C launcher called directly where every tensor's address modulo 16 is the bound launch's,
+    else ``fallback`` (the step's ``_Launch``: the launcher)."""
+    c, k = b.compiled, lambda v: _constant(v, names)
+    aligned = " and ".join(f"{args[i]}.data_ptr() & 15 == {a}" for i, a in b.align) or "True"
+    listed = ", ".join(args)
+    lines = [f"    if {aligned}:"]
+    if b.pre_hook is not None:
+        lines.append(f"        {k(b.pre_hook)}({k(launch._Named)}({k(b.index)}, ({listed},), {k(b.full)}))")
+    grid = ", ".join(map(str, b.grid)) if all(type(g) is int for g in b.grid) else f"*{k(b.grid)}"
+    tail = "".join(", " + k(v) for v in b.tail)
+    lines.append(f"        {k(c._run)}({grid}, {k(b.stream)}({k(b.device)}), {k(c._function)}, {k(c._packed)}, None, "
+                 f"None, None, {listed}{tail})")  # fmt: skip
+    lines.append(f"        {k(launch.COUNTS)}[{k((b.name, 'fast'))}] += 1")
+    lines += ["    else:", f"        {fallback}"]
+    return lines
+
+
+def _generate(steps, result, n_inputs, name):
+    """A program's steps as one Python function of its inputs (``v0``, ``v1``, ...), each value a local named by its
+    index and deleted after its last use: a replay costs what its torch calls and launches cost, not a loop that
+    interprets them."""
+    names = {"_as": torch.as_strided, "_flat": _flat}
+    lines = [f"def replay({''.join(f'v{i}, ' for i in range(n_inputs))}):"]
+    n, offsets = n_inputs, set()
+    for kind, call, args, kwargs, new, free in steps:
+        if kind == "view":  # call: the base's index; args: its views' (sizes, strides, offset from the base)
+            if call not in offsets:
+                offsets.add(call)
+                lines.append(f"    o{call} = v{call}.storage_offset()")
+            for size, stride, delta in args:
+                size, stride = _constant(size, names), _constant(stride, names)
+                lines.append(f"    v{n} = _as(v{call}, {size}, {stride}, o{call} + {delta})")
+                n += 1
+        else:
+            if kind == "launch":  # a _Launch: the positional arguments as one tuple, the keywords as they were
+                text = f"{_constant(call, names)}({_expr(tuple(args), names)}, {_constant(kwargs, names)})"
+                if call.bound is not None:  # (a launch makes no new value)
+                    lines.extend(_inline_launch(call.bound, [_expr(a, names) for a in args], text, names))
+                    text = None
+            else:
+                text = f"{_constant(call, names)}({_call_args(args, kwargs, names)})"
+            if text is None:  # written out already
+                pass
+            elif not new:
+                lines.append(f"    {text}")
+            elif kind == "tensor_op":  # an op whose schema returns one tensor, new
+                lines.append(f"    v{n} = {text}")
+                n += 1
+            else:
+                lines.append(f"    _t = _flat({text})")
+                for i in new:
+                    lines.append(f"    v{n} = _t[{i}]")
+                    n += 1
+                lines.append("    del _t")
+        if free:
+            lines.append(f"    del {', '.join(f'v{i}' for i in free)}")
+    lines.append(f"    return {_expr(result, names)}")
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, f"<program of {name}>", "exec"), names)
+    return names["replay"], source
+
+
 class _Program:
-    """One key's steps, laid out for replay: each step's callable bound once, its arguments a template whose tensor
-    positions are filled from the values (the call's inputs, then every step's new tensors)."""
+    """One key's steps, laid out for replay (views from their roots, each value dropped after its last use) and
+    generated as one Python function (``_generate``)."""
 
-    __slots__ = ("steps", "result", "replay_result", "signature")
+    __slots__ = ("_steps", "result", "replay_result", "signature", "n_inputs", "name", "fn", "source")
 
-    def __init__(self, steps, result, bound, n_inputs):
+    def __init__(self, steps, result, bound, n_inputs, name="program"):
         self.signature = _signature(steps)
         self.result = result  # (as recorded: what check mode compares)
+        self.n_inputs, self.name = n_inputs, name
         bound = [bound.get(id(st)) for st in steps]
         steps, result, origin = _collapse_views(steps, result, n_inputs)
-        compiled = []
+        laid = []
         for s, j in zip(steps, origin):
             if s[0] == "view":
                 _, base, geometry, new = s
-                compiled.append((0, base.i, geometry, None, None, None, new))
-                continue
-            if s[0] == "op":
+                laid.append(("view", base.i, geometry, None, new))
+            elif s[0] == "op":
                 _, func, args, kwargs, new = s
-                call = _FAST.get(func, func)
+                laid.append(
+                    ("tensor_op" if _returns_a_tensor(func) else "op", _FAST.get(func, func), args, kwargs, new)
+                )
             elif s[0] == "launch":
                 _, launcher, grid, args, kwargs, new = s
-                call = _Launch(launcher, grid, bound[j])
+                laid.append(("launch", _Launch(launcher, grid, bound[j]), args, kwargs, new))
             else:
                 _, call, _, args, kwargs, new = s
-            a, k = _slots(args), _slots(kwargs)
-            deep = a is None or k is None
-            compiled.append((1, call, args, kwargs, a or (), k or (), new) if not deep else
-                            (2, call, args, kwargs, None, None, new))  # fmt: skip
+                laid.append(("extern", call, args, kwargs, new))
         free = _last_uses(steps, result, n_inputs)
-        self.steps = tuple((*c, f) for c, f in zip(compiled, free))
         self.replay_result = result
+        self.steps = tuple((*c, f) for c, f in zip(laid, free))
+
+    @property
+    def steps(self):
+        """(kind, callable or base index, args, kwargs, new, values dropped after it) per step; setting them
+        generates the function again."""
+        return self._steps
+
+    @steps.setter
+    def steps(self, steps):
+        self._steps = steps
+        for st in steps:
+            if st[0] == "launch":
+                st[1].program = self
+        self.fn, self.source = _generate(steps, self.replay_result, self.n_inputs, self.name)
 
     def run(self, inputs):
-        vals = list(inputs)
-        as_strided = torch.as_strided
-        for kind, call, args, kwargs, aslots, kslots, new, free in self.steps:
-            if kind == 0:  # a view: call is the base's index, args its views' (sizes, strides, offset from it)
-                base = vals[call]
-                offset = base.storage_offset()
-                views = [as_strided(base, size, stride, offset + delta) for size, stride, delta in args]
-                if new == (0,) and len(views) == 1:
-                    vals.append(views[0])
-                else:
-                    vals.extend(views[i] for i in new)
-                for i in free:
-                    vals[i] = None
-                continue
-            if kind == 1:
-                if aslots:
-                    args = list(args)
-                    for pos, i in aslots:
-                        args[pos] = vals[i]
-                if kslots:
-                    kwargs = dict(kwargs)
-                    for name, i in kslots:
-                        kwargs[name] = vals[i]
-                out = call(*args, **kwargs)
-            else:
-                out = call(*_fill(args, vals), **_fill(kwargs, vals))
-            if new:
-                if new == (0,) and isinstance(out, torch.Tensor):
-                    vals.append(out)
-                else:
-                    flat = _flat(out)
-                    vals.extend(flat[i] for i in new)
-            for i in free:  # the program's last use of these: dropped, as the segment code drops its locals
-                vals[i] = None
-        return _fill(self.replay_result, vals)
+        fn = self.fn
+        if fn is None:  # a launch got its compiled kernel since the function was generated
+            self.steps = self._steps
+            fn = self.fn
+        return fn(*inputs)
 
 
 class _Launch:
     """A launch step: through its compiled kernel bound at recording (``launch.bound``) where the tensors' address
     alignment matches, else through the launcher (which keys it again)."""
 
-    __slots__ = ("launcher", "grid", "bound")
+    __slots__ = ("launcher", "grid", "bound", "program")
 
     def __init__(self, launcher, grid, bound):
         self.launcher, self.grid, self.bound = launcher, grid, bound
+        self.program = None  # the _Program whose step this is (set by it)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, args, kwargs):
         bound = self.bound
         if bound is not None and bound(args):
             return
         self.launcher.launch(self.grid, args, kwargs)
         if bound is None:  # the launcher had not recorded this key's compiled kernel at the recording: now it has
             self.bound = launch.bound(self.launcher, self.grid, args, kwargs)
+            if self.bound is not None and self.program is not None:
+                self.program.fn = None  # generated again on its next run, with this launch written out
 
 
 def _difference(name, kept, now) -> str:
@@ -672,7 +736,7 @@ class Programs:
         if rec.error is not None:
             COUNTS[self.name, "through"] += 1
             return result, None
-        return result, _Program(rec.steps, template, rec.bound, rec.n_inputs)
+        return result, _Program(rec.steps, template, rec.bound, rec.n_inputs, self.name)
 
     def __repr__(self):
         return f"<programs of {self.name}: {len(self.programs)} keys>"
