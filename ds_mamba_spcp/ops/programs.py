@@ -119,24 +119,23 @@ def _value_key(v):
 
 
 def _key(args, kwargs):
-    parts, seen = [], {}
-    for a in (*args, *kwargs.values()):
+    """(the key, the call's tensors: each object once, in argument order; the key records which arguments are one)."""
+    parts, seen, inputs = [], {}, []
+    for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, torch.Tensor):
-            first = seen.setdefault(id(a), len(seen))
+            first = seen.get(id(a))
+            if first is None:
+                first = seen[id(a)] = len(inputs)
+                inputs.append(a)
             parts.append((a.shape, a.stride(), a.dtype, a.get_device(), first))
         else:
-            parts.append(_value_key(a))
-    return tuple(kwargs), tuple(parts), _state()
+            t = type(a)
+            parts.append((t, a) if t in _SCALARS else _value_key(a))
+    return (tuple(kwargs), tuple(parts), _state()), inputs
 
 
 def _inputs(args, kwargs):
-    """The call's tensors, each object once, in argument order (the key records which arguments are one)."""
-    seen, out = set(), []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor) and id(a) not in seen:
-            seen.add(id(a))
-            out.append(a)
-    return out
+    return _key(args, kwargs)[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,14 +691,14 @@ class Programs:
             COUNTS[self.name, "through"] += 1
             return self.fn(*args, **kwargs)
         try:
-            key = _key(args, kwargs)
+            key, inputs = _key(args, kwargs)
         except _Unkeyable:
             COUNTS[self.name, "through"] += 1
             return self.fn(*args, **kwargs)
         program = self.programs.get(key)
         if program is not None and not check:
             COUNTS[self.name, "replay"] += 1
-            return program.run(_inputs(args, kwargs))
+            return program.run(inputs)
         if key in self.through:
             COUNTS[self.name, "through"] += 1
             return self.fn(*args, **kwargs)
