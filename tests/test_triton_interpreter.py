@@ -270,7 +270,7 @@ def _fold_chunks_vs_upstream(triton_backend):
     prev = torch.randn(b, c, h, p * n, generator=g)
     labels = torch.bucketize(torch.arange(seqlen), torch.tensor([20, 50, 64]), right=True)
     labels = torch.stack([labels, torch.zeros_like(labels)]).int()  # row 1: one document
-    errs = {}
+    errs, controls = {}, {}
     for tag, seq in (("", None), ("_packed", labels)):
         extra = {} if seq is None else dict(seq_idx=seq, chunk_size=chunk)
         _, final = sp._state_passing_fwd(flat, dA_last, **extra)
@@ -289,7 +289,18 @@ def _fold_chunks_vs_upstream(triton_backend):
         bwd = triton_backend._fold_chunks(x, dA_last, reverse=True, init=init, **extra).reshape(b, h, p * n)
         errs["S_out" + tag] = (fwd - final).abs().max().item()
         errs["dS_in" + tag] = (bwd - dinit).abs().max().item()
-    return dict(errs=errs, seconds=0.0)
+        # what known mode takes as dS_in since the fold left it: the state passing's backward, its state
+        # gradients in the compute dtype, its initial-state gradient stored in fp32
+        _, _, known, _ = triton_backend._state_passing_bwd_fp32_dinit(
+            prev, dA_last, flat, init.reshape(b, h, p * n), seq, dstates_dtype=torch.bfloat16, states_dtype=None,
+            chunk_size=chunk,
+        )  # fmt: skip
+        errs["dS_in_known" + tag] = (known - bwd).abs().max().item()
+        # negative control: upstream's wrapper stores it in the compute dtype
+        _, _, low = sp._state_passing_bwd(prev, dA_last, flat, dfinal_states=init.reshape(b, h, p * n),
+                                          has_initial_states=True, dstates_dtype=torch.bfloat16, **extra)  # fmt: skip
+        controls["dS_in_bf16" + tag] = (low.float() - bwd).abs().max().item()
+    return dict(errs=errs, controls=controls, seconds=0.0)
 
 
 def _group_of_one_tiled(triton_backend):
@@ -441,8 +452,10 @@ def test_programs_replay_equals_the_segment_code(segment_results):
 
 def test_fold_chunks_equals_upstream(segment_results):
     """Same recurrence, same order, fp32: bitwise equal under the interpreter (numpy, no fused multiply-add)."""
-    want = {f"{k}{tag}": 0.0 for k in ("S_ext", "L", "S_out", "dS_in") for tag in ("", "_packed")}
+    want = {f"{k}{tag}": 0.0 for k in ("S_ext", "L", "S_out", "dS_in", "dS_in_known") for tag in ("", "_packed")}
     assert segment_results["fold_chunks"]["errs"] == want
+    # negative control: in bf16 (upstream's dtype for it) dS_in is off by its rounding, ~1e-2 of values ~1
+    assert all(v > 1e-3 for v in segment_results["fold_chunks"]["controls"].values()), segment_results["fold_chunks"]
 
 
 def test_group_of_one_tiles_in_known_mode_match_the_reference(segment_results):

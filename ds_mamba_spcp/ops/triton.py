@@ -16,6 +16,8 @@ so that the state summary exchange can sit between them:
               post_grad(L)
               -> dCB, ddA (need no dS_out, overlap the all-gather)
               dS_out = wait -> _state_passing_bwd with dfinal_states = dS_out -> dC, dx, ddt, dD, dB
+              (known mode, dS_out there from the start: no fold; dS_in is _state_passing_bwd's
+              dinitial_states, stored in fp32)
               -> _chunk_cumsum_bwd -> conv backward (dinitial_states = halo gradient)
 
 Numerics follow upstream's op step for step (bf16 states into the matmuls, fp32 chunk states and
@@ -278,6 +280,45 @@ def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, lo
     return (out.view(b, h, p, n), total) if log_a else out.view(b, h, p, n)
 
 
+def _state_passing_bwd_fp32_dinit(states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, *, dstates_dtype,
+                                  states_dtype, chunk_size):  # fmt: skip
+    """mamba-ssm's ``_state_passing_bwd`` (the same kernel and arguments, ``has_initial_states``) with the
+    gradient of the initial states stored in fp32: the kernel carries it in fp32 and stores it in its buffer's
+    dtype, which upstream's wrapper makes the compute dtype. Known mode takes it as the segment's dS_in (the
+    gradient the tile before receives), which ``_fold_chunks(..., init=dS_out)`` computed in a launch of its own:
+    the same recurrence over the same values in fp32. -> (dstates, ddA_chunk_cumsum, dinitial_states fp32
+    (b, h, dim), the states converted to ``states_dtype`` or None)."""
+    batch, nchunks, nheads, dim = states.shape
+    k = _kernels()
+    dstates = torch.empty_like(dout, dtype=dstates_dtype)
+    converted = None
+    if states_dtype is not None and states_dtype != states.dtype:
+        converted = torch.empty_like(states, dtype=dstates_dtype)
+        if converted.stride() != states.stride():
+            raise AssertionError("the converted states must have the states' strides (the kernel shares them)")
+    dinit = torch.empty(batch, nheads, dim, device=dout.device, dtype=torch.float32)
+    n_blocks = triton.cdiv(dim, 64)  # upstream's smallest BLOCK_SIZE: a partial sum per block of the config's
+    ddA_partial = torch.empty(batch, nheads, nchunks, n_blocks, dtype=torch.float32, device=dout.device)
+    seq_strides = (seq_idx.stride(0), seq_idx.stride(1)) if seq_idx is not None else (0, 0)
+    kernel = k.state_passing._state_passing_bwd_kernel
+    with torch.cuda.device(dout.device.index):
+        kernel[lambda meta: (triton.cdiv(dim, meta["BLOCK_SIZE"]), batch, nheads)](
+            dout, states, dA_chunk_cumsum, dfinal_states, seq_idx, dstates, ddA_partial, dinit, converted,
+            dim, nchunks, seq_idx.shape[-1] if seq_idx is not None else 0, chunk_size if seq_idx is not None else 0,
+            *dout.stride(), *states.stride(),
+            dA_chunk_cumsum.stride(0), dA_chunk_cumsum.stride(2), dA_chunk_cumsum.stride(1),
+            *dfinal_states.stride(), *seq_strides, *dstates.stride(),
+            ddA_partial.stride(0), ddA_partial.stride(2), ddA_partial.stride(1), *dinit.stride(),
+            CONVERT_STATES=converted is not None, HAS_DFINAL_STATES=True, HAS_DINITSTATES=True,
+            HAS_SEQ_IDX=seq_idx is not None,
+        )  # fmt: skip
+    valid = triton.cdiv(dim, kernel.best_config.kwargs["BLOCK_SIZE"])
+    ddA_chunk_cumsum = ddA_partial[..., :valid].sum(dim=-1).to(dtype=dA_chunk_cumsum.dtype)
+    if states_dtype is not None and states_dtype == states.dtype:
+        converted = states
+    return dstates, ddA_chunk_cumsum, dinit, converted
+
+
 @triton.jit
 def _ddA_tail_kernel(
     ddA_ptr, next_ptr, prev_ptr, chunk_ptr, chunk_size,
@@ -504,7 +545,8 @@ def segment_bwd(
     popped, so that y is freed once the gate's backward has used it. None or empty: y is recomputed.
     dzxbcdt: a buffer shaped like zxbcdt (a view of a longer one) that receives the gradient of zxbcdt
     (returned as the first gradient) instead of a fresh tensor. Known mode (``ops/segment.py``): dS_out
-    given, L is not yielded; the fold starts from dS_out and gives dS_in (fp32), returned last.
+    given, L is not yielded and not folded; dS_in (fp32) is the initial states' gradient of _state_passing_bwd,
+    which starts from dS_out (``_state_passing_bwd_fp32_dinit``), returned last.
     """
     if dS_out is not None:
         y = kept.pop() if kept else None
@@ -573,8 +615,7 @@ def _segment_bwd(
     dprev = k.chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, seq_idx=seq_idx, dtype=torch.float32)
     prev_flat, dprev_flat = prev_states.flatten(-2), dprev.flatten(-2)
     dA_last = dA_cumsum[:, :, :, -1]
-    if known:
-        dS_in = _fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk, init=dS_out)
+    if known:  # dS_in comes from _state_passing_bwd below, in fp32 (it starts from dS_out)
         handle = Ready(dS_out)
     else:
         handle = yield _fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk)
@@ -586,10 +627,19 @@ def _segment_bwd(
     dS_out = handle.wait().flatten(-2)
     # with the gradient the later segments send, and (as upstream) the states rounded to the
     # compute dtype in the same pass, where the recomputation did not need them
-    dstates, ddA_chunk_cumsum, _, *converted = k.state_passing._state_passing_bwd(
-        prev_flat, dA_last, dprev_flat, dfinal_states=dS_out, seq_idx=seq_idx, has_initial_states=True,
-        dstates_dtype=x.dtype, states_dtype=x.dtype if prev_lowp is None else None, chunk_size=chunk,
-    )  # fmt: skip
+    states_dtype = x.dtype if prev_lowp is None else None
+    if known:
+        dstates, ddA_chunk_cumsum, dS_in, converted = _state_passing_bwd_fp32_dinit(
+            prev_flat, dA_last, dprev_flat, dS_out, seq_idx, dstates_dtype=x.dtype, states_dtype=states_dtype,
+            chunk_size=chunk,
+        )  # fmt: skip
+        dS_in = dS_in.view(dS_in.shape[0], dS_in.shape[1], spec.headdim, spec.dstate)
+        converted = [converted]
+    else:
+        dstates, ddA_chunk_cumsum, _, *converted = k.state_passing._state_passing_bwd(
+            prev_flat, dA_last, dprev_flat, dfinal_states=dS_out, seq_idx=seq_idx, has_initial_states=True,
+            dstates_dtype=x.dtype, states_dtype=states_dtype, chunk_size=chunk,
+        )  # fmt: skip
     if prev_lowp is None:
         prev_lowp = converted[0].unflatten(-1, (spec.headdim, spec.dstate))
     del prev_states, prev_flat, dprev, dprev_flat, converted
