@@ -146,23 +146,27 @@ def test_programs_replay_every_tile(runs, case):
 
 
 def test_check_mode_catches_a_wrong_kernel(runs):
-    """Every recorded fold launch given the ddA-tail kernel's compiled kernel instead: check mode must refuse."""
+    """Every recorded ddA-tail launch given another kernel's compiled kernel (the forward state passing's)
+    instead: check mode must refuse. (A group of one launches no fold since d37c4b9: the ddA tail is the kernel
+    of this package's own that every known-mode backward launches.)"""
     from ds_mamba_spcp.ops import launch
     from ds_mamba_spcp.ops import triton as tb
 
     kernels = tb._direct_launch(check=True)  # the launchers check mode used above
-    fold, tail = kernels.fold_chunks, kernels.ddA_tail
-    assert fold.entries and tail.entries
-    wrong = next(iter(tail.entries.values())).kernel
-    kept = {key: entry.kernel for key, entry in fold.entries.items()}
+    victim, donor = kernels.ddA_tail, kernels.state_passing._state_passing_fwd_kernel
+    while not isinstance(donor, launch._JitLauncher):  # below its autotuner (and heuristics)
+        donor = donor.inner
+    assert victim.entries and donor.entries
+    wrong = next(iter(donor.entries.values())).kernel
+    kept = {key: entry.kernel for key, entry in victim.entries.items()}
     mp = pytest.MonkeyPatch()
     mp.setenv(launch.ENV, "check")
     try:
-        for entry in fold.entries.values():
+        for entry in victim.entries.values():
             entry.kernel = wrong
         with pytest.raises(launch.LaunchMismatch, match="another compiled kernel"):
             _run("gate_init_final")
     finally:
         for key, kernel in kept.items():
-            fold.entries[key].kernel = kernel
+            victim.entries[key].kernel = kernel
         mp.undo()
