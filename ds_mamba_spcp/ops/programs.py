@@ -26,7 +26,9 @@ from their root tensor, relative to its offset, the unused ones dropped), the sa
 compiled kernel the launch layer recorded for it, bound once by ``launch.bound``: where a tensor's address
 alignment differs from the recorded one's, through the launcher, which keys it again), the same extern calls.
 Each value is dropped after the step that uses it last, as the segment code drops its locals. The program holds
-no tensor.
+no tensor. A replay is one Python function generated from the program (``_generate``; its text in
+``source``): every value a local variable, every step a line, every launch whose compiled kernel is bound written
+out down to its C launcher call, so that what a replay costs is its torch calls and launches.
 
 Soundness rests on ``fn``'s Python being a function of the key: for the same shapes, strides, dtypes, devices and
 other arguments it dispatches the same ops with the same non-tensor arguments, launches the same kernels with the
