@@ -305,3 +305,23 @@ def test_ops_that_may_alias_replay_as_what_they_did(mode):
             args = _inputs(seed)
             assert _same(_run("on", _maybe_copies, args, dict(n=12)), _maybe_copies(*args, n=12)), seed
     assert programs.COUNTS == {("_maybe_copies", "record"): 1, ("_maybe_copies", "replay"): 2}
+
+
+def _lists_and_tuples(x, w, out, *, n):
+    both = torch.cat([x[:, :n], w[None, :n].expand(x.shape[0], n)], dim=0)  # a list of program tensors
+    values, order = torch.sort(x, dim=-1, descending=True)  # an op with two new results
+    lo, hi = torch.aminmax(both, dim=0)
+    return both, values, order, {"range": (lo, hi), "n": n}
+
+
+def test_lists_multi_results_and_nested_results_replay():
+    """The generated function's other shapes: a list of tensors as an argument, ops with several new results, a
+    result nested in a dict of tuples with a plain value beside it."""
+    with torch.no_grad():
+        for seed in (0, 1, 2):
+            args = _inputs(seed, offset=seed)
+            got, want = _run("on", _lists_and_tuples, args, dict(n=12)), _lists_and_tuples(*args, n=12)
+            assert _same(got[:3], want[:3]) and _same(got[3]["range"], want[3]["range"]) and got[3]["n"] == 12
+    assert programs.COUNTS == {("_lists_and_tuples", "record"): 1, ("_lists_and_tuples", "replay"): 2}
+    (program,) = _PROGRAMS[_lists_and_tuples].programs.values()
+    assert "_flat(" in program.source and "[v" in program.source  # the two-result steps, the list argument
