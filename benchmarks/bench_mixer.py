@@ -558,7 +558,7 @@ def _git(*cmd):
 
 # environment variables that change what a run measures
 ENV_RECORDED = ("NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES", "NCCL_ALGO", "MAMBA_DETERMINISTIC")
-ENV_RECORDED += ("DS_MAMBA_SPCP_FAST_LAUNCH", "DS_MAMBA_SPCP_PROGRAMS")
+ENV_RECORDED += ("DS_MAMBA_SPCP_FAST_LAUNCH", "DS_MAMBA_SPCP_PROGRAMS", "DS_MAMBA_SPCP_STATE_PASSING")
 
 
 def environment(args, ctx: Context) -> dict:

@@ -21,6 +21,9 @@
 #               timed out at 240 s on a cold machine at 43a31a5: 420 s by default now)
 #   programs    issue 23: ops/programs.py: the three paths alternating step by step (probe_launch_cost.py
 #               --ab-programs), bench_mixer's eager and graph cells (results/programs_43a31a5_h200x1/)
+#   pass_states issue 23: ops/pass_states.py's kernels alone against mamba-ssm's (benchmarks/probe_state_passing.py),
+#               then bench_mixer's eager and graph cells with mamba-ssm's state passing and with ours, alternating
+#               (DS_MAMBA_SPCP_STATE_PASSING=upstream / prefetch; RUNS= pairs, 2 by default)
 #   longest     issue 24: the 130M with block tiles of 32,768 at 3,145,728 and 3,407,872 (its longest at 7349b3b;
 #               a search from 1,572,864 with 150 s trials timed out on its first, cold trial)
 #   offload     issue 24: the 780M with the pinned pool at 524,288 and 786,432 (budget 0), and 1,048,576 with
@@ -101,6 +104,18 @@ programs)  # ops/programs.py: the three paths alternating, then bench_mixer's ea
     echo "bench exit $?"; tail -3 "$out/bench_programs.log" ;;
 fast_launch_bench)
     bench_pair 1; bench_pair 2 ;;
+pass_states)
+    timeout 200 python3 benchmarks/probe_state_passing.py --nchunks 64,128,256,1024 --git-commit "$commit" \
+        --out "$out/probe_state_passing_h200x1.json" > "$out/probe_state_passing.log" 2>&1
+    echo "probe exit $?"; grep -E "^(nchunks|all|NOT)" "$out/probe_state_passing.log" | cut -c1-600
+    for run in $(seq "${RUNS:-2}"); do
+        for sp in upstream prefetch; do
+            DS_MAMBA_SPCP_STATE_PASSING=$sp timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_mixer.py \
+                --seqlens 128K:32K,32K:16K,32K:8K --modes ideal,state_passing --iters 10 --warmup 5 --no-progress \
+                --git-commit "$commit" --out "$out/bench_${sp}_run$run.json" >> "$out/bench_pass_states.log" 2>&1
+            echo "bench $sp run $run exit $?: $(python3 benchmarks/report.py --ratios "$out/bench_${sp}_run$run.json")"
+        done
+    done ;;
 fast_launch_bench_tests)  # the two bench pairs, then the tests stage (TESTS= to choose) on the warm cache
     bench_pair 1; bench_pair 2; bash "$0" "$commit" tests ;;
 longest)
@@ -117,5 +132,5 @@ offload)
         --offload-gpu-budget-gib 36 --trial-timeout 180 > "$out/o3.log" 2>&1
     grep -h "L=" "$out"/o[123].log | cut -c1-200 ;;
 *)
-    echo "unknown stage $stage (tests, tests_parallel, host_time, sync, launch, fast_launch, fast_launch_test, fast_launch_bench, fast_launch_bench_tests, programs_test, programs, longest, offload)"; exit 2 ;;
+    echo "unknown stage $stage (tests, tests_parallel, host_time, sync, launch, fast_launch, fast_launch_test, fast_launch_bench, fast_launch_bench_tests, programs_test, programs, pass_states, longest, offload)"; exit 2 ;;
 esac

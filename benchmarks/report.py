@@ -426,15 +426,34 @@ def plot(idx: Index, prefix: str) -> list[str]:
     return written
 
 
+def ratios_line(records: list[dict]) -> str:
+    """One line: state_passing's fwd+bwd ms over the ideal's (mamba-ssm's op), per length, tile and eager/graph."""
+    ms = {}
+    for r in records:
+        if _ok(r):
+            ms[(r["seqlen"], r.get("tile_length") or 0, bool(r.get("cuda_graph")), r["mode"])] = r["fwd_bwd_ms"]
+    cells = []
+    for (seqlen, tile, graph, mode), t in sorted(ms.items()):
+        ideal = ms.get((seqlen, tile, graph, "ideal"))
+        if mode == "state_passing" and ideal:
+            where = f"{fmt_len(seqlen)}:{fmt_len(tile)}" if tile else fmt_len(seqlen)
+            cells.append(f"{where} {'graph' if graph else 'eager'} {t / ideal:.3f}")
+    return "; ".join(cells)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Markdown table, PNG plot and target check from bench_mixer JSON")
     p.add_argument("results", nargs="+", help="bench_mixer.py JSON file(s); several are merged")
+    p.add_argument("--ratios", action="store_true", help="only print state_passing / ideal per cell, one line")
     p.add_argument("--out", default=None, help="output prefix (default: the first JSON without .json)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     headers, records = load(args.results)
     if not records:
         raise SystemExit("no records in " + ", ".join(args.results))
+    if args.ratios:
+        print(ratios_line(records))
+        return
     idx = Index(records)
     prefix = args.out or os.path.splitext(args.results[0])[0]
     targets = check_targets(idx)

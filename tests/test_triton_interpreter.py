@@ -190,6 +190,7 @@ def segments_main():
             bad = _run_segment(triton_backend, t, grads, spec, initial_states=None, backward=False)
             results["bug_zero_S_in"] = dict(errs=_errors(bad, want), seconds=0.0)
     results["fold_chunks"] = _fold_chunks_vs_upstream(triton_backend)
+    results["pass_states"] = _pass_states_vs_upstream()
     results["group_of_one_tiled"], tiled_case = _group_of_one_tiled(triton_backend)
     results["fast_launch"] = _fast_launch_vs_triton(triton_backend, through_triton)
     results["programs"] = _programs_vs_run(triton_backend, *tiled_case)
@@ -300,6 +301,55 @@ def _fold_chunks_vs_upstream(triton_backend):
         _, _, low = sp._state_passing_bwd(prev, dA_last, flat, dfinal_states=init.reshape(b, h, p * n),
                                           has_initial_states=True, dstates_dtype=torch.bfloat16, **extra)  # fmt: skip
         controls["dS_in_bf16" + tag] = (low.float() - bwd).abs().max().item()
+    return dict(errs=errs, controls=controls, seconds=0.0)
+
+
+def _pass_states_vs_upstream():
+    """ops/pass_states.py's kernels against mamba-ssm's _state_passing_fwd / _state_passing_bwd (largest abs diff
+    of every result, per case): 1, 5 and 9 chunks (one group of four, a group and one, two groups and one: the
+    tail of the last group is masked), with and without initial states, packed-row labels, the forward's output in
+    bf16 and fp32, the backward with and without dfinal_states and the states' conversion. Block 64: the block
+    upstream's autotuner picks under the interpreter (deterministic mode, no cached autotuning), so that the ddA
+    partial sums are summed over the same blocks. Negative control: on packed rows without the labels."""
+    from ds_mamba_spcp import _upstream
+    from ds_mamba_spcp.ops import pass_states as ps
+
+    sp = _upstream.mamba_module("ops.triton.ssd_state_passing")
+    g = torch.Generator().manual_seed(5)
+    b, h, dim, chunk = 2, 3, 96, 16  # dim 96: two blocks of 64, the second half masked
+    errs, controls = {}, {}
+
+    def worst(xs, ys):
+        assert [x is None for x in xs] == [y is None for y in ys], "results missing on one side"
+        return max((x.float() - y.float()).abs().max().item() for x, y in zip(xs, ys) if x is not None)
+
+    for nchunks, init, packed, low in ((1, True, False, True), (5, False, True, False), (5, True, True, True),
+                                       (9, True, False, False), (9, False, True, True)):  # fmt: skip
+        seqlen = nchunks * chunk - 5  # a partial last chunk
+        seq = None
+        if packed:  # documents starting inside a chunk, on a chunk border, and one row of one document
+            lab = torch.bucketize(torch.arange(seqlen), torch.tensor([20, 48, 64, 100]), right=True)
+            seq = torch.stack([lab, torch.zeros_like(lab)]).int()
+        extra = {} if seq is None else dict(seq_idx=seq, chunk_size=chunk)
+        states = torch.randn(b, nchunks, h, dim, generator=g)
+        dA = -torch.rand(b, h, nchunks, generator=g)
+        i0 = torch.randn(b, h, dim, generator=g) if init else None
+        od = torch.bfloat16 if low else torch.float32
+        tag = f"c{nchunks}_init{int(init)}_packed{int(packed)}_{'bf16' if low else 'fp32'}"
+        want = sp._state_passing_fwd(states, dA, initial_states=i0, out_dtype=od, **extra)
+        got = ps.state_passing_fwd(ps._state_passing_fwd_kernel, states, dA, i0, out_dtype=od, block=64, **extra)
+        errs["fwd_" + tag] = worst(want, got)
+        prev, dout = torch.randn(2, b, nchunks, h, dim, generator=g).unbind(0)
+        dfinal = torch.randn(b, h, dim, generator=g) if init else None  # (dfinal_states with the initial states)
+        conv = torch.bfloat16 if low else None
+        kw = dict(has_initial_states=init, dstates_dtype=torch.bfloat16, states_dtype=conv)
+        want = sp._state_passing_bwd(prev, dA, dout, dfinal_states=dfinal, **kw, **extra)
+        got = ps.state_passing_bwd(ps._state_passing_bwd_kernel, prev, dA, dout, dfinal, seq, **kw, chunk_size=chunk,
+                                   block=64)  # fmt: skip
+        errs["bwd_" + tag] = worst(want if conv else (*want, None), got)
+        if packed:
+            bad = ps.state_passing_fwd(ps._state_passing_fwd_kernel, states, dA, i0, out_dtype=od, block=64)
+            controls["fwd_no_labels_" + tag] = worst(sp._state_passing_fwd(states, dA, i0, out_dtype=od, **extra), bad)
     return dict(errs=errs, controls=controls, seconds=0.0)
 
 
@@ -456,6 +506,15 @@ def test_fold_chunks_equals_upstream(segment_results):
     assert segment_results["fold_chunks"]["errs"] == want
     # negative control: in bf16 (upstream's dtype for it) dS_in is off by its rounding, ~1e-2 of values ~1
     assert all(v > 1e-3 for v in segment_results["fold_chunks"]["controls"].values()), segment_results["fold_chunks"]
+
+
+def test_pass_states_equals_upstream(segment_results):
+    """ops/pass_states.py: the same recurrences in the same order and precision as mamba-ssm's state passing, so
+    bitwise equal under the interpreter, forward and backward, on every case (chunks in and past a group of four,
+    labels, initial states, dtypes); the negative control (packed rows run without their labels) differs."""
+    res = segment_results["pass_states"]
+    assert len(res["errs"]) == 10 and all(v == 0.0 for v in res["errs"].values()), res["errs"]
+    assert len(res["controls"]) == 3 and all(v > 0.1 for v in res["controls"].values()), res["controls"]
 
 
 def test_group_of_one_tiles_in_known_mode_match_the_reference(segment_results):

@@ -58,7 +58,7 @@ import triton.language as tl
 
 from ds_mamba_spcp import _upstream
 from ds_mamba_spcp.autograd import first_order_only
-from ds_mamba_spcp.ops import launch, programs
+from ds_mamba_spcp.ops import launch, pass_states, programs
 from ds_mamba_spcp.ops.segment import Ready, run_bwd_known, run_fwd_known
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
@@ -189,10 +189,16 @@ def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None, seq_id
     k = _kernels()
     flat = chunk_states.flatten(-2)
     init = None if initial_states is None else initial_states.flatten(-2)
-    prev, final = k.state_passing._state_passing_fwd(
-        flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
-        out_dtype=out_dtype,
-    )  # fmt: skip
+    if pass_states.enabled():  # the same recurrence, with the next chunks' loads in flight (ops/pass_states.py)
+        prev, final = pass_states.state_passing_fwd(
+            k.pass_fwd, flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
+            out_dtype=out_dtype,
+        )  # fmt: skip
+    else:
+        prev, final = k.state_passing._state_passing_fwd(
+            flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
+            out_dtype=out_dtype,
+        )  # fmt: skip
     p, n = chunk_states.shape[-2:]
     return prev.unflatten(-1, (p, n)), final.unflatten(-1, (p, n))
 
@@ -288,8 +294,13 @@ def _state_passing_bwd_fp32_dinit(states, dA_chunk_cumsum, dout, dfinal_states, 
     gradient the tile before receives), which ``_fold_chunks(..., init=dS_out)`` computed in a launch of its own:
     the same recurrence over the same values in fp32. -> (dstates, ddA_chunk_cumsum, dinitial_states fp32
     (b, h, dim), the states converted to ``states_dtype`` or None)."""
-    batch, nchunks, nheads, dim = states.shape
     k = _kernels()
+    if pass_states.enabled():  # ops/pass_states.py's kernel: the same recurrence, its loads ahead
+        return pass_states.state_passing_bwd(
+            k.pass_bwd, states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, has_initial_states=True,
+            dstates_dtype=dstates_dtype, states_dtype=states_dtype, dinit_dtype=torch.float32, chunk_size=chunk_size,
+        )  # fmt: skip
+    batch, nchunks, nheads, dim = states.shape
     dstates = torch.empty_like(dout, dtype=dstates_dtype)
     converted = None
     if states_dtype is not None and states_dtype != states.dtype:
@@ -371,10 +382,21 @@ class _Kernels(NamedTuple):
     layernorm: types.ModuleType
     fold_chunks: object
     ddA_tail: object
+    pass_fwd: object
+    pass_bwd: object
 
 
 _THROUGH_TRITON = _Kernels(
-    _bmm, _chunk_state, _state_passing, _chunk_scan, _combined, _layernorm, _fold_chunks_kernel, _ddA_tail_kernel
+    _bmm,
+    _chunk_state,
+    _state_passing,
+    _chunk_scan,
+    _combined,
+    _layernorm,
+    _fold_chunks_kernel,
+    _ddA_tail_kernel,
+    pass_states._state_passing_fwd_kernel,
+    pass_states._state_passing_bwd_kernel,
 )
 
 
@@ -387,8 +409,8 @@ def _direct_launch(check: bool) -> _Kernels:
     if check not in _DIRECT:
         spaces = launch.redirect(_THROUGH_TRITON[:6], check)
         modules = [spaces[m.__name__] for m in _THROUGH_TRITON[:6]]
-        fold, tail = launch.launcher(_fold_chunks_kernel, check), launch.launcher(_ddA_tail_kernel, check)
-        _DIRECT[check] = _Kernels(*modules, fold, tail)
+        own = [launch.launcher(kernel, check) for kernel in _THROUGH_TRITON[6:]]
+        _DIRECT[check] = _Kernels(*modules, *own)
     return _DIRECT[check]
 
 
@@ -628,7 +650,7 @@ def _segment_bwd(
     # with the gradient the later segments send, and (as upstream) the states rounded to the
     # compute dtype in the same pass, where the recomputation did not need them
     states_dtype = x.dtype if prev_lowp is None else None
-    if known:
+    if known or pass_states.enabled():  # (with ranks, this dS_in is not needed: L was folded above)
         dstates, ddA_chunk_cumsum, dS_in, converted = _state_passing_bwd_fp32_dinit(
             prev_flat, dA_last, dprev_flat, dS_out, seq_idx, dstates_dtype=x.dtype, states_dtype=states_dtype,
             chunk_size=chunk,
