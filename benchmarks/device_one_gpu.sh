@@ -105,7 +105,7 @@ programs)  # ops/programs.py: the three paths alternating, then bench_mixer's ea
 fast_launch_bench)
     bench_pair 1; bench_pair 2 ;;
 pass_states)
-    timeout 200 python3 benchmarks/probe_state_passing.py --nchunks 64,128,256,1024 --git-commit "$commit" \
+    timeout 200 python3 benchmarks/probe_state_passing.py --nchunks 64,128,256,1024 ${PROBE_ARGS:-} --git-commit "$commit" \
         --out "$out/probe_state_passing_h200x1.json" > "$out/probe_state_passing.log" 2>&1
     echo "probe exit $?"; grep -E "^(nchunks|all|NOT)" "$out/probe_state_passing.log" | cut -c1-600
     for run in $(seq "${RUNS:-2}"); do

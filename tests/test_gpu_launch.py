@@ -146,17 +146,15 @@ def test_programs_replay_every_tile(runs, case):
 
 
 def test_check_mode_catches_a_wrong_kernel(runs):
-    """Every recorded ddA-tail launch given another kernel's compiled kernel (the forward state passing's)
-    instead: check mode must refuse. (A group of one launches no fold since d37c4b9: the ddA tail is the kernel
-    of this package's own that every known-mode backward launches.)"""
+    """Every recorded ddA-tail launch given another kernel's compiled kernel (the forward state passing's,
+    ops/pass_states.py's) instead: check mode must refuse. (A group of one launches no fold since d37c4b9: the ddA
+    tail is one of the kernels of this package's own that every known-mode backward launches.)"""
     from ds_mamba_spcp.ops import launch
     from ds_mamba_spcp.ops import triton as tb
 
     kernels = tb._direct_launch(check=True)  # the launchers check mode used above
-    victim, donor = kernels.ddA_tail, kernels.state_passing._state_passing_fwd_kernel
-    while not isinstance(donor, launch._JitLauncher):  # below its autotuner (and heuristics)
-        donor = donor.inner
-    assert victim.entries and donor.entries
+    victim, donor = kernels.ddA_tail, kernels.pass_fwd
+    assert victim.entries and donor.entries, "the known-mode runs above launched both kernels through the launchers"
     wrong = next(iter(donor.entries.values())).kernel
     kept = {key: entry.kernel for key, entry in victim.entries.items()}
     mp = pytest.MonkeyPatch()
