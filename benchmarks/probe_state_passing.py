@@ -63,6 +63,16 @@ def _same(a, b):
     return a is None and b is None or (a is not None and b is not None and torch.equal(a, b))
 
 
+def _diff(a, b):
+    """Where two results differ: (elements that differ, the largest abs difference, the largest relative to the
+    value, in units of the dtype's eps)."""
+    d = (a.float() - b.float()).abs()
+    eps = torch.finfo(a.dtype).eps
+    return dict(
+        n=int((d > 0).sum()), max_abs=d.max().item(), max_eps=(d / a.float().abs().clamp_min(1e-30)).max().item() / eps
+    )
+
+
 def _cell(sp, nchunks, nheads, dim, args, seq=None, chunk_size=128):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(nchunks)
@@ -87,6 +97,13 @@ def _cell(sp, nchunks, nheads, dim, args, seq=None, chunk_size=128):
     want = sp._state_passing_bwd(prev, dA, dout, dfinal_states=dfinal, **bkw, **extra)
     got = ps.state_passing_bwd(bwd, prev, dA, dout, dfinal, seq, **bkw, dinit_dtype=bf16, chunk_size=chunk_size)
     res["equal_bwd"] = {n: _same(want[i], got[i]) for i, n in ((0, "dstates"), (2, "dinit"), (3, "converted"))}
+    res["diff_bwd"] = {n: _diff(want[i], got[i]) for i, n in ((0, "dstates"), (2, "dinit"), (3, "converted"))}
+    # the dinit known mode takes, in fp32, against upstream's (bf16: its wrapper's dtype for it) and against its
+    # own rounding to bf16
+    wide = ps.state_passing_bwd(bwd, prev, dA, dout, dfinal, seq, **bkw, dinit_dtype=torch.float32,
+                                chunk_size=chunk_size)[2]  # fmt: skip
+    res["dinit_fp32_rounded_equal"] = _same(wide.to(bf16), want[2])
+    res["dinit_fp32_vs_bf16"] = _diff(want[2], wide)
     scale = want[1].abs().max().item()
     res["ddA_max_rel_diff"] = (want[1] - got[1]).abs().max().item() / max(scale, 1e-30)
     res["upstream_blocks"] = {
@@ -144,7 +161,7 @@ def main(argv=None):
     for nchunks in args.nchunks:
         cell = _cell(sp, nchunks, args.nheads, args.dim, args)
         cells.append(cell)
-        short = {k: v for k, v in cell.items() if k.startswith(("equal", "ddA", "best", "default"))}
+        short = {k: v for k, v in cell.items() if k.startswith(("equal", "ddA", "best", "default", "diff", "dinit"))}
         print(f"nchunks={nchunks}: {json.dumps(short)}", flush=True)
     # packed rows: documents of 3000 tokens (starts inside chunks), the equality only
     labels = (torch.arange(64 * 128, device="cuda") // 3000).int()[None]
