@@ -244,6 +244,21 @@ def test_mode_values(monkeypatch):
         launch.mode()
 
 
+def test_state_passing_kernel_values(monkeypatch):
+    """DS_MAMBA_SPCP_STATE_PASSING: ops/pass_states.py's kernels unless 'upstream'; a typo is refused, not read as
+    either."""
+    from ds_mamba_spcp.ops import pass_states
+
+    monkeypatch.delenv(pass_states.ENV, raising=False)
+    assert pass_states.enabled()
+    for raw, want in (("prefetch", True), ("upstream", False)):
+        monkeypatch.setenv(pass_states.ENV, raw)
+        assert pass_states.enabled() is want
+    monkeypatch.setenv(pass_states.ENV, "mamba")
+    with pytest.raises(ValueError, match="expected 'prefetch'"):
+        pass_states.enabled()
+
+
 # ---------------------------------------------------------------------------------------------
 # mamba-ssm's wrappers, rebound
 # ---------------------------------------------------------------------------------------------

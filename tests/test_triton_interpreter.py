@@ -169,7 +169,7 @@ def segments_main():
 
     os.environ.pop("DS_MAMBA_SPCP_FAST_LAUNCH", None)  # Triton's own launch path, unless a case sets it
     triton_backend = triton_cpu_shims.install()
-    from ds_mamba_spcp.ops import reference
+    from ds_mamba_spcp.ops import pass_states, reference
 
     torch.set_num_threads(1)
     results, through_triton = {}, {}
@@ -189,6 +189,13 @@ def segments_main():
             # negative control: S_in zero instead of the initial state (a lost state summary)
             bad = _run_segment(triton_backend, t, grads, spec, initial_states=None, backward=False)
             results["bug_zero_S_in"] = dict(errs=_errors(bad, want), seconds=0.0)
+        if name in ("gate_Dhead", "packed_gate_Dhead"):  # mamba-ssm's state passing kernels instead of ours
+            os.environ[pass_states.ENV] = "upstream"
+            try:
+                up = _run_segment(triton_backend, t, grads, spec, initial_states=t["initial_states"], seq_idx=labels)
+            finally:
+                os.environ.pop(pass_states.ENV)
+            results[f"upstream_state_passing_{name}"] = dict(errs=_errors(up, want), seconds=0.0)
     results["fold_chunks"] = _fold_chunks_vs_upstream(triton_backend)
     results["pass_states"] = _pass_states_vs_upstream()
     results["group_of_one_tiled"], tiled_case = _group_of_one_tiled(triton_backend)
@@ -561,6 +568,16 @@ def test_segment_matches_reference(segment_results, case):
     errs = segment_results[case]["errs"]
     expected = SEGMENT_KEYS | ({"drmsnorm_weight"} if SEGMENT_CASES[case].get("rms") else set())
     assert set(errs) == expected
+    bad = {k: v for k, v in errs.items() if not v <= TOL}
+    assert not bad, f"{case}: errors over {TOL}: {bad} (all: {errs})"
+
+
+@pytest.mark.parametrize("case", ["gate_Dhead", "packed_gate_Dhead"])
+def test_segment_with_upstream_state_passing(segment_results, case):
+    """DS_MAMBA_SPCP_STATE_PASSING=upstream (mamba-ssm's state passing kernels, the A/B path of the benchmarks):
+    the same bound against the reference."""
+    errs = segment_results[f"upstream_state_passing_{case}"]["errs"]
+    assert set(errs) == SEGMENT_KEYS
     bad = {k: v for k, v in errs.items() if not v <= TOL}
     assert not bad, f"{case}: errors over {TOL}: {bad} (all: {errs})"
 

@@ -8,17 +8,21 @@ so that the state summary exchange can sit between them:
               -> S_ext = the chunk states folded from zero (our _fold_chunks_kernel), log_a
               post(S_ext, log_a)
               -> _bmm_chunk_fwd (C.B^T: needs no state, overlaps the all-gather)
-              S_in = wait -> _state_passing_fwd from S_in -> _chunk_scan_fwd (D, z gate) [-> gated RMSNorm]
+              S_in = wait -> the state passing from S_in -> _chunk_scan_fwd (D, z gate) [-> gated RMSNorm]
     backward  recompute the forward's inputs to the scan from the saved inputs, halo and S_in (the
               pre-gate output y is kept from forward unless recompute_output)
               -> dz (or the RMSNorm backward) -> _chunk_scan_bwd_dstates
               -> L = those state gradients folded back to the segment's start (_fold_chunks_kernel)
               post_grad(L)
               -> dCB, ddA (need no dS_out, overlap the all-gather)
-              dS_out = wait -> _state_passing_bwd with dfinal_states = dS_out -> dC, dx, ddt, dD, dB
-              (known mode, dS_out there from the start: no fold; dS_in is _state_passing_bwd's
+              dS_out = wait -> the state passing's backward with dfinal_states = dS_out -> dC, dx, ddt, dD, dB
+              (known mode, dS_out there from the start: no fold; dS_in is the state passing's
               dinitial_states, stored in fp32)
               -> _chunk_cumsum_bwd -> conv backward (dinitial_states = halo gradient)
+
+The state passing (forward, and backward) is ``ops/pass_states.py``'s: mamba-ssm's recurrences, bitwise, with the
+next chunks' loads in flight (faster per launch, and a tile launches it once per tile); DS_MAMBA_SPCP_STATE_PASSING=
+upstream launches mamba-ssm's ``_state_passing_fwd`` / ``_state_passing_bwd`` instead.
 
 Numerics follow upstream's op step for step (bf16 states into the matmuls, fp32 chunk states and
 summaries), so a segment chain reproduces the single-device op up to rounding. The cross-rank
@@ -288,12 +292,13 @@ def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, lo
 
 def _state_passing_bwd_fp32_dinit(states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, *, dstates_dtype,
                                   states_dtype, chunk_size):  # fmt: skip
-    """mamba-ssm's ``_state_passing_bwd`` (the same kernel and arguments, ``has_initial_states``) with the
-    gradient of the initial states stored in fp32: the kernel carries it in fp32 and stores it in its buffer's
-    dtype, which upstream's wrapper makes the compute dtype. Known mode takes it as the segment's dS_in (the
-    gradient the tile before receives), which ``_fold_chunks(..., init=dS_out)`` computed in a launch of its own:
-    the same recurrence over the same values in fp32. -> (dstates, ddA_chunk_cumsum, dinitial_states fp32
-    (b, h, dim), the states converted to ``states_dtype`` or None)."""
+    """mamba-ssm's ``_state_passing_bwd`` (``has_initial_states``; ``ops/pass_states.py``'s kernel unless
+    DS_MAMBA_SPCP_STATE_PASSING=upstream) with the gradient of the initial states stored in fp32: the kernel
+    carries it in fp32 and stores it in its buffer's dtype, which upstream's wrapper makes the compute dtype.
+    Known mode takes it as the segment's dS_in (the gradient the tile before receives), which
+    ``_fold_chunks(..., init=dS_out)`` computed in a launch of its own: the same recurrence over the same values in
+    fp32. With ranks it is discarded (L, folded before dS_out arrived, went instead). -> (dstates,
+    ddA_chunk_cumsum, dinitial_states fp32 (b, h, dim), the states converted to ``states_dtype`` or None)."""
     k = _kernels()
     if pass_states.enabled():  # ops/pass_states.py's kernel: the same recurrence, its loads ahead
         return pass_states.state_passing_bwd(
