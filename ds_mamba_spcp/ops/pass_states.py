@@ -7,8 +7,8 @@ once per tile: 8 launches per 32K step in 8K tiles against mamba-ssm's 2 on the 
 
 The kernels here compute the same recurrences, in the same order and precision (their results equal upstream's
 bitwise, the ddA partial sums aside, which are summed over blocks of another size: ``tests/test_triton_interpreter.py``
-at upstream's block, ``benchmarks/probe_state_passing.py`` on a GPU), but walk the chunks in groups of four and
-issue the next group's loads before the current group is computed.
+at upstream's block, ``benchmarks/probe_state_passing.py`` on an H200 against upstream at its usual block of 256),
+but walk the chunks in groups of four and issue the next group's loads before the current group is computed.
 
     forward   out[0] = S_in; S <- exp(dA_c) S + states[c]; out[c + 1] = S (c < nchunks - 1), final = S (the last)
     backward  dS = dfinal; for c from the last chunk: ddA[c] = sum(out[c] dS) exp(dA_c) (per block of the
@@ -18,7 +18,7 @@ issue the next group's loads before the current group is computed.
 exp(dA_c) is zeroed where chunk c's last token lies in another document than the previous chunk's last token
 (seq_idx: canonical labels; label 0 before the first chunk), as upstream does.
 
-Measured on one H200 (benchmarks/results/pass_states_h200x1/probe_state_passing_*.json, nheads=64, a state of
+Measured on one H200 (benchmarks/results/pass_states_h200x1/probe_state_passing_b256.json, nheads=64, a state of
 8192 per head, 64 to 1024 chunks), ours / upstream's time per launch with the block and warps below: forward with
 a bf16 output 0.70-0.91, forward in fp32 0.96-1.00 (both kernels near the H200's bandwidth there: ~3.8 TB/s),
 backward 0.77-0.82. Upstream's kernels run near the bandwidth already on long rows; the gain is largest on short
