@@ -270,6 +270,20 @@ def state_passing_fwd(kernel, states, dA_last, initial_states=None, seq_idx=None
     return out, final
 
 
+def bwd_buffers(states, dout, dstates_dtype, states_dtype, dinit_dtype):
+    """The backward's outputs (both kernels'): (dstates, the converted states (None unless states_dtype differs from
+    the states'), dinitial_states (b, h, dim) in dinit_dtype (None for None))."""
+    batch, _, nheads, dim = states.shape
+    dstates = torch.empty_like(dout, dtype=dstates_dtype)
+    converted = None
+    if states_dtype is not None and states_dtype != states.dtype:
+        converted = torch.empty_like(states, dtype=states_dtype)
+        if converted.stride() != states.stride():
+            raise AssertionError("the converted states must have the states' strides (the kernel shares them)")
+    dinit = None if dinit_dtype is None else torch.empty(batch, nheads, dim, device=dout.device, dtype=dinit_dtype)
+    return dstates, converted, dinit
+
+
 def state_passing_bwd(kernel, states, dA_last, dout, dfinal_states=None, seq_idx=None, *, has_initial_states,
                       dstates_dtype, states_dtype=None, dinit_dtype=None, chunk_size=None, block=BLOCK,
                       num_warps=NUM_WARPS):  # fmt: skip
@@ -278,15 +292,8 @@ def state_passing_bwd(kernel, states, dA_last, dout, dfinal_states=None, seq_idx
     default; None without initial states), the states converted to states_dtype (the states themselves when
     they have it; None when states_dtype is None))."""
     batch, nchunks, nheads, dim = states.shape
-    dstates = torch.empty_like(dout, dtype=dstates_dtype)
-    converted = None
-    if states_dtype is not None and states_dtype != states.dtype:
-        converted = torch.empty_like(states, dtype=states_dtype)
-        if converted.stride() != states.stride():
-            raise AssertionError("the converted states must have the states' strides (the kernel shares them)")
-    dinit = None
-    if has_initial_states:
-        dinit = torch.empty(batch, nheads, dim, device=dout.device, dtype=dinit_dtype or dstates_dtype)
+    dstates, converted, dinit = bwd_buffers(states, dout, dstates_dtype, states_dtype,
+                                            (dinit_dtype or dstates_dtype) if has_initial_states else None)  # fmt: skip
     block = min(block, triton.next_power_of_2(dim))
     n_blocks = triton.cdiv(dim, block)
     ddA_partial = torch.empty(batch, nheads, nchunks, n_blocks, dtype=torch.float32, device=dout.device)

@@ -306,13 +306,7 @@ def _state_passing_bwd_fp32_dinit(states, dA_chunk_cumsum, dout, dfinal_states, 
             dstates_dtype=dstates_dtype, states_dtype=states_dtype, dinit_dtype=torch.float32, chunk_size=chunk_size,
         )  # fmt: skip
     batch, nchunks, nheads, dim = states.shape
-    dstates = torch.empty_like(dout, dtype=dstates_dtype)
-    converted = None
-    if states_dtype is not None and states_dtype != states.dtype:
-        converted = torch.empty_like(states, dtype=dstates_dtype)
-        if converted.stride() != states.stride():
-            raise AssertionError("the converted states must have the states' strides (the kernel shares them)")
-    dinit = torch.empty(batch, nheads, dim, device=dout.device, dtype=torch.float32)
+    dstates, converted, dinit = pass_states.bwd_buffers(states, dout, dstates_dtype, states_dtype, torch.float32)
     n_blocks = triton.cdiv(dim, 64)  # upstream's smallest BLOCK_SIZE: a partial sum per block of the config's
     ddA_partial = torch.empty(batch, nheads, nchunks, n_blocks, dtype=torch.float32, device=dout.device)
     seq_strides = (seq_idx.stride(0), seq_idx.stride(1)) if seq_idx is not None else (0, 0)
