@@ -188,6 +188,20 @@ def test_the_key():
     assert programs.COUNTS["_segment", "record"] == 5 and programs.COUNTS["_segment", "through"] == 1
 
 
+def test_the_key_holds_the_state_passing_choice(monkeypatch):
+    """DS_MAMBA_SPCP_STATE_PASSING picks the kernels the segment code launches: flipped between calls, the next
+    call records again instead of replaying the other kernels."""
+    from ds_mamba_spcp.ops import pass_states
+
+    assert pass_states.ENV in programs._ENV_READ
+    x, w, out = _inputs(0)
+    with torch.no_grad():
+        for value in ("prefetch", "upstream", "prefetch"):
+            monkeypatch.setenv(pass_states.ENV, value)
+            _run("on", _segment, (x, w, out), dict(n=12))
+    assert programs.COUNTS == {("_segment", "record"): 2, ("_segment", "replay"): 1}
+
+
 _FLAG = {"clone": False}
 
 

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-# "upstream": mamba-ssm's kernels instead (for A/B measurements). Read on every call, but set it before the first
-# one: a program (ops/programs.py) replays the kernels it recorded
+# "upstream": mamba-ssm's kernels instead (for A/B measurements). Read on every call; a program (ops/programs.py)
+# keys on it too (programs._ENV_READ), so that flipping it between calls takes effect there as well
 ENV = "DS_MAMBA_SPCP_STATE_PASSING"
 BLOCK = 1024  # the best of 128-1024 x 2-8 warps for all three kernels at 64-1024 chunks (the probe above)
 NUM_WARPS = 4

@@ -10,7 +10,8 @@ same shapes on every tile and every step, and that Python computes nothing from 
 What: ``Programs(fn)`` calls ``fn`` (a segment's forward or backward in known mode, ``ops/triton.py``) as it is,
 keyed on its arguments: each tensor's shape, strides, dtype and device; which tensor arguments are one object;
 every other argument by type and value (the ``CoreSpec`` included); and the state the code reads besides (the
-launch layer's mode, mamba-ssm's deterministic mode, grad and inference mode, the current device). A key's first
+launch layer's mode, mamba-ssm's deterministic mode, grad and inference mode, the current device, which state
+passing kernels ``DS_MAMBA_SPCP_STATE_PASSING`` picks). A key's first
 call runs ``fn`` under a recorder that keeps, in order:
 
 - every aten op it dispatches, with its tensor arguments as references (to the call's inputs, or to results of
@@ -90,11 +91,17 @@ def mode(launch_mode: str) -> str:
     return "on" if found == "auto" else found
 
 
+# what the segment code reads of the environment besides: which state passing kernels it launches
+# (ops/pass_states.py's ENV; read raw here, this module knows no kernel)
+_ENV_READ = ("DS_MAMBA_SPCP_STATE_PASSING",)
+
+
 def _state():
     """What the segment code reads besides its arguments."""
     device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else -1
     deterministic = os.environ.get("MAMBA_DETERMINISTIC", "")[:1] == "1" or torch.are_deterministic_algorithms_enabled()
-    return (launch.mode(), deterministic, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), device)
+    env = tuple(os.environ.get(name) for name in _ENV_READ)
+    return (launch.mode(), deterministic, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), device, env)
 
 
 # ---------------------------------------------------------------------------------------------
