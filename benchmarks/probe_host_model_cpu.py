@@ -15,7 +15,8 @@ H200 host), the CUDA driver's share of each torch op, and the conv's C++ work.
 
 The variants (``--ab name:VAR=value,VAR=value``) alternate step by step in one process, so that the drift of this
 machine (a shared VM: the same step takes 5-12 ms from one run to the next) falls on all of them alike; each
-variant's environment is set before its step (the backend reads its modes on every call). Per variant: the median
+variant's environment is set before its step (the backend reads its modes on every call; a variable that another
+variant sets is put back to its value from before the run). Per variant: the median
 forward and backward host ms of ``--steps`` steps and the same per segment (tile). ``--profile`` then runs
 ``--steps`` more steps of the first variant under cProfile and prints (and writes) each layer's own time per
 segment: the launch layer, Triton's Python, mamba-ssm's wrappers, this package's modules, torch's Python and the
@@ -185,9 +186,21 @@ def main(argv=None):
         return t1 - t0, time.perf_counter() - t1
 
     times = {name: ([], []) for name, _ in variants}
+    # a variable one variant sets is back at its value from before the run for the variants that do not set it
+    base = {k: os.environ.get(k) for _, env in variants for k in env}
+
+    def use(env):
+        for k, v in base.items():
+            if k in env:
+                os.environ[k] = env[k]
+            elif v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     for i in range(args.warmup + args.steps):
         for name, env in variants:
-            os.environ.update(env)
+            use(env)
             fwd, bwd = step()
             if i >= args.warmup:
                 times[name][0].append(fwd)
@@ -199,6 +212,7 @@ def main(argv=None):
                           fwd_per_segment_ms=fwd / segments, bwd_per_segment_ms=bwd / segments)  # fmt: skip
         print(f"{name:>16}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms; per segment {rows[name]['per_segment_ms']:.3f} ms "
               f"(fwd {fwd / segments:.3f}, bwd {bwd / segments:.3f})", flush=True)  # fmt: skip
+    use(variants[0][1])
     layers = _profile(step, args.steps, segments, variants[0][1]) if args.profile else None
     if args.out:
         commit = (
