@@ -34,6 +34,7 @@ that losses and gradients are bitwise those without offload).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from collections import defaultdict
@@ -41,6 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from ds_mamba_spcp.memory.recompute import autocast_state, rng_state
 
 GiB = 2**30
 DEFAULT_HOST_HEADROOM_GIB = 8.0
@@ -534,18 +537,6 @@ class CheckpointOffloader:
 # ------------------------------------------------------------------------------------------------
 
 
-def _rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state, device: torch.device) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-
-
 class _OffloadedCheckpoint(torch.autograd.Function):
     """fn(x, *rest) run without grad; x kept by the offloader; recomputed with grad in backward.
 
@@ -555,7 +546,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, offloader, preserve_rng, dummy, x, *rest):
         ctx.fn, ctx.offloader, ctx.rest, ctx.x_requires_grad = fn, offloader, rest, x.requires_grad
-        ctx.rng = _rng_state(x.device) if preserve_rng else None
+        ctx.autocast = autocast_state(x.device)
+        ctx.rng = rng_state(x.device) if preserve_rng else None
         with torch.no_grad():
             out = fn(x, *rest)
         ctx.saved = offloader.save(x.detach())
@@ -566,11 +558,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         x = ctx.offloader.restore(ctx.saved)
         ctx.saved = None
         x = x.detach().requires_grad_(ctx.x_requires_grad)
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else [], enabled=ctx.rng is not None):
-            if ctx.rng is not None:
-                _set_rng_state(ctx.rng, x.device)
-            with torch.enable_grad():
-                out = ctx.fn(x, *ctx.rest)
+        # the forward's function: its autocast settings (the backward usually runs outside autocast) and draws
+        replay = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
+        with replay, ctx.autocast.context(), torch.enable_grad():
+            out = ctx.fn(x, *ctx.rest)
         torch.autograd.backward(out, dout)
         return (None, None, None, None, x.grad if ctx.x_requires_grad else None) + (None,) * len(ctx.rest)
 
@@ -580,7 +571,8 @@ class OffloadedCheckpoint:
     checkpoints (the hidden state ``x``, (batch, seqlen, d_model)) are placed by a ``CheckpointOffloader``.
 
     ``rest`` (document labels, None) is kept as passed: no gradient flows to it. The block is recomputed
-    once in backward, with the forward's RNG states when ``preserve_rng_state``."""
+    once in backward under the forward's autocast settings, and from the forward's RNG states when
+    ``preserve_rng_state`` (``memory/recompute.py``: what ``torch.utils.checkpoint`` keeps)."""
 
     def __init__(self, offloader: CheckpointOffloader, preserve_rng_state: bool = True):
         self.offloader, self.preserve_rng_state = offloader, preserve_rng_state
