@@ -133,6 +133,25 @@ def test_offloaded_inputs_are_released():
     assert offloader.stats["offloaded"] == 2
 
 
+@pytest.mark.parametrize("budget", [0, 1 << 30])
+def test_offloaded_input_modified_in_place_raises(budget):
+    """A tiled block's input saved through the offloader's hooks and modified in place before backward:
+    autograd does not check a tensor saved through hooks, so the offloader must (before the fix: no error, the
+    recompute ran on the modified input). Kept on the device, or pending its copy to the host when modified."""
+    from ds_mamba_spcp.memory import CheckpointOffloader
+
+    block = _block("rms_Dh_g2_bias_dtlim")
+    x, dout = _inputs()
+    offloader, h = CheckpointOffloader(gpu_budget_bytes=budget), x.clone().requires_grad_() * 1.0
+    with offloader.saved_tensors_hooks(h):
+        out = tiled_block(h, block.norm, block.mixer, TILES["three_uneven"])
+    h.mul_(3)
+    with offloader.saved_tensors_hooks(out):
+        out = tiled_block(out, block.norm, block.mixer, TILES["three_uneven"])
+    with pytest.raises(RuntimeError, match="block checkpoint 0 .*modified by an inplace operation"):
+        out.backward(dout)
+
+
 @pytest.mark.parametrize("tile_tokens", [15, 7, 10, 2])
 def test_packed_rows_fp64(tile_tokens):
     block = _block("rms_Dh_g2_bias_dtlim")

@@ -12,7 +12,9 @@ d_model), ``n_layers x tokens x d_model x itemsize`` bytes per rank, 144 KiB per
                            while it runs
 
 The newest checkpoint never leaves the GPU (backward needs it first), so the host holds
-``len(plan.on_host)`` checkpoints and the GPU the budget's, the newest and one prefetched.
+``len(plan.on_host)`` checkpoints and the GPU the budget's, the newest and one prefetched. The recompute runs
+under the forward's autocast settings and RNG state (``recompute.py``), and a checkpoint modified in place
+before backward raises, as a tensor autograd saved does (``_Saved``).
 
 Host memory, exact: each slot is an ordinary allocation page-locked with ``cudaHostRegister``, of the
 checkpoint's exact size, kept in a pool keyed by size and reused from step to step. PyTorch's pinned
@@ -360,15 +362,36 @@ class PinnedPool:
 
 
 class _Saved:
-    """One checkpoint: on the GPU (kept or pending), in a pool slot on the host, or fetched back."""
+    """One checkpoint: on the GPU (kept or pending), in a pool slot on the host, or fetched back.
+
+    Like a tensor autograd saves, it must not be modified in place before backward (the recompute would start
+    from other values: the gradient of another function). Its version counter is read at the save, when the
+    deferred copy to the host is issued (the copy takes the values of that moment) and at the restore (through
+    the caller's tensor, held weakly once the device copy is gone: a device-to-host copy may still be reading
+    it), and any change raises, as autograd does."""
 
     __slots__ = ("__weakref__", "index", "nbytes", "shape", "dtype", "device", "where", "gpu", "slot",
-                 "fetched", "owner", "generation")  # fmt: skip
+                 "fetched", "owner", "generation", "version", "source", "copied_version")  # fmt: skip
 
     def __init__(self, owner: CheckpointOffloader, index: int, x: torch.Tensor, where: str):
         self.owner, self.index, self.where, self.generation = owner, index, where, owner.generation
         self.nbytes, self.shape, self.dtype, self.device = x.numel() * x.element_size(), x.shape, x.dtype, x.device
-        self.gpu, self.slot, self.fetched = x, None, None
+        self.gpu, self.slot, self.fetched = x.detach(), None, None  # detach() shares x's version counter
+        self.version, self.source, self.copied_version = x._version, weakref.ref(x), None
+
+    def check_version(self) -> None:
+        """Raises if the checkpoint's tensor was modified in place since the save."""
+        live = self.gpu if self.gpu is not None else self.source()
+        for found in (self.copied_version, None if live is None else live._version):
+            if found is not None and found != self.version:
+                raise RuntimeError(
+                    f"block checkpoint {self.index} of the forward pass (the block's input, shape "
+                    f"{tuple(self.shape)}, {self.dtype}) has been modified by an inplace operation between the "
+                    f"forward and its recompute in backward: it is at version {found}, it was saved at version "
+                    f"{self.version}, so the recompute would start from other values than the forward's. Leave "
+                    "a checkpointed block's input unmodified until backward (clone it before an in-place "
+                    "operation), as torch.utils.checkpoint requires."
+                )
 
     def __del__(self):  # a graph dropped without backward: give the slot and the budget back
         owner = self.owner
@@ -446,7 +469,7 @@ class CheckpointOffloader:
 
         def pack(t):
             if (t.shape, t.dtype, t.device) == like:
-                return True, self.save(t.detach())
+                return True, self.save(t)
             return False, t
 
         def unpack(packed):
@@ -464,6 +487,7 @@ class CheckpointOffloader:
         saved, self._pending = self._pending, None
         if saved is None or saved.where != "pending":
             return
+        saved.copied_version = saved.gpu._version  # the values the copy takes: checked at the restore
         x = saved.gpu if saved.gpu.is_contiguous() else saved.gpu.contiguous()
         slot = self.pool.acquire(saved.nbytes)
         host = slot.view(saved.dtype).view(saved.shape)
@@ -481,6 +505,7 @@ class CheckpointOffloader:
     # -- backward
     def restore(self, saved: _Saved) -> torch.Tensor:
         """The checkpoint back on its device, for one use; then the previous one's H2D starts."""
+        saved.check_version()
         if saved.where in ("kept", "pending"):
             x = saved.gpu
             if saved.where == "kept":
@@ -550,7 +575,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.rng = rng_state(x.device) if preserve_rng else None
         with torch.no_grad():
             out = fn(x, *rest)
-        ctx.saved = offloader.save(x.detach())
+        ctx.saved = offloader.save(x)
         return out
 
     @staticmethod
