@@ -298,6 +298,27 @@ def test_recompute_under_the_forwards_autocast():
     assert _same(got, plain) == [], f"the recompute left the forward's autocast: {worst:.2e} relative at worst"
 
 
+def test_recompute_replays_the_forwards_draws():
+    """A block with dropout: the recompute draws what the forward drew (bitwise torch's checkpoint, the same
+    ops), and the caller's generator ends where torch's leaves it."""
+    torch.manual_seed(0)
+    lin, drop = torch.nn.Linear(8, 8).double(), torch.nn.Dropout(0.5)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+
+    def grads(checkpoint):
+        torch.manual_seed(1)
+        h = x.clone().requires_grad_()
+        out = checkpoint(lambda h: torch.tanh(drop(lin(h))), h)
+        out = checkpoint(lambda h: torch.tanh(drop(lin(h))), out)
+        out.square().sum().backward()
+        got = [h.grad, lin.weight.grad.clone()]
+        lin.weight.grad = None
+        return got, torch.get_rng_state()
+
+    (ref, ref_rng), (got, rng) = grads(_torch_checkpoint), grads(OffloadedCheckpoint(CheckpointOffloader(0)))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and torch.equal(rng, ref_rng)
+
+
 def test_reserved_pool_is_used_as_planned(reference):
     model, batch, plain = reference
     each = batch["input_ids"].numel() * model.embedding.embedding_dim * 8
