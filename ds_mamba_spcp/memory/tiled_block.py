@@ -24,10 +24,10 @@ here within one rank): S_out = exp(log_a) * S_in + S_ext. Packed rows (seq_idx) 
 tile that begins on a document start gets S_in = 0.
 
 Memory: between forward and backward, x and ntiles - 1 fp32 states per block (nothing of the width of in_proj's
-output); during one block's backward, dout and dx (d_model wide, the whole shard), fp32 sums of the block's
-parameter gradients and one tile's graph and kernels' working set. Cost: the forward of the core runs twice
-and its backward once, as with per-block activation checkpointing; in_proj and the norm also run K-1 extra
-rows per tile.
+output; with a random op, also one generator state per tile, about 5 KiB on the host); during one block's
+backward, dout and dx (d_model wide, the whole shard), fp32 sums of the block's parameter gradients and one
+tile's graph and kernels' working set. Cost: the forward of the core runs twice and its backward once, as
+with per-block activation checkpointing; in_proj and the norm also run K-1 extra rows per tile.
 
 The parameters are inputs of the block's autograd Function, and its backward returns their gradients summed
 over the tiles: one accumulation per parameter and block, as without tiles, so DeepSpeed's ZeRO 1-2 and bf16
