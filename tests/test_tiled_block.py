@@ -6,8 +6,11 @@
    an uneven last tile, and tiles of 1 and 2 tokens (shorter than the conv halo, d_conv - 1 = 3), for the
    three mixer variants of conftest; packed rows with documents starting on, just after and inside tiles.
 2. Negative controls: the state not carried to the next tile, or the conv halo dropped, must fail 1e-3.
-3. Refusals, by their messages: a group of more than one rank, ZeRO-3 parameters, a mixer of another kind.
-4. Under DeepSpeed (one gloo rank, one spawn): examples/train.py with --block-tile-tokens at ZeRO 1 and 2
+3. The recompute keeps torch.utils.checkpoint's contract: under the forward's autocast (CPU bf16, the backward
+   outside it) and from each tile's own RNG state (a dropout norm), bitwise against torch's checkpoint (one
+   tile) or the graph of the same tiles; an input saved through the offloader and modified in place raises.
+4. Refusals, by their messages: a group of more than one rank, ZeRO-3 parameters, a mixer of another kind.
+5. Under DeepSpeed (one gloo rank, one spawn): examples/train.py with --block-tile-tokens at ZeRO 1 and 2
    (and the hybrid model on packed rows: attention blocks keep DeepSpeed's checkpoint) trains step by step as
    the untiled run at ZeRO 2 (fp32, SGD, 20 steps, relative 1e-4 as in test_train.py:
    the sums' order drifts ~1e-6 there, while a gradient that ZeRO's hooks dropped or counted twice moves the
