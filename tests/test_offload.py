@@ -152,6 +152,75 @@ def test_pool_reuses_exact_sizes_and_keeps_its_limit():
     assert pool.reserved_bytes == 300 and pool.peak_in_use_bytes == 300
 
 
+def test_pool_lends_the_smallest_fitting_slot():
+    """A free slot at least as large serves a request (the smallest such); a request no free slot holds drops
+    the free ones first (after ``drain``: on a GPU, copies from them may still run); a slot ``reserve`` kept is
+    never dropped, so a request past it and the limit is refused with the kept slot in place."""
+    pool, drained = PinnedPool(pin=False), []
+    pool.drain = lambda: drained.append(True)
+    a, b, c = pool.acquire(100), pool.acquire(200), pool.acquire(400)
+    for buf in (a, b, c):
+        pool.release(buf)
+    d = pool.acquire(150)
+    assert (d.numel(), d.data_ptr(), pool.reserved_bytes, drained) == (150, b.data_ptr(), 700, [])
+    e = pool.acquire(450)  # the free 100 and 400 are too small: dropped, 450 allocated
+    assert (pool.reserved_bytes, drained) == (200 + 450, [True])
+    pool.release(d)
+    pool.release(e)
+    assert pool.in_use_bytes == 0 and pool.peak_in_use_bytes == 700  # a, b and c at once
+    limited = PinnedPool(pin=False, limit_bytes=300)
+    kept = limited.acquire(100)
+    limited.keep(kept)
+    limited.release(kept)
+    with pytest.raises(HostMemoryError, match="checked before the run"):
+        limited.acquire(250)
+    assert limited.reserved_bytes == 100 and limited.acquire(80).data_ptr() == kept.data_ptr()
+
+
+# rows of 100-180 tokens, one length per step (what the Trainer's and SFT's padding to the longest row gives)
+LENGTHS = [131, 100, 176, 152, 131, 118, 180, 164, 107, 145, 180, 126]
+
+
+def _step(offloader, length, d_model=8):
+    """One forward and backward of N_LAYERS checkpointed blocks (tanh(Linear), fp64) on (1, length, d_model)."""
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(d_model, d_model).double() for _ in range(N_LAYERS)]
+    ck = OffloadedCheckpoint(offloader)
+    h = torch.randn(1, length, d_model, dtype=torch.float64, requires_grad=True)
+    for lin in lins:
+        h = ck(lambda x, lin=lin: torch.tanh(lin(x)), h)
+    h.sum().backward()
+
+
+def test_pool_stays_within_the_longest_steps_need():
+    """Over steps of varying lengths the pool holds at most the longest step's checkpoints (its slots serve
+    every shorter one; before the fix it kept a slot set per length: 7.8x here, the issue saw 5.25x); for one
+    length it is exact (test_offload_is_bitwise_a_move)."""
+    offloader = CheckpointOffloader(0)
+    need = lambda n: plan_offload(block_checkpoint_bytes(n, 8, N_LAYERS, 8), 0).host_bytes  # noqa: E731
+    for i, length in enumerate(LENGTHS):
+        _step(offloader, length)
+        longest = need(max(LENGTHS[: i + 1]))
+        ratio = offloader.pool.reserved_bytes / longest
+        assert offloader.pool.reserved_bytes <= longest, f"step {i}: the pool holds {ratio:.2f}x the longest need"
+    assert offloader.pool.in_use_bytes == 0 and offloader.stats["offloaded"] == len(LENGTHS) * (N_LAYERS - 1)
+
+
+def test_a_plan_covers_every_shorter_length():
+    """A plan for the longest length (what check_offload approves and reserve pins) serves every shorter one
+    with its slots, allocating nothing (before the fix the first other length raised HostMemoryError); a
+    longer one is refused at its first checkpoint, before anything is dropped or allocated."""
+    plan = plan_offload(block_checkpoint_bytes(max(LENGTHS), 8, N_LAYERS, 8), 0)
+    offloader = CheckpointOffloader(0, host_limit_bytes=plan.host_bytes)
+    offloader.reserve(plan, pin=False)
+    for length in LENGTHS:
+        _step(offloader, length)
+        assert offloader.pool.reserved_bytes == plan.host_bytes
+    with pytest.raises(HostMemoryError, match="checked before the run"):
+        _step(offloader, max(LENGTHS) + 1)
+    assert offloader.pool.reserved_bytes == plan.host_bytes
+
+
 # ---------------------------------------------------------------------------------------------
 # offload is a pure move: fp64 CPU, bitwise
 # ---------------------------------------------------------------------------------------------
@@ -169,10 +238,13 @@ def _model():
     return model, batch
 
 
-def _loss_and_grads(model, batch, checkpoint):
+def _loss_and_grads(model, batch, checkpoint, autocast=False):
+    """One forward and backward; with ``autocast`` the forward (only) under CPU bf16 autocast, as accelerate
+    and the Trainer run it."""
     model.checkpoint = checkpoint
     model.zero_grad(set_to_none=True)
-    logits = model(batch["input_ids"])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(batch["input_ids"])
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
     loss.backward()
     return loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -212,6 +284,41 @@ def test_offload_is_bitwise_a_move(reference, kept):
     assert offloader.stats["prefetched"] == 2 * len(plan.on_host)
 
 
+def test_recompute_under_the_forwards_autocast():
+    """fp32 weights, the forward under CPU bf16 autocast, the backward outside it: the recompute must run under
+    the forward's autocast (before the fix it ran in fp32: the gradients of another function, seen 2.1e-2
+    relative at worst). Bitwise: bf16 on CPU is deterministic and the recompute runs the forward's kernels on
+    the forward's inputs; torch's checkpoint is bitwise the plain autocast graph (asserted)."""
+    model, batch = _model()
+    model.float()
+    plain = _loss_and_grads(model, batch, None, autocast=True)
+    assert _same(_loss_and_grads(model, batch, _torch_checkpoint, autocast=True), plain) == []
+    got = _loss_and_grads(model, batch, OffloadedCheckpoint(CheckpointOffloader(0)), autocast=True)
+    worst = max(((got[1][n] - plain[1][n]).norm() / plain[1][n].norm()).item() for n in plain[1])
+    assert _same(got, plain) == [], f"the recompute left the forward's autocast: {worst:.2e} relative at worst"
+
+
+def test_recompute_replays_the_forwards_draws():
+    """A block with dropout: the recompute draws what the forward drew (bitwise torch's checkpoint, the same
+    ops), and the caller's generator ends where torch's leaves it."""
+    torch.manual_seed(0)
+    lin, drop = torch.nn.Linear(8, 8).double(), torch.nn.Dropout(0.5)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+
+    def grads(checkpoint):
+        torch.manual_seed(1)
+        h = x.clone().requires_grad_()
+        out = checkpoint(lambda h: torch.tanh(drop(lin(h))), h)
+        out = checkpoint(lambda h: torch.tanh(drop(lin(h))), out)
+        out.square().sum().backward()
+        got = [h.grad, lin.weight.grad.clone()]
+        lin.weight.grad = None
+        return got, torch.get_rng_state()
+
+    (ref, ref_rng), (got, rng) = grads(_torch_checkpoint), grads(OffloadedCheckpoint(CheckpointOffloader(0)))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and torch.equal(rng, ref_rng)
+
+
 def test_reserved_pool_is_used_as_planned(reference):
     model, batch, plain = reference
     each = batch["input_ids"].numel() * model.embedding.embedding_dim * 8
@@ -237,6 +344,39 @@ def test_negative_control_a_shared_slot_is_caught(reference, monkeypatch):
     got = _loss_and_grads(model, batch, OffloadedCheckpoint(CheckpointOffloader(0)))
     assert torch.equal(got[0], plain[0])  # the forward never reads a checkpoint back
     assert _same(got, plain), "a shared slot went unnoticed: the bitwise check is too weak"
+
+
+def _modified_input(where: str, budget: int) -> str:
+    """Two checkpointed blocks (a tanh(Linear) each, fp64); the first one's input modified in place after its
+    forward: ``after_save`` before the second save (while the first checkpoint is kept, or pending its
+    deferred device-to-host copy), ``after_copy`` after it. Returns the error backward raised."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).double()
+    ck = OffloadedCheckpoint(CheckpointOffloader(budget))
+    h = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True) * 1.0
+
+    def fn(x):
+        return torch.tanh(lin(x))
+
+    out = ck(fn, h)
+    if where == "after_save":
+        h.mul_(3)
+    out = ck(fn, out)
+    if where == "after_copy":
+        h.mul_(3)
+    with pytest.raises(RuntimeError) as e:
+        out.sum().backward()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("where,budget", [("after_save", 2**30), ("after_save", 0), ("after_copy", 0)])
+def test_a_modified_input_raises(where, budget):
+    """An input modified in place between forward and backward would be recomputed from the modified values
+    (before the fix: silently, a weight gradient 1.05 off); torch's checkpoint raises, so does this one, naming
+    the checkpoint: kept on the device, pending its deferred copy to the host when modified (the copy would
+    take the modified values), and modified after that copy."""
+    message = _modified_input(where, budget)
+    assert "modified by an inplace operation" in message and "block checkpoint 0 " in message, message
 
 
 def test_a_dropped_graph_gives_its_slots_back(reference):

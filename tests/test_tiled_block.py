@@ -6,8 +6,11 @@
    an uneven last tile, and tiles of 1 and 2 tokens (shorter than the conv halo, d_conv - 1 = 3), for the
    three mixer variants of conftest; packed rows with documents starting on, just after and inside tiles.
 2. Negative controls: the state not carried to the next tile, or the conv halo dropped, must fail 1e-3.
-3. Refusals, by their messages: a group of more than one rank, ZeRO-3 parameters, a mixer of another kind.
-4. Under DeepSpeed (one gloo rank, one spawn): examples/train.py with --block-tile-tokens at ZeRO 1 and 2
+3. The recompute keeps torch.utils.checkpoint's contract: under the forward's autocast (CPU bf16, the backward
+   outside it) and from each tile's own RNG state (a dropout norm), bitwise against torch's checkpoint (one
+   tile) or the graph of the same tiles; an input saved through the offloader and modified in place raises.
+4. Refusals, by their messages: a group of more than one rank, ZeRO-3 parameters, a mixer of another kind.
+5. Under DeepSpeed (one gloo rank, one spawn): examples/train.py with --block-tile-tokens at ZeRO 1 and 2
    (and the hybrid model on packed rows: attention blocks keep DeepSpeed's checkpoint) trains step by step as
    the untiled run at ZeRO 2 (fp32, SGD, 20 steps, relative 1e-4 as in test_train.py:
    the sums' order drifts ~1e-6 there, while a gradient that ZeRO's hooks dropped or counted twice moves the
@@ -133,6 +136,25 @@ def test_offloaded_inputs_are_released():
     assert offloader.stats["offloaded"] == 2
 
 
+@pytest.mark.parametrize("budget", [0, 1 << 30])
+def test_offloaded_input_modified_in_place_raises(budget):
+    """A tiled block's input saved through the offloader's hooks and modified in place before backward:
+    autograd does not check a tensor saved through hooks, so the offloader must (before the fix: no error, the
+    recompute ran on the modified input). Kept on the device, or pending its copy to the host when modified."""
+    from ds_mamba_spcp.memory import CheckpointOffloader
+
+    block = _block("rms_Dh_g2_bias_dtlim")
+    x, dout = _inputs()
+    offloader, h = CheckpointOffloader(gpu_budget_bytes=budget), x.clone().requires_grad_() * 1.0
+    with offloader.saved_tensors_hooks(h):
+        out = tiled_block(h, block.norm, block.mixer, TILES["three_uneven"])
+    h.mul_(3)
+    with offloader.saved_tensors_hooks(out):
+        out = tiled_block(out, block.norm, block.mixer, TILES["three_uneven"])
+    with pytest.raises(RuntimeError, match="block checkpoint 0 .*modified by an inplace operation"):
+        out.backward(dout)
+
+
 @pytest.mark.parametrize("tile_tokens", [15, 7, 10, 2])
 def test_packed_rows_fp64(tile_tokens):
     block = _block("rms_Dh_g2_bias_dtlim")
@@ -165,6 +187,91 @@ def test_negative_control_carry_lost(monkeypatch, bug):
     got = _run(block, lambda x: tiled_block(x, block.norm, block.mixer, 10), x, dout)
     err, key = _worst(got, ref)
     assert err > 1e-3, f"{bug.__name__}: the tiles still match the untiled block ({key} {err:.2e})"
+
+
+def _graph_of_tiles(block, x, *params):
+    """The tiles of ``_TiledBlockFn.forward`` with a graph and nothing recomputed (patched in for
+    ``_TiledBlockFn.apply``): the function the tiled forward computes, differentiated by autograd."""
+    outs, S = [], None
+    for k, (s, e) in enumerate(block.spans):
+        out_k, S = block.tile(k, x[:, s - block.halo_rows(k) : e], S)
+        outs.append(out_k)
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("tiles", ["one", "three_uneven"])
+def test_recompute_under_the_forwards_autocast(monkeypatch, tiles):
+    """fp32 weights, the forward under CPU bf16 autocast and the backward outside it (accelerate, the Trainer,
+    most loops): the recompute must run under the forward's autocast, or the gradients are those of the fp32
+    block (seen before the fix: 5.5e-3 relative on dx, 1.9e-2 on dt_bias, against torch's checkpoint).
+
+    Exact: bf16 on CPU is deterministic, and the recompute runs the forward's kernels on the forward's inputs
+    (torch's own checkpoint is bitwise the plain autocast graph, asserted). One tile against torch's checkpoint
+    of the untiled block (the same ops); three tiles against the graph of the same tiles (untiled bf16 rounds
+    elsewhere, ~3e-3: no reference at a useful tolerance), with autocast's weight-cast cache off, since with it
+    the graph would sum the tiles' weight gradients in bf16 through the one cached cast (the tiles sum in fp32)."""
+    block = _block("rms_Dh_g2_bias_dtlim").float()
+    x, dout = (t.float() for t in _inputs())
+    cache = tiles == "one"
+
+    def under_autocast(fn):
+        def run(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+                return fn(x)
+
+        return run
+
+    def tiled(x):
+        return tiled_block(x, block.norm, block.mixer, TILES[tiles])
+
+    got = _run(block, under_autocast(tiled), x, dout)
+    if tiles == "one":
+        plain = _run(block, under_autocast(block), x, dout)
+        ref = _run(block, under_autocast(lambda x: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)),
+                   x, dout)  # fmt: skip
+        assert [k for k in ref if not torch.equal(ref[k], plain[k])] == [], "torch's checkpoint is not exact here"
+    else:
+        monkeypatch.setattr(tiled_block_module._TiledBlockFn, "apply", _graph_of_tiles)
+        ref = _run(block, under_autocast(tiled), x, dout)
+        monkeypatch.undo()
+    assert ref["out"].dtype == torch.float32 and got["out"].dtype == torch.float32
+    err, key = _worst(got, ref)
+    assert [k for k in ref if not torch.equal(got[k], ref[k])] == [], f"{key} is {err:.2e} off"
+
+
+def test_recompute_replays_each_tiles_draws(monkeypatch):
+    """A norm with dropout (fp64): every tile recomputed in backward must draw what it drew in forward, and the
+    tiles run in reverse there. One tile against torch's checkpoint of the untiled block (the same draws; the
+    core's sums in another order: 1e-10 as above); three tiles against the graph of the same tiles (each tile
+    draws its own mask, halo rows included, so the untiled block is not the reference; the same ops: bitwise).
+    Without the replay the masks are new draws (O(1)); with the first tile's state replayed for every tile
+    (the plausible slip), tile 0's mask again. The caller's generator ends where the graph's run leaves it."""
+    block = _block("rms_Dh_g2_bias_dtlim")
+    x, dout = _inputs()
+    noisy = torch.nn.Sequential(block.norm, torch.nn.Dropout(0.3))
+
+    def seeded(fn):
+        def run(x):
+            torch.manual_seed(11)
+            return fn(x)
+
+        return run
+
+    def tiled(tile_tokens):
+        return seeded(lambda x: tiled_block(x, noisy, block.mixer, tile_tokens))
+
+    got = _run(block, tiled(SEQLEN), x, dout)
+    ref = _run(block, seeded(lambda x: torch.utils.checkpoint.checkpoint(lambda x: x + block.mixer(noisy(x)), x,
+                                                                           use_reentrant=False)), x, dout)  # fmt: skip
+    err, key = _worst(got, ref)
+    assert err <= TOL, f"one tile with dropout: {key} is {err:.2e} off torch's checkpoint"
+    got = _run(block, tiled(10), x, dout)
+    after = torch.get_rng_state()
+    monkeypatch.setattr(tiled_block_module._TiledBlockFn, "apply", _graph_of_tiles)
+    ref = _run(block, tiled(10), x, dout)
+    assert torch.equal(after, torch.get_rng_state()), "the backward moved the caller's generator"
+    err, key = _worst(got, ref)
+    assert [k for k in ref if not torch.equal(got[k], ref[k])] == [], f"three tiles with dropout: {key} {err:.2e} off"
 
 
 def test_refusals():

@@ -1,6 +1,7 @@
 """Memory per token of long training runs: where the block checkpoints live (``offload.py``: GPU budget
 first, then a pinned host pool, the host memory checked before the run) and the tiled block recompute
-(``tiled_block.py``: one block's transient memory no longer grows with the shard).
+(``tiled_block.py``: one block's transient memory no longer grows with the shard); both recompute under the
+forward's autocast settings and RNG state (``recompute.py``).
 
 See docs/design.md, "Rooms", and docs/usage.md, "Tiled block recompute" and "Offloading the block checkpoints".
 """

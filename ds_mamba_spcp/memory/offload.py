@@ -12,15 +12,20 @@ d_model), ``n_layers x tokens x d_model x itemsize`` bytes per rank, 144 KiB per
                            while it runs
 
 The newest checkpoint never leaves the GPU (backward needs it first), so the host holds
-``len(plan.on_host)`` checkpoints and the GPU the budget's, the newest and one prefetched.
+``len(plan.on_host)`` checkpoints and the GPU the budget's, the newest and one prefetched. The recompute runs
+under the forward's autocast settings and RNG state (``recompute.py``), and a checkpoint modified in place
+before backward raises, as a tensor autograd saved does (``_Saved``).
 
-Host memory, exact: each slot is an ordinary allocation page-locked with ``cudaHostRegister``, of the
-checkpoint's exact size, kept in a pool keyed by size and reused from step to step. PyTorch's pinned
-allocator (``pin_memory=True``, ``Tensor.pin_memory()``, what ``torch.autograd.graph.save_on_cpu`` and
-DeepSpeed's ``checkpoint_in_cpu`` allocate through) rounds every block up to the next power of two
-(``CachingHostAllocator``: ``PowerOf2Ceil``), and caches freed blocks instead of returning them: a 2.25
-GiB checkpoint (786,432 tokens of the 780M) takes 4 GiB there, 1.78x; 1.5 GiB (524,288) takes 2 GiB, 1.33x.
-There is no separate staging buffer: copies go straight between a pool slot and the GPU tensor.
+Host memory, exact for one length and bounded over many: each slot is an ordinary allocation page-locked
+with ``cudaHostRegister``, of the checkpoint's exact size, reused from step to step by any checkpoint it
+holds; one that no free slot holds drops the free ones first, so steps of varying lengths hold at most the
+longest step's checkpoints, and a plan for the longest length covers every shorter one (``PinnedPool``).
+PyTorch's pinned allocator (``pin_memory=True``, ``Tensor.pin_memory()``, what
+``torch.autograd.graph.save_on_cpu`` and DeepSpeed's ``checkpoint_in_cpu`` allocate through) rounds every
+block up to the next power of two (``CachingHostAllocator``: ``PowerOf2Ceil``), and caches freed blocks
+instead of returning them: a 2.25 GiB checkpoint (786,432 tokens of the 780M) takes 4 GiB there, 1.78x;
+1.5 GiB (524,288) takes 2 GiB, 1.33x. There is no separate staging buffer: copies go straight between a
+pool slot and the GPU tensor.
 
 Before the run: ``plan_offload`` splits the checkpoints from their shapes alone, ``check_host_memory``
 compares the host bytes every rank of this host needs (plus a headroom) with what the host has
@@ -34,6 +39,7 @@ that losses and gradients are bitwise those without offload).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from collections import defaultdict
@@ -41,6 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from ds_mamba_spcp.memory.recompute import autocast_state, rng_state
 
 GiB = 2**30
 DEFAULT_HOST_HEADROOM_GIB = 8.0
@@ -309,46 +317,88 @@ def _register(nbytes: int) -> torch.Tensor:
 
 
 class PinnedPool:
-    """Host buffers of exact sizes, reused: ``acquire(nbytes)`` gives a free one of that size or a new one;
-    ``release`` returns it. Page-locked (``cudaHostRegister``) when ``pin``. ``limit_bytes`` caps what it
-    ever allocates (the bytes ``check_host_memory`` approved): past it, ``HostMemoryError``.
+    """Host slots reused from step to step. ``acquire(nbytes)`` lends a view of ``nbytes`` of the smallest free
+    slot that holds them; when none does, the free slots (all smaller) are dropped, and a slot of exactly
+    ``nbytes`` is allocated. ``release`` takes the view back. Page-locked (``cudaHostRegister``) when ``pin``.
+    ``limit_bytes`` caps what it holds (the bytes ``check_host_memory`` approved): past it, ``HostMemoryError``.
+
+    Bound (without ``reserve``): a slot is allocated only when no slot is left free, so the pool never holds
+    more slots than it lent at once, and none larger than the largest request: ``reserved_bytes <= (most slots
+    lent at once) x (largest request)``. The block checkpoints of one step share one size, and a longer
+    sequence puts at least as many of them on the host, so this is the longest step's need: steps of varying
+    lengths (the Trainer's, SFT's) hold at most what the longest one needs, and for one length exactly its
+    checkpoints' bytes. A step longer than all before it re-pins (drops the smaller slots, allocates its own).
+
+    ``reserve`` (a plan) allocates slots that are kept: they serve every shorter checkpoint, and a longer one,
+    which the plan did not check, is refused instead of dropping them (``limit_bytes`` = the plan's bytes).
 
     Every write into a slot is issued on the one copy stream of its offloader, so a slot released after
-    its H2D was issued can be handed out at once: the next D2H into it runs after that H2D in stream
-    order."""
+    its H2D was issued can be lent again at once: the next D2H into it runs after that H2D in stream order.
+    A slot is dropped only after ``drain`` (the offloader's: the copy stream synchronised), as a copy issued
+    from it may still be reading it."""
 
     def __init__(self, pin: bool, limit_bytes: int | None = None):
         self.pin, self.limit_bytes = pin, limit_bytes
-        self.reserved_bytes = 0  # everything allocated (in use or free)
-        self.in_use_bytes = 0
+        self.reserved_bytes = 0  # every slot's bytes (lent or free)
+        self.in_use_bytes = 0  # the bytes lent (requests, not slot sizes)
         self.peak_in_use_bytes = 0
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.drain: Callable[[], None] | None = None
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)  # slot size -> free slots
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its slot
+        self._kept: set[int] = set()  # data_ptr of the slots ``reserve`` made: never dropped by a miss
 
     def acquire(self, nbytes: int) -> torch.Tensor:
-        free = self._free[nbytes]
-        if free:
-            buf = free.pop()
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        fits = [size for size, slots in self._free.items() if slots and size >= nbytes]
+        if fits:
+            slot = self._free[min(fits)].pop()
         else:
-            if self.limit_bytes is not None and self.reserved_bytes + nbytes > self.limit_bytes:
+            drop = [b for slots in self._free.values() for b in slots if b.data_ptr() not in self._kept]
+            grown = self.reserved_bytes - sum(b.numel() for b in drop) + nbytes
+            if self.limit_bytes is not None and grown > self.limit_bytes:
+                kept = max((b.numel() for slots in self._free.values() for b in slots), default=0)
                 raise HostMemoryError(
-                    f"the pinned pool would grow to {(self.reserved_bytes + nbytes) / GiB:.2f} GiB, past the "
-                    f"{self.limit_bytes / GiB:.2f} GiB checked before the run: the checkpoints differ from the "
-                    "plan (another sequence length or model than the one planned?)"
+                    f"the pinned pool would grow to {grown / GiB:.2f} GiB, past the {self.limit_bytes / GiB:.2f} "
+                    f"GiB checked before the run: a checkpoint of {_size(nbytes)} (the largest free slot: "
+                    f"{_size(kept)}) differs from the plan. Plan for the longest sequence and the model that run "
+                    "(plan_offload with its checkpoint bytes; examples/train.py: --seq-len)"
                 )
-            buf = _register(nbytes) if self.pin else torch.empty(nbytes, dtype=torch.uint8)
+            self._drop(drop)
+            slot = _register(nbytes) if self.pin else torch.empty(nbytes, dtype=torch.uint8)
             self.reserved_bytes += nbytes
+        self._lent[slot.data_ptr()] = slot
         self.in_use_bytes += nbytes
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
-        return buf
+        return slot[:nbytes]
 
     def release(self, buf: torch.Tensor) -> None:
+        if buf.numel() == 0:
+            return
+        slot = self._lent.pop(buf.data_ptr())
         self.in_use_bytes -= buf.numel()
-        self._free[buf.numel()].append(buf)
+        self._free[slot.numel()].append(slot)
+
+    def keep(self, buf: torch.Tensor) -> None:
+        """Marks the slot of a lent view as kept (``reserve``): a miss never drops it."""
+        self._kept.add(buf.data_ptr())
+
+    def _drop(self, slots: list[torch.Tensor]) -> None:
+        if not slots:
+            return
+        if self.drain is not None:
+            self.drain()
+        gone = {b.data_ptr() for b in slots}
+        for size in list(self._free):
+            self._free[size] = [b for b in self._free[size] if b.data_ptr() not in gone]
+            if not self._free[size]:
+                del self._free[size]
+        self._kept -= gone
+        self.reserved_bytes -= sum(b.numel() for b in slots)
 
     def clear(self) -> None:
-        """Drops the free buffers (their memory goes back to the host once no view is left)."""
-        self.reserved_bytes -= sum(b.numel() for bufs in self._free.values() for b in bufs)
-        self._free.clear()
+        """Drops the free slots, kept ones too (their memory goes back to the host once no view is left)."""
+        self._drop([b for slots in self._free.values() for b in slots])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -357,15 +407,36 @@ class PinnedPool:
 
 
 class _Saved:
-    """One checkpoint: on the GPU (kept or pending), in a pool slot on the host, or fetched back."""
+    """One checkpoint: on the GPU (kept or pending), in a pool slot on the host, or fetched back.
+
+    Like a tensor autograd saves, it must not be modified in place before backward (the recompute would start
+    from other values: the gradient of another function). Its version counter is read at the save, when the
+    deferred copy to the host is issued (the copy takes the values of that moment) and at the restore (through
+    the caller's tensor, held weakly once the device copy is gone: a device-to-host copy may still be reading
+    it), and any change raises, as autograd does."""
 
     __slots__ = ("__weakref__", "index", "nbytes", "shape", "dtype", "device", "where", "gpu", "slot",
-                 "fetched", "owner", "generation")  # fmt: skip
+                 "fetched", "owner", "generation", "version", "source", "copied_version")  # fmt: skip
 
     def __init__(self, owner: CheckpointOffloader, index: int, x: torch.Tensor, where: str):
         self.owner, self.index, self.where, self.generation = owner, index, where, owner.generation
         self.nbytes, self.shape, self.dtype, self.device = x.numel() * x.element_size(), x.shape, x.dtype, x.device
-        self.gpu, self.slot, self.fetched = x, None, None
+        self.gpu, self.slot, self.fetched = x.detach(), None, None  # detach() shares x's version counter
+        self.version, self.source, self.copied_version = x._version, weakref.ref(x), None
+
+    def check_version(self) -> None:
+        """Raises if the checkpoint's tensor was modified in place since the save."""
+        live = self.gpu if self.gpu is not None else self.source()
+        for found in (self.copied_version, None if live is None else live._version):
+            if found is not None and found != self.version:
+                raise RuntimeError(
+                    f"block checkpoint {self.index} of the forward pass (the block's input, shape "
+                    f"{tuple(self.shape)}, {self.dtype}) has been modified by an inplace operation between the "
+                    f"forward and its recompute in backward: it is at version {found}, it was saved at version "
+                    f"{self.version}, so the recompute would start from other values than the forward's. Leave "
+                    "a checkpointed block's input unmodified until backward (clone it before an in-place "
+                    "operation), as torch.utils.checkpoint requires."
+                )
 
     def __del__(self):  # a graph dropped without backward: give the slot and the budget back
         owner = self.owner
@@ -398,6 +469,7 @@ class CheckpointOffloader:
             self.pool = PinnedPool(pin=pin, limit_bytes=self.host_limit_bytes)
         slots = [self.pool.acquire(plan.checkpoint_bytes[i]) for i in plan.on_host]
         for slot in slots:
+            self.pool.keep(slot)
             self.pool.release(slot)
 
     def _bind(self, device: torch.device) -> None:
@@ -409,6 +481,8 @@ class CheckpointOffloader:
             raise RuntimeError(f"the pool was reserved {'pinned' if self.pool.pin else 'unpinned'} but the checkpoints "
                                f"are on {device}: reserve(pin=...) must match the model's device")  # fmt: skip
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:  # before the pool drops a slot: the copies issued from it are done
+            self.pool.drain = self.copy_stream.synchronize
         self._device = device
 
     # -- forward
@@ -443,7 +517,7 @@ class CheckpointOffloader:
 
         def pack(t):
             if (t.shape, t.dtype, t.device) == like:
-                return True, self.save(t.detach())
+                return True, self.save(t)
             return False, t
 
         def unpack(packed):
@@ -461,6 +535,7 @@ class CheckpointOffloader:
         saved, self._pending = self._pending, None
         if saved is None or saved.where != "pending":
             return
+        saved.copied_version = saved.gpu._version  # the values the copy takes: checked at the restore
         x = saved.gpu if saved.gpu.is_contiguous() else saved.gpu.contiguous()
         slot = self.pool.acquire(saved.nbytes)
         host = slot.view(saved.dtype).view(saved.shape)
@@ -478,6 +553,7 @@ class CheckpointOffloader:
     # -- backward
     def restore(self, saved: _Saved) -> torch.Tensor:
         """The checkpoint back on its device, for one use; then the previous one's H2D starts."""
+        saved.check_version()
         if saved.where in ("kept", "pending"):
             x = saved.gpu
             if saved.where == "kept":
@@ -534,18 +610,6 @@ class CheckpointOffloader:
 # ------------------------------------------------------------------------------------------------
 
 
-def _rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state, device: torch.device) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-
-
 class _OffloadedCheckpoint(torch.autograd.Function):
     """fn(x, *rest) run without grad; x kept by the offloader; recomputed with grad in backward.
 
@@ -555,10 +619,11 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, offloader, preserve_rng, dummy, x, *rest):
         ctx.fn, ctx.offloader, ctx.rest, ctx.x_requires_grad = fn, offloader, rest, x.requires_grad
-        ctx.rng = _rng_state(x.device) if preserve_rng else None
+        ctx.autocast = autocast_state(x.device)
+        ctx.rng = rng_state(x.device) if preserve_rng else None
         with torch.no_grad():
             out = fn(x, *rest)
-        ctx.saved = offloader.save(x.detach())
+        ctx.saved = offloader.save(x)
         return out
 
     @staticmethod
@@ -566,11 +631,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         x = ctx.offloader.restore(ctx.saved)
         ctx.saved = None
         x = x.detach().requires_grad_(ctx.x_requires_grad)
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else [], enabled=ctx.rng is not None):
-            if ctx.rng is not None:
-                _set_rng_state(ctx.rng, x.device)
-            with torch.enable_grad():
-                out = ctx.fn(x, *ctx.rest)
+        # the forward's function: its autocast settings (the backward usually runs outside autocast) and draws
+        replay = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
+        with replay, ctx.autocast.context(), torch.enable_grad():
+            out = ctx.fn(x, *ctx.rest)
         torch.autograd.backward(out, dout)
         return (None, None, None, None, x.grad if ctx.x_requires_grad else None) + (None,) * len(ctx.rest)
 
@@ -580,7 +644,8 @@ class OffloadedCheckpoint:
     checkpoints (the hidden state ``x``, (batch, seqlen, d_model)) are placed by a ``CheckpointOffloader``.
 
     ``rest`` (document labels, None) is kept as passed: no gradient flows to it. The block is recomputed
-    once in backward, with the forward's RNG states when ``preserve_rng_state``."""
+    once in backward under the forward's autocast settings, and from the forward's RNG states when
+    ``preserve_rng_state`` (``memory/recompute.py``: what ``torch.utils.checkpoint`` keeps)."""
 
     def __init__(self, offloader: CheckpointOffloader, preserve_rng_state: bool = True):
         self.offloader, self.preserve_rng_state = offloader, preserve_rng_state

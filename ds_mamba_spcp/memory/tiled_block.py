@@ -13,16 +13,21 @@
               -> dx[s-(K-1) : e] (added: the halo rows are tile k-1's too), S_in's gradient (for tile k-1),
               the parameters' gradients, summed in fp32 over the tiles and returned once per block
 
+Each recompute runs under the forward's autocast settings and, when a random op drew in forward (a norm with
+dropout), from the generators' state that tile's forward began with (``memory/recompute.py``, what
+``torch.utils.checkpoint`` keeps): backward differentiates what forward computed. The mixer's core itself
+computes with autocast off, as the untiled op does.
+
 K is the conv width (d_conv). The tiles chain as segments of one causal row do (docs/design.md, "The algebra",
 here within one rank): S_out = exp(log_a) * S_in + S_ext. Packed rows (seq_idx) follow the rules between ranks
 (docs/design.md, "Packed rows"): each tile's labels renumbered from 0, halo rows of another document zeroed, a
 tile that begins on a document start gets S_in = 0.
 
 Memory: between forward and backward, x and ntiles - 1 fp32 states per block (nothing of the width of in_proj's
-output); during one block's backward, dout and dx (d_model wide, the whole shard), fp32 sums of the block's
-parameter gradients and one tile's graph and kernels' working set. Cost: the forward of the core runs twice
-and its backward once, as with per-block activation checkpointing; in_proj and the norm also run K-1 extra
-rows per tile.
+output; with a random op, also one generator state per tile, about 5 KiB on the host); during one block's
+backward, dout and dx (d_model wide, the whole shard), fp32 sums of the block's parameter gradients and one
+tile's graph and kernels' working set. Cost: the forward of the core runs twice and its backward once, as
+with per-block activation checkpointing; in_proj and the norm also run K-1 extra rows per tile.
 
 The parameters are inputs of the block's autograd Function, and its backward returns their gradients summed
 over the tiles: one accumulation per parameter and block, as without tiles, so DeepSpeed's ZeRO 1-2 and bf16
@@ -38,12 +43,14 @@ would take a summary pass over the tiles, the exchange, then the tiles, and the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ds_mamba_spcp.autograd import first_order_only
+from ds_mamba_spcp.memory.recompute import autocast_state, rng_state
 from ds_mamba_spcp.ops import get_backend
 from ds_mamba_spcp.ops.reference import canonical_seq_idx
 from ds_mamba_spcp.ops.segment import run_bwd_known, run_fwd_known, zero_state
@@ -117,6 +124,7 @@ class _Block:
     starts: list  # per tile: (batch,) bool, the tile begins on a document start, or None
     halo_masks: list  # per tile: (batch, nhalo) bool, the halo rows of the tile's first document, or None
     params: list
+    preserve_rng: bool
 
     def halo_rows(self, k: int) -> int:
         s, _ = self.spans[k]
@@ -156,13 +164,20 @@ class _TiledBlockFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block: _Block, x, *params):
         out = torch.empty_like(x)
-        states, S_in = [], None
+        states, S_in, rngs = [], None, []
         with torch.no_grad():
             for k, (s, e) in enumerate(block.spans):
                 if k > 0:
                     states.append(S_in)
+                if block.preserve_rng:
+                    rngs.append(rng_state(x.device))
                 out_k, S_in = block.tile(k, x[:, s - block.halo_rows(k) : e], S_in)
                 out[:, s:e] = out_k
+        # Each tile is recomputed from the generators' state its forward began with: the tiles run in reverse
+        # in backward, and a random op in the norm (dropout) draws anew in every tile. Nothing drew (the usual
+        # case): nothing to replay.
+        ctx.rngs = None if not rngs or rngs[0].same_as(rng_state(x.device)) else rngs
+        ctx.autocast = autocast_state(x.device)  # re-entered around each recompute (memory/recompute.py)
         ctx.block = block
         ctx.save_for_backward(x, *states)
         return out
@@ -179,7 +194,8 @@ class _TiledBlockFn(torch.autograd.Function):
         for k in reversed(range(len(block.spans))):
             s, e = block.spans[k]
             lo = s - block.halo_rows(k)
-            with torch.enable_grad():
+            replay = ctx.rngs[k].replay() if ctx.rngs is not None else contextlib.nullcontext()
+            with torch.enable_grad(), replay, ctx.autocast.context():
                 x_ext = x[:, lo:e].detach().requires_grad_()
                 S_in = states[k - 1].detach().requires_grad_() if k > 0 else None
                 out_k, S_out = block.tile(k, x_ext, S_in)
@@ -253,13 +269,15 @@ def _labels(seq_idx, spans, K):
     return labels, starts, masks
 
 
-def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None):
+def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None, preserve_rng_state: bool = True):
     """``x + mixer(norm(x))`` of a pre-norm Mamba2 block, recomputed in backward tile by tile.
 
     x: (batch, seqlen, d_model), the whole sequence on this rank (a group of one); norm: a per-token module
     (RMSNorm, LayerNorm: each token's output reads that token only); mixer: a ``DistributedMamba2``;
     tile_tokens: tokens per tile (the last tile may be shorter, a tile may be shorter than d_conv - 1);
-    seq_idx: (batch, seqlen) document labels of packed rows (non-decreasing), or None.
+    seq_idx: (batch, seqlen) document labels of packed rows (non-decreasing), or None; preserve_rng_state: as
+    ``torch.utils.checkpoint``'s (a random norm then draws in each tile's recompute what it drew in forward; a
+    tile draws for its halo rows too, so with dropout the tiled block is not the untiled one draw for draw).
     Returns (batch, seqlen, d_model). The result and every gradient are the untiled block's up to the order
     of floating-point sums (the tests: fp64, 1e-10). The call is its own activation checkpoint: use it in
     place of ``torch.utils.checkpoint`` / ``deepspeed.checkpointing.checkpoint`` around the block, not inside.
@@ -284,5 +302,5 @@ def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None):
         raise ValueError(f"seq_idx must be (batch, seqlen) = {(batch, seqlen)}, got {tuple(seq_idx.shape)}")
     labels, starts, masks = _labels(seq_idx, spans, spec.d_conv)
     block = _Block(norm, mixer, spec, backend, spans, not mixer.config.recompute_output, labels, starts, masks,
-                   params)  # fmt: skip
+                   params, preserve_rng_state)  # fmt: skip
     return _TiledBlockFn.apply(block, x, *params)
