@@ -39,12 +39,16 @@ def import_models() -> None:
         importlib.import_module(name)
 
 
-def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa", sizes=None, **extra):
+def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa", sizes=None,
+          init: float | None = None, **extra):  # fmt: skip
     """A tiny ``<Family>ForCausalLM`` with randomized parameters. ``attention=False`` gives the family's
     attention-free variant (all but Falcon-H1, whose every layer has attention beside its mixer). ``sizes``
-    replaces ``SIZES``; ``extra`` overrides config fields."""
+    replaces ``SIZES``; ``extra`` overrides config fields. ``init``: transformers' own initialisation at
+    ``initializer_range=init`` (its dt, A and D initialisations too) instead of ``randomize``."""
     import transformers as tf
 
+    if init is not None:
+        extra["initializer_range"] = init
     sizes = sizes or SIZES
     s, a, hidden = sizes["ssm"], sizes["attn"], sizes["hidden"]
     common = dict(vocab_size=sizes["vocab"], hidden_size=hidden, tie_word_embeddings=False)
@@ -113,7 +117,8 @@ def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.flo
         cfg._attn_implementation = attn
     torch.manual_seed(seed)
     model = cls(cfg)
-    randomize(model, seed)
+    if init is None:
+        randomize(model, seed)
     return model.to(dtype).train()
 
 

@@ -19,6 +19,8 @@ forward-only route) on gloo ranks, fp64, in every mode and layout, with tiles an
    border, one of 1 token starts the row. States within 1e-10 relative RMS per document (fp64; the tiles and
    segments cut the chunked scan at other places than the lone document's run: reassociation, ~1e-16 seen),
    tails bitwise (copies of the document's last d_conv columns, zeros before its start).
+4. Autocast (one process): the chunked prefill's tiles (``tile_forward``) and ``mixer_core_prefill`` under CPU bf16
+   autocast are bitwise what they are without it, for fp32 inputs (autocast off inside both).
 Negative controls: the last rank's own last columns are not the conv state under zigzag (the sequence ends on
 rank 0); a state restarting at every rank border (S_in zeroed) puts the documents that cross a border off by
 > 1e-3 while the test's bound is 1e-10; a rank's own shard alone gives another tail for the 2-token document
@@ -366,3 +368,36 @@ def test_forward_only_refuses_inputs_that_want_a_gradient():
     params = [t[k].requires_grad_() for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D")]
     with pytest.raises(ValueError, match="forward_only=True builds no autograd graph"):
         op.mixer_core(t["zxbcdt"], *params, CHUNK, headdim=HEADDIM, ngroups=NGROUPS, forward_only=True)
+
+
+def test_chunked_prefill_ignores_the_callers_autocast():
+    """One rule for the forward-only paths: the core computes as its inputs' dtypes say, autocast or not (op.run
+    turns autocast off around the strategy, so ``mixer_core_prefill`` does). The chunked prefill's tiles
+    (``tile_forward``: the backend's segment, outside op.run) follow it: fp32 inputs under CPU bf16 autocast give
+    bitwise what they give without it (the same computation), tile after tile with the state and conv tail carried;
+    ``mixer_core_prefill`` on the whole row is checked the same way. Without the rule the tiles' matmuls ran in bf16
+    (relative RMS ~6e-3 on the reference backend)."""
+    from ds_mamba_spcp.call import MixerCore
+    from ds_mamba_spcp.inference.forward import mixer_core_prefill, tile_forward
+
+    t = {k: v.float() for k, v in _inputs(5).items()}
+    core = MixerCore(t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], t["D"], CHUNK, headdim=HEADDIM,
+                     ngroups=NGROUPS, rmsnorm_weight=t["rmsnorm_weight"])  # fmt: skip
+
+    def tiles():
+        outs, carry = [], None
+        for start in range(0, SEQLEN, 7):
+            out, carry = tile_forward(t["zxbcdt"][:, start : start + 7], carry, core, backend="reference")
+            outs.append(out)
+        return torch.cat(outs, 1), *carry
+
+    def whole():
+        args, kwargs = core.op_arguments()
+        return mixer_core_prefill(t["zxbcdt"], *args, backend="reference", **kwargs)
+
+    for run in (tiles, whole):
+        plain = run()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = run()
+        errs = [rel_err(a, b) for a, b in zip(cast, plain)]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(cast, plain)), (run.__name__, errs)

@@ -139,7 +139,8 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
     d_conv, conv_dim)): the state after the previous tokens and their last d_conv pre-conv columns (zeros
     where there were fewer). Returns (out (batch, tile, nheads*headdim), the carry after this tile): the
     state S_out = exp(log_a) * S_in + S_ext (the algebra the ranks use, docs/design.md "The algebra", here from
-    one tile to the next) and the new tail; ``carry[1].transpose(1, 2)`` is the decode conv state."""
+    one tile to the next) and the new tail; ``carry[1].transpose(1, 2)`` is the decode conv state. Autocast is
+    off inside, as in ``mixer_core_prefill`` (docs/design.md, "One dispatch path")."""
     from ds_mamba_spcp.ops import get_backend
     from ds_mamba_spcp.ops.segment import run_fwd_known, state_dtype, zero_state
     from ds_mamba_spcp.ops.spec import CoreSpec
@@ -158,7 +159,9 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
         tail = zxbcdt.new_zeros(batch, d_conv, conv_dim)
     else:
         state, tail = carry
-    with torch.no_grad():
+    # autocast off, as op.run turns it off around every strategy (mixer_core_prefill's path): the core computes as
+    # its inputs' dtypes say, so a chunked prefill gives what the whole prompt gives, under the caller's autocast too
+    with torch.no_grad(), torch.autocast(device_type=zxbcdt.device.type, enabled=False):
         # known mode (ops/segment.py): the carried state is the tile's S_in, its S_out the next carry
         gen = get_backend(backend, zxbcdt.device).segment_fwd(
             zxbcdt, tail[:, 1:], conv1d_weight, conv1d_bias, dt_bias, A, D, kwargs["rmsnorm_weight"], spec=spec,

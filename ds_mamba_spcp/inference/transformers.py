@@ -2,10 +2,10 @@
 
     sequence_parallel_generate(model, input_ids, group)      every rank: the same whole prompt
         -> checks, raised alike on every rank (prompt, kwargs, model; the same random state to sample)
-        -> sequence_parallel_prefill(model, this rank's shard of prompt[:, :n*cp], group)
-        -> model.generate(input_ids, cache=<the whole prompt's cache but its last 1..cp tokens>)
-           transformers' own generate: it feeds the tokens the cache lacks (the last one, and the
-           remainder when seqlen - 1 is not a multiple of cp) and decodes, on every rank alike
+        -> sequence_parallel_prefill(model, this rank's shard of prompt[:, :n*cp], group), n = (seqlen - 2) // cp
+        -> model.generate(input_ids, cache=<the whole prompt's cache but its last 2..cp+1 tokens>)
+           transformers' own generate: it feeds the tokens the cache lacks (at least two, see ``_FED``)
+           and decodes, on every rank alike
         -> the same tokens on every rank (checked), those of model.generate(input_ids) in one process
 
     sequence_parallel_prefill(model, input_ids_shard, group)  every rank: its contiguous shard
@@ -341,6 +341,13 @@ def sequence_parallel_prefill(model: nn.Module, input_ids_shard: torch.Tensor, g
     return Prefill(broadcast_from_last(logits, group), cache)
 
 
+# The prompt tokens left to transformers' generate after the sharded prefill: at least two, so that its first
+# forward runs them in the model's prefill (chunked) form, as the whole prompt runs in one process's generate. One
+# token would take the model's decode step instead, which for Zamba2 and Nemotron-H is another computation: their
+# chunked form floors dt at time_step_min (dt_limit) and their decode step does not, so the last prompt token, and
+# every token after it, would differ from one process's (by ~1e-2 of the logits wherever the floor binds).
+_FED = 2
+
 _REFUSED = {
     "cache": "the cache is built by the sharded prefill",
     "past_key_values": "the cache is built by the sharded prefill",
@@ -367,11 +374,11 @@ def _generate_problem(model, input_ids, kwargs: dict, cp: int) -> Exception | No
         )
     # the op needs d_conv - 1 tokens per shard (a shard's conv halo comes from the rank before alone)
     halo = max([int(m.conv1d.weight.shape[-1]) - 1 for m in _mixers(model)] or [0])
-    need = cp * max(1, halo) + 1
+    need = cp * max(1, halo) + _FED
     if cp > 1 and input_ids.shape[1] < need:
         return ValueError(
             f"the prompt has {input_ids.shape[1]} tokens; a sharded prefill over {cp} ranks needs at least {need} "
-            f"(d_conv - 1 = {halo} per rank for the conv, and the last one for generate). Generate in one process, "
+            f"(d_conv - 1 = {halo} per rank for the conv, and the last {_FED} for generate). Generate in one process, "
             "or use a smaller group."
         )
     return None
@@ -395,9 +402,9 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
     """``model.generate(input_ids, **generate_kwargs)`` with the prompt prefilled sharded across ``group``.
 
     Every rank passes the same whole prompt ``input_ids`` (batch, seqlen) (rows of one length, no padding;
-    checked). The first ``n*cp`` tokens (the largest multiple of the group size below seqlen) are prefilled
-    sharded (``sequence_parallel_prefill``); transformers' own ``generate`` then feeds the other 1..cp
-    tokens on top of that cache and decodes, on every rank. Returns on every rank what ``model.generate``
+    checked). The first ``n*cp`` tokens (n = (seqlen - 2) // cp) are prefilled sharded
+    (``sequence_parallel_prefill``); transformers' own ``generate`` then feeds the other 2..cp+1 tokens on
+    top of that cache and decodes, on every rank. Returns on every rank what ``model.generate``
     returns in one process (the same tokens; checked across ranks, a mismatch raises on every rank).
     Sampling (``do_sample``) needs every rank's random generator in the same state (``torch.manual_seed``
     alike on every rank; checked). Errors are raised on every rank alike.
@@ -416,7 +423,7 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
             "so they would sample different tokens. Seed every rank alike before the call (torch.manual_seed(s) "
             "with the same s on every rank), or decode greedily (do_sample=False)."
         )
-    n = (input_ids.shape[1] - 1) // cp
+    n = (input_ids.shape[1] - _FED) // cp
     cache = sequence_parallel_prefill(model, input_ids[:, rank * n : (rank + 1) * n], group).cache
     hook = None
     if cache.attention_free:
