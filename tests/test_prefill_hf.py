@@ -365,6 +365,42 @@ def test_prepared_model_generates_and_stays_prepared(request, world):
     assert res["sharding_kept"][0], res["sharding_kept"][1]
 
 
+def _started_by_torch(rank, world):
+    """Ranks started with torch.distributed.init_process_group alone (deepspeed.comm never initialised): group=None
+    is the world (it was a group of one on each rank: each rank prefilled the whole prompt alone, silently).
+    Reports the group size of every Mamba layer's op call and no verdict (``agree`` needs deepspeed.comm)."""
+    import deepspeed.comm as dist
+
+    from ds_mamba_spcp import comm
+    from ds_mamba_spcp.inference import transformers as inference
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
+
+    model = build("bamba", True, 8)
+    ids = prompt(9, 9)
+    out = {"deepspeed_comm_before": dist.is_initialized(), "sizes": []}
+    original = inference.mixer_prefill
+
+    def counting(zxbcdt, core, group, cfg, **kwargs):
+        out["sizes"].append(comm.group_rank_size(group)[1])
+        return original(zxbcdt, core, group, cfg, **kwargs)
+
+    inference.mixer_prefill = counting
+    try:
+        got = sequence_parallel_generate(model, ids, **GEN)
+    finally:
+        inference.mixer_prefill = original
+    out["same_tokens"] = torch.equal(got, model.generate(ids, **GEN))
+    return out
+
+
+def test_ranks_started_by_torch_distributed_share_the_prompt():
+    results = run_ranks(_started_by_torch, 2, timeout=TIMEOUT, init="torch")
+    for rank, r in enumerate(results):
+        assert not r["deepspeed_comm_before"]  # the case: only torch.distributed was initialised
+        assert r["sizes"] and all(size == 2 for size in r["sizes"]), f"rank {rank}: op group sizes {r['sizes']}"
+        assert r["same_tokens"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # one process: a group of one is the model's own prefill
 # ---------------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ from torch import nn
 
 from ds_mamba_spcp import comm, modes
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
-from ds_mamba_spcp.groups import deepspeed_sequence_parallel_group
+from ds_mamba_spcp.groups import adopt_torch_distributed, generation_group
 from ds_mamba_spcp.inference.prefill import (
     Prefill,
     broadcast_from_last,
@@ -114,17 +114,14 @@ class PrefilledCache(DynamicCache):
 
 
 def _resolve_group(model: nn.Module, group):
-    """The group: the one given, a prepared model's, DeepSpeed's sequence-parallel group, or the world."""
+    """The group: the one given, a prepared model's, DeepSpeed's sequence-parallel group, or the world (a world
+    started with ``torch.distributed.init_process_group`` alone too: ``groups.generation_group``)."""
+    adopt_torch_distributed()  # before a prepared model resolves its group through deepspeed.comm
     if group is None:
         state = model.__dict__.get(hf._MODEL_ATTR)
         if state is not None:
             group = state.sharding.group()
-    import deepspeed.comm as dist
-
-    if group is None and dist.is_initialized():
-        group = deepspeed_sequence_parallel_group()
-        if group is None:
-            group = dist.get_world_group()
+    group = generation_group(group)
     rank, cp = comm.group_rank_size(group)
     return group, rank, cp
 
@@ -314,7 +311,8 @@ def sequence_parallel_prefill(model: nn.Module, input_ids_shard: torch.Tensor, g
 
     input_ids_shard: (batch, seqlen/cp), this rank's contiguous shard of the prompt (rank r holds tokens
     [r*seqlen/cp, (r+1)*seqlen/cp)); every rank the same shape; no padding. group: the ranks sharing the
-    prompt (None: a prepared model's group, DeepSpeed's sequence-parallel group, or the world). Returns
+    prompt (None: a prepared model's group, DeepSpeed's sequence-parallel group, or the world; a world started
+    with ``torch.distributed.init_process_group`` alone too). Returns
     ``Prefill(logits (batch, vocab), cache)``, the cache a ``PrefilledCache`` (a transformers ``DynamicCache``)
     to pass to ``model.generate(prompt_and_more, cache=cache)`` or to the model's forward, identical on every
     rank. Runs under ``torch.no_grad``. A group of one is the model's own forward with ``use_cache=True``.
