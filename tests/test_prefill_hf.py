@@ -273,6 +273,62 @@ def _bad_input(rank, world):
     return {k: (agree(ok), msg) for k, (ok, msg) in out.items()}
 
 
+def _example_model():
+    """examples/generate.py's ``build_model`` (the issue's reproductions use it)."""
+    import importlib.util
+    import os
+
+    from tests.dist_utils import REPO
+
+    spec = importlib.util.spec_from_file_location("generate_example", os.path.join(REPO, "examples", "generate.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.build_model
+
+
+def scores_margin(out) -> float:
+    """The smallest top-2 gap of the scores that chose ``generate``'s tokens (``output_scores=True``)."""
+    top = torch.stack(out.scores).topk(2, dim=-1).values
+    return float((top[..., 0] - top[..., 1]).min())
+
+
+def _use_cache_false(rank, world):
+    """generation_config.use_cache = False (fine-tuning configs carry it), and use_cache=False passed: the tokens
+    of one process's generate with it (its uncached recomputation), which equal its cached ones."""
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
+
+    model = _example_model()(0)
+    ids = torch.randint(1, 64, (2, 97), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    cached = model.generate(ids, output_scores=True, return_dict_in_generate=True, **kw)
+    model.generation_config.use_cache = False
+    want = model.generate(ids, **kw)  # one process, no cache: the whole sequence again at every step
+    out = {"margin": scores_margin(cached), "uncached_equals_cached": torch.equal(want, cached.sequences)}
+    try:
+        out["config"] = agree(torch.equal(sequence_parallel_generate(model, ids, **kw), want))
+        model.generation_config.use_cache = True
+        out["kwarg"] = agree(torch.equal(sequence_parallel_generate(model, ids, use_cache=False, **kw), want))
+    except Exception:  # noqa: BLE001 - reported
+        out["error"] = traceback.format_exc()[-1500:]
+    return out
+
+
+def _short_prompts(rank, world):
+    """At 2 ranks the shortest prompt the sharded prefill takes (cp * (d_conv - 1) + 1 tokens) gives one process's
+    tokens, and a 1-token prompt is refused with the least length named."""
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
+
+    model = build("bamba", True, 4)
+    need = world * (hf_models.SSM["d_conv"] - 1) + 1
+    ids = prompt(need, 6)
+    return {
+        "shortest": (agree(torch.equal(sequence_parallel_generate(model, ids, **GEN), model.generate(ids, **GEN))), ""),
+        "one_token": _raises(
+            lambda: sequence_parallel_generate(model, ids[:, :1], **GEN), ValueError, f"at least {need}"
+        ),
+    }
+
+
 def _prepared_model(rank, world):
     """A model prepared for training (prepare_sequence_parallel) generates too, and keeps its sharding after."""
     from ds_mamba_spcp.integrations.transformers import prepare_sequence_parallel, sequence_parallel_generate
@@ -301,6 +357,8 @@ def _run_world(rank, world):
             )
     if world == 2:
         out["bad_input"] = _bad_input(rank, world)
+        out["use_cache_false"] = _use_cache_false(rank, world)
+        out["short"] = _short_prompts(rank, world)
     out["prepared"] = _prepared_model(rank, world)
     return out
 
@@ -355,6 +413,23 @@ BAD = [
 def test_bad_input_raises_on_every_rank(results2, check):
     for rank, r in enumerate(results2):
         ok, msg = r["bad_input"][check]
+        assert ok, f"rank {rank}, {check}: {msg}"
+
+
+def test_use_cache_false_gives_one_process_tokens(results2):
+    """generation_config.use_cache=False (or use_cache=False passed) once made generate feed the whole prompt again
+    on top of the prefilled cache: other tokens, silently. The sharded path decodes from its cache regardless."""
+    res = results2[0]["use_cache_false"]
+    assert "error" not in res, res["error"]
+    assert res["margin"] > MARGIN, f"a near-tie in the oracle's tokens ({res['margin']:.1e}): pick another seed"
+    assert res["uncached_equals_cached"]  # one process: use_cache changes the recomputation, not the tokens
+    assert res["config"] and res["kwarg"]
+
+
+@pytest.mark.parametrize("check", ["shortest", "one_token"])
+def test_short_prompts_at_two_ranks(results2, check):
+    for rank, r in enumerate(results2):
+        ok, msg = r["short"][check]
         assert ok, f"rank {rank}, {check}: {msg}"
 
 
@@ -418,6 +493,16 @@ def test_group_of_one_is_the_models_own_prefill(family, attention):
     assert all(e == 0 for e in cache_errors(cache, own_cache).values())
     assert cache.get_seq_length() == 15
     assert torch.equal(sequence_parallel_generate(model, ids, **GEN), oracle(model, ids, attention, family))
+
+
+def test_one_token_prompt_in_a_group_of_one():
+    """A 1-token prompt has nothing to prefill before generate's own first forward (it crashed: a prefill of 0
+    tokens)."""
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
+
+    model = build("bamba", True, 23)
+    ids = prompt(1, 24)
+    assert torch.equal(sequence_parallel_generate(model, ids, **GEN), model.generate(ids, **GEN))
 
 
 def test_attention_free_nemotron_h_plain_generate_fails_in_transformers():

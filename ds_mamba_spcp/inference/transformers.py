@@ -3,7 +3,7 @@
     sequence_parallel_generate(model, input_ids, group)      every rank: the same whole prompt
         -> checks, raised alike on every rank (prompt, kwargs, model; the same random state to sample)
         -> sequence_parallel_prefill(model, this rank's shard of prompt[:, :n*cp], group)
-        -> model.generate(input_ids, cache=<the whole prompt's cache but its last 1..cp tokens>)
+        -> model.generate(input_ids, cache=<the whole prompt's cache but its last 1..cp tokens>, use_cache=True)
            transformers' own generate: it feeds the tokens the cache lacks (the last one, and the
            remainder when seqlen - 1 is not a multiple of cp) and decodes, on every rank alike
         -> the same tokens on every rank (checked), those of model.generate(input_ids) in one process
@@ -40,14 +40,15 @@ so ``sequence_parallel_generate`` refuses to sample unless every rank's generato
 tokens (a mismatch raises on every rank).
 
 Padding is refused (Ulysses attention drops the mask); so are caches passed in, ``inputs_embeds``, and
-models this package cannot shard (``integrations.transformers``' checks). A prepared model
+models this package cannot shard (``integrations.transformers``' checks). ``use_cache=False`` (a fine-tuning
+generation_config often carries it) is overridden: generate decodes from the prefilled cache, which gives
+the tokens of its uncached recomputation up to roundoff. A prepared model
 (``prepare_sequence_parallel``) works too: its sharding steps aside while this module drives it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import hashlib
 import inspect
@@ -375,10 +376,11 @@ def _generate_problem(model, input_ids, kwargs: dict, cp: int) -> Exception | No
     return None
 
 
-def _sampling(model, kwargs: dict) -> bool:
-    cfg = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    cfg.update(**{k: v for k, v in kwargs.items() if hasattr(cfg, k)})
-    return bool(cfg.do_sample)
+def _generation_config(model, kwargs: dict):
+    """The generation config ``model.generate(**kwargs)`` runs with (transformers' own resolution, on a copy)."""
+    named = inspect.signature(model.generate).parameters
+    rest = {k: v for k, v in kwargs.items() if k not in named}
+    return model._prepare_generation_config(kwargs.get("generation_config"), **rest)[0]
 
 
 def _rng_fingerprint(device) -> list[int]:
@@ -395,33 +397,52 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
     Every rank passes the same whole prompt ``input_ids`` (batch, seqlen) (rows of one length, no padding;
     checked). The first ``n*cp`` tokens (the largest multiple of the group size below seqlen) are prefilled
     sharded (``sequence_parallel_prefill``); transformers' own ``generate`` then feeds the other 1..cp
-    tokens on top of that cache and decodes, on every rank. Returns on every rank what ``model.generate``
-    returns in one process (the same tokens; checked across ranks, a mismatch raises on every rank).
+    tokens on top of that cache and decodes, on every rank, from that cache whatever ``use_cache`` says. A
+    1-token prompt in a group of one is plain ``generate``; at cp > 1 the prompt needs cp * (d_conv - 1) + 1
+    tokens (a shorter one is refused, the least length named). Returns on every rank what ``model.generate``
+    returns in one process (the same tokens; checked across ranks, a mismatch raises on every rank). group:
+    see ``sequence_parallel_prefill``.
     Sampling (``do_sample``) needs every rank's random generator in the same state (``torch.manual_seed``
     alike on every rank; checked). Errors are raised on every rank alike.
     """
     group, rank, cp = _resolve_group(model, group)
     device = input_ids.device if torch.is_tensor(input_ids) else None
-    raise_alike(_generate_problem(model, input_ids, generate_kwargs, cp), group, device)
+    problem = _generate_problem(model, input_ids, generate_kwargs, cp)
+    config = None
+    if problem is None and not hasattr(model, "_prepare_generation_config"):
+        problem = TypeError(f"{type(model).__qualname__} is not a transformers generative model (no generate)")
+    if problem is None:
+        try:
+            config = _generation_config(model, generate_kwargs)
+        except (ValueError, TypeError) as e:  # what generate itself would raise
+            problem = e
+    raise_alike(problem, group, device)
     if not same_on_every_rank(fingerprint(input_ids), group, device):
         raise ValueError(
             "sequence_parallel_generate: the ranks passed different prompts (shape or tokens); every rank of the "
             "group must pass the same whole input_ids (each prefills its own shard of it)."
         )
-    if _sampling(model, generate_kwargs) and not same_on_every_rank(_rng_fingerprint(input_ids.device), group, device):
+    if config.do_sample and not same_on_every_rank(_rng_fingerprint(input_ids.device), group, device):
         raise ValueError(
             "sequence_parallel_generate with do_sample=True: the ranks' random generators are in different states, "
             "so they would sample different tokens. Seed every rank alike before the call (torch.manual_seed(s) "
             "with the same s on every rank), or decode greedily (do_sample=False)."
         )
     n = (input_ids.shape[1] - 1) // cp
+    if n == 0:  # a group of one and a 1-token prompt: nothing to prefill before generate's own first forward
+        with hf.sequence_parallel_disabled(model):
+            out = model.generate(input_ids, **generate_kwargs)
+        return out
     cache = sequence_parallel_prefill(model, input_ids[:, rank * n : (rank + 1) * n], group).cache
+    # decode from the prefilled cache whatever use_cache says: without it generate would feed the whole sequence
+    # again on top of the cache; with it, its tokens are those of its uncached recomputation up to roundoff.
+    kwargs = {**generate_kwargs, "use_cache": True, _cache_key(model): cache}
     hook = None
     if cache.attention_free:
         hook = model.register_forward_hook(functools.partial(_count_tokens, cache), with_kwargs=True)
     try:
         with hf.sequence_parallel_disabled(model):
-            out = model.generate(input_ids, **{_cache_key(model): cache}, **generate_kwargs)
+            out = model.generate(input_ids, **kwargs)
     finally:
         if hook is not None:
             hook.remove()
