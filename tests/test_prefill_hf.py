@@ -270,6 +270,17 @@ def _bad_input(rank, world):
     out["not_token_ids"] = _raises(
         lambda: sequence_parallel_generate(model, ids.float(), **GEN), ValueError, "tensor of token ids"
     )
+    left = torch.ones_like(ids)
+    left[0, :3] = 0
+    biased = build("bamba", True, 3, mamba_proj_bias=True)
+    out["padding_with_in_proj_bias"] = _raises(
+        lambda: sequence_parallel_generate(biased, ids, attention_mask=left, **GEN), NotImplementedError, "in_proj"
+    )
+    empty = torch.ones_like(ids)
+    empty[1] = 0
+    out["row_without_tokens"] = _raises(
+        lambda: sequence_parallel_generate(model, ids, attention_mask=empty, **GEN), ValueError, "row 1"
+    )
     return {k: (agree(ok), msg) for k, (ok, msg) in out.items()}
 
 
@@ -485,7 +496,8 @@ def test_negative_control_state_restarting_at_shard_borders(results2, family, at
 BAD = [
     "mask_on_one_rank", "all_ones_mask_accepted", "shards_of_different_lengths", "prompt_too_short",
     "different_prompts", "sampling_unlike_seeds", "sampling_like_seeds_same_tokens", "cache_passed_in",
-    "attention_only_model", "eager_attention", "unsupported_activation", "not_token_ids",
+    "attention_only_model", "eager_attention", "unsupported_activation", "not_token_ids", "padding_with_in_proj_bias",
+    "row_without_tokens",
 ]  # fmt: skip
 
 
