@@ -11,6 +11,11 @@
 2. the world group, when its size equals the configured ``sequence_parallel_size``;
 
 and otherwise raises a ValueError that says how to build a group and pass it.
+
+The generation entries (``inference.transformers``, ``inference.mamba_ssm``) resolve theirs with
+``generation_group``: the group given, else DeepSpeed's sequence-parallel group, else the world; a process
+started with ``torch.distributed.init_process_group`` alone gets ``deepspeed.comm`` over that same world
+first (``adopt_torch_distributed``), so that its world is not mistaken for a group of one.
 """
 
 from __future__ import annotations
@@ -45,6 +50,35 @@ def deepspeed_sequence_parallel_group():
     # as the mpu (or initialize has not run yet): read the group it made.
     parallel_state_sp = sys.modules.get(_PARALLEL_STATE_SP)
     return getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None)
+
+
+def adopt_torch_distributed() -> bool:
+    """Initialises ``deepspeed.comm`` over an existing ``torch.distributed`` world (started with
+    ``torch.distributed.init_process_group``, without DeepSpeed); True when it did. No new rendezvous:
+    ``deepspeed.init_distributed`` wraps the process group torch already has (its documented path for an
+    initialised torch.distributed). Every collective of this package goes through ``deepspeed.comm``, which
+    would otherwise report no distributed backend, and the ranks would each run alone."""
+    import torch.distributed as tdist
+
+    dist = _dist()
+    if dist.is_initialized() or not tdist.is_available() or not tdist.is_initialized():
+        return False
+    dist.init_distributed(dist_backend=tdist.get_backend(), verbose=False)
+    return True
+
+
+def generation_group(group=None):
+    """The group a sharded prefill or generation runs over: ``group`` when given; else DeepSpeed's
+    sequence-parallel group (``deepspeed_sequence_parallel_group``); else the world. None (a group of one) in
+    a process without a distributed backend. A world started with ``torch.distributed.init_process_group``
+    alone is adopted first (``adopt_torch_distributed``): its ranks share the prompt as DeepSpeed's would."""
+    adopt_torch_distributed()
+    dist = _dist()
+    if group is None and dist.is_initialized():
+        group = deepspeed_sequence_parallel_group()
+        if group is None:
+            group = dist.get_world_group()
+    return group
 
 
 def group_size(group) -> int:

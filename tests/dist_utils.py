@@ -87,7 +87,7 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {first}-{low - 1} (below the ephemeral range) for a test run")
 
 
-def _worker(rank, world_size, port, fn, args, queue, backend):
+def _worker(rank, world_size, port, fn, args, queue, backend, init="deepspeed"):
     shared = backend == "gloo-cuda"
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0" if shared else str(rank),
@@ -101,28 +101,37 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
             torch.cuda.set_device(rank)
         if shared:
             torch.cuda.set_device(0)  # DeepSpeed would bind rank i to cuda:i from LOCAL_RANK
-        dist.init_distributed(dist_backend="gloo" if shared else backend, verbose=False)
+        if init == "torch":  # torch.distributed alone, as a script that never calls deepspeed.init_distributed
+            torch.distributed.init_process_group(backend="gloo" if shared else backend)
+        else:
+            dist.init_distributed(dist_backend="gloo" if shared else backend, verbose=False)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
-        dist.barrier()
-        dist.destroy_process_group()
+        ends = dist if dist.is_initialized() else torch.distributed  # torch's alone: deepspeed.comm never adopted it
+        ends.barrier()
+        ends.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo"):
+def run_ranks(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo", init: str = "deepspeed"):
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; returns their results.
 
     backend: "gloo" (CPU), "nccl" (rank r on cuda:r; needs world_size GPUs) or "gloo-cuda" (every rank
-    on cuda:0 through gloo: correctness only, timings mean nothing)."""
+    on cuda:0 through gloo: correctness only, timings mean nothing). init: "deepspeed"
+    (``deepspeed.init_distributed``) or "torch" (``torch.distributed.init_process_group`` alone, deepspeed.comm
+    left uninitialised)."""
     if backend not in ("gloo", "nccl", "gloo-cuda"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or 'gloo-cuda', got {backend!r}")
+    if init not in ("deepspeed", "torch"):
+        raise ValueError(f"init must be 'deepspeed' or 'torch', got {init!r}")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend)) for r in range(world_size)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend, init))
+        for r in range(world_size)
     ]
     for p in procs:
         p.start()

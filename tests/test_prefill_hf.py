@@ -227,7 +227,7 @@ def _restart_states_at_borders(world):
     own = singles[dist.get_rank()]
     original = transformers.mixer_prefill
 
-    def restarting(zxbcdt, core, group, cfg):
+    def restarting(zxbcdt, core, group, cfg, seq_idx=None):
         y, state, _ = original(zxbcdt, core, own, cfg)
         state = prefill.broadcast_from_last(state, group)  # the last shard's state alone, alike on every rank
         d_inner = core.A.shape[0] * core.headdim
@@ -264,9 +264,9 @@ def _bad_input(rank, world):
     ids = prompt(seqlen, 5)
     mask = torch.ones_like(ids)
     if rank == world - 1:
-        mask[1, :2] = 0  # left padding on one rank only: every rank must raise
-    out["padding"] = _raises(
-        lambda: sequence_parallel_generate(model, ids, attention_mask=mask, **GEN), NotImplementedError, "padding"
+        mask[1, :2] = 0  # left padding on one rank only: another prompt there, every rank must raise
+    out["mask_on_one_rank"] = _raises(
+        lambda: sequence_parallel_generate(model, ids, attention_mask=mask, **GEN), ValueError, "attention_mask"
     )
     try:
         sequence_parallel_generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, pad_token_id=0)
@@ -318,7 +318,154 @@ def _bad_input(rank, world):
     out["not_token_ids"] = _raises(
         lambda: sequence_parallel_generate(model, ids.float(), **GEN), ValueError, "tensor of token ids"
     )
+    left = torch.ones_like(ids)
+    left[0, :3] = 0
+    biased = build("bamba", True, 3, mamba_proj_bias=True)
+    out["padding_with_in_proj_bias"] = _raises(
+        lambda: sequence_parallel_generate(biased, ids, attention_mask=left, **GEN), NotImplementedError, "in_proj"
+    )
+    empty = torch.ones_like(ids)
+    empty[1] = 0
+    out["row_without_tokens"] = _raises(
+        lambda: sequence_parallel_generate(model, ids, attention_mask=empty, **GEN), ValueError, "row 1"
+    )
     return {k: (agree(ok), msg) for k, (ok, msg) in out.items()}
+
+
+def _example_model():
+    """examples/generate.py's ``build_model`` (the issue's reproductions use it)."""
+    import importlib.util
+    import os
+
+    from tests.dist_utils import REPO
+
+    spec = importlib.util.spec_from_file_location("generate_example", os.path.join(REPO, "examples", "generate.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.build_model
+
+
+def scores_margin(out) -> float:
+    """The smallest top-2 gap of the scores that chose ``generate``'s tokens (``output_scores=True``)."""
+    top = torch.stack(out.scores).topk(2, dim=-1).values
+    return float((top[..., 0] - top[..., 1]).min())
+
+
+def _use_cache_false(rank, world):
+    """generation_config.use_cache = False (fine-tuning configs carry it), and use_cache=False passed: the tokens
+    of one process's generate with it (its uncached recomputation), which equal its cached ones."""
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
+
+    model = _example_model()(0)
+    ids = torch.randint(1, 64, (2, 97), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    cached = model.generate(ids, output_scores=True, return_dict_in_generate=True, **kw)
+    model.generation_config.use_cache = False
+    want = model.generate(ids, **kw)  # one process, no cache: the whole sequence again at every step
+    out = {"margin": scores_margin(cached), "uncached_equals_cached": torch.equal(want, cached.sequences)}
+    try:
+        out["config"] = agree(torch.equal(sequence_parallel_generate(model, ids, **kw), want))
+        model.generation_config.use_cache = True
+        out["kwarg"] = agree(torch.equal(sequence_parallel_generate(model, ids, use_cache=False, **kw), want))
+    except Exception:  # noqa: BLE001 - reported
+        out["error"] = traceback.format_exc()[-1500:]
+    return out
+
+
+PADDED = [("bamba", True), ("mamba2", True)]  # a hybrid (attention + Mamba2) and an attention-free model
+PAD_SEQLEN = 22  # 2 ranks: the prefill takes 20 tokens, generate's continuation the last two
+
+
+def masked_cache_errors(cache, ref, mask: torch.Tensor) -> dict:
+    """``cache_errors`` with K/V compared at the prompt's positions only (``mask`` (batch, L): 1 a token): what
+    a padded position holds is masked out of every later attention, in both caches."""
+    errs = {}
+    for i, (layer, want) in enumerate(zip(cache.layers, ref.layers)):
+        for kind in ("conv_states", "recurrent_states"):
+            got, expected = getattr(layer, kind, {}).get(0), getattr(want, kind, {}).get(0)
+            if expected is not None:
+                errs[f"{i}.{kind}"] = rel_err(got, expected) if got.shape == expected.shape else float("inf")
+        for kind in ("keys", "values"):
+            got, expected = getattr(layer, kind, None), getattr(want, kind, None)
+            if expected is not None:
+                keep = mask[:, None, :, None].bool()
+                errs[f"{i}.{kind}"] = rel_err(torch.where(keep, got, 0.0), torch.where(keep, expected, 0.0))
+    return errs
+
+
+def _padded_case(rank, world, family, attention, seed):
+    """A left-padded batch of prompts of different lengths (attention_mask), and prompts that start with pad ids
+    (no mask: generate derives one from pad_token_id): the tokens of one process's generate with them."""
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate, sequence_parallel_prefill
+
+    model = build(family, attention, seed)
+    ids = torch.randint(1, hf_models.VOCAB, (3, PAD_SEQLEN), generator=torch.Generator().manual_seed(seed))
+    n = (PAD_SEQLEN - 2) // world  # as sequence_parallel_generate splits it
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # 7 pads: the padding ends inside rank 0's shard
+    mask[2, : n * world] = 0  # the prefill holds only padding for this row: its two tokens come after
+    padded_ids = ids.clone()
+    padded_ids[0, :12] = 0  # pad ids (GEN's pad_token_id) in front of the prompt, across the shard border
+    scored = dict(output_scores=True, return_dict_in_generate=True, **GEN)
+    out = {}
+    for name, prompt_ids, kw in [("mask", ids, {"attention_mask": mask}), ("pad_ids", padded_ids, {})]:
+        want = model.generate(prompt_ids, **kw, **scored)
+        plain = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), **GEN)  # padding as tokens
+        res = {"margin": scores_margin(want), "padding_matters": not torch.equal(plain, want.sequences)}
+        try:
+            got = sequence_parallel_generate(model, prompt_ids, **kw, **GEN)
+            res["same_tokens"] = agree(torch.equal(got, want.sequences))
+            res["tokens"], res["want"] = got[:, PAD_SEQLEN:].tolist(), want.sequences[:, PAD_SEQLEN:].tolist()
+        except Exception:  # noqa: BLE001 - reported
+            res["error"] = traceback.format_exc()[-1500:]
+        out[name] = res
+    # the cache against transformers' own prefill of the same left-padded prefix
+    prefix = mask[:, : n * world]
+    positions = (prefix.cumsum(-1) - 1).masked_fill(prefix == 0, 0)
+    kw = {} if family == "mamba2" else {"position_ids": positions}
+    _, ref = own_prefill(model, ids[:, : n * world], attention, attention_mask=prefix, **kw)
+    try:
+        shard = slice(rank * n, (rank + 1) * n)
+        cache = sequence_parallel_prefill(model, ids[:, shard], attention_mask_shard=mask[:, shard]).cache
+        out["errs"] = masked_cache_errors(cache, ref, prefix)
+        # negative control: the same prefill without the mask (the padding fed as tokens) against the same reference
+        unmasked = sequence_parallel_prefill(model, ids[:, shard]).cache
+        out["errs_without_mask"] = masked_cache_errors(unmasked, ref, prefix)
+    except Exception:  # noqa: BLE001 - reported
+        out["errs"] = {"error": traceback.format_exc()[-1500:]}
+    inside = padded_ids.clone()
+    inside[1, 9] = 0  # a pad id after the prompt's first token: generate masks it mid-row
+    ok, msg = _raises(
+        lambda: sequence_parallel_generate(model, inside, **GEN),
+        NotImplementedError,
+        "position 9 of row 1",
+        "ones_like",
+    )
+    out["pad_id_inside_refused"] = (agree(ok), msg)
+    right = torch.ones_like(ids)
+    right[0, -3:] = 0
+    ok, msg = _raises(
+        lambda: sequence_parallel_generate(model, ids, attention_mask=right, **GEN), NotImplementedError, "left"
+    )
+    out["right_padding_refused"] = (agree(ok), msg)
+    return out
+
+
+def _short_prompts(rank, world):
+    """At 2 ranks the shortest prompt the sharded prefill takes (cp * (d_conv - 1) + 2 tokens: the op's least shards
+    and the two tokens left to generate) gives one process's tokens, and a 1-token prompt is refused with the least
+    length named."""
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
+
+    model = build("bamba", True, 4)
+    need = world * (hf_models.SSM["d_conv"] - 1) + 2
+    ids = prompt(need, 6)
+    return {
+        "shortest": (agree(torch.equal(sequence_parallel_generate(model, ids, **GEN), model.generate(ids, **GEN))), ""),
+        "one_token": _raises(
+            lambda: sequence_parallel_generate(model, ids[:, :1], **GEN), ValueError, f"at least {need}"
+        ),
+    }
 
 
 def _prepared_model(rank, world):
@@ -354,6 +501,9 @@ def _run_world(rank, world):
             for init in INITS:
                 out["inits"][f"{family}@{init}"] = _init_case(rank, world, family, init, seed=40 + j)
         out["inits_seconds"] = time.perf_counter() - start
+        out["use_cache_false"] = _use_cache_false(rank, world)
+        out["padded"] = {f: _padded_case(rank, world, f, a, seed=40 + i) for i, (f, a) in enumerate(PADDED)}
+        out["short"] = _short_prompts(rank, world)
     out["prepared"] = _prepared_model(rank, world)
     return out
 
@@ -446,9 +596,10 @@ def test_one_token_continuation_is_another_computation(family, floor):
 
 
 BAD = [
-    "padding", "all_ones_mask_accepted", "shards_of_different_lengths", "prompt_too_short", "different_prompts",
-    "sampling_unlike_seeds", "sampling_like_seeds_same_tokens", "cache_passed_in", "attention_only_model",
-    "eager_attention", "unsupported_activation", "not_token_ids",
+    "mask_on_one_rank", "all_ones_mask_accepted", "shards_of_different_lengths", "prompt_too_short",
+    "different_prompts", "sampling_unlike_seeds", "sampling_like_seeds_same_tokens", "cache_passed_in",
+    "attention_only_model", "eager_attention", "unsupported_activation", "not_token_ids", "padding_with_in_proj_bias",
+    "row_without_tokens",
 ]  # fmt: skip
 
 
@@ -459,11 +610,99 @@ def test_bad_input_raises_on_every_rank(results2, check):
         assert ok, f"rank {rank}, {check}: {msg}"
 
 
+def test_use_cache_false_gives_one_process_tokens(results2):
+    """generation_config.use_cache=False (or use_cache=False passed) once made generate feed the whole prompt again
+    on top of the prefilled cache: other tokens, silently. The sharded path decodes from its cache regardless."""
+    res = results2[0]["use_cache_false"]
+    assert "error" not in res, res["error"]
+    assert res["margin"] > MARGIN, f"a near-tie in the oracle's tokens ({res['margin']:.1e}): pick another seed"
+    assert res["uncached_equals_cached"]  # one process: use_cache changes the recomputation, not the tokens
+    assert res["config"] and res["kwarg"]
+
+
+@pytest.mark.parametrize("family", [f for f, _ in PADDED])
+@pytest.mark.parametrize("case", ["mask", "pad_ids"])
+def test_left_padded_prompts_give_one_process_tokens(results2, family, case):
+    """A left-padded batch (attention_mask; one row whose prefilled part is all padding) and prompts that start
+    with pad ids (the mask generate derives from pad_token_id): one process's ``generate`` tokens on every rank."""
+    for rank, r in enumerate(results2):
+        res = r["padded"][family][case]
+        assert "error" not in res, f"rank {rank}: {res['error']}"
+        assert res["padding_matters"], "the padding does not change one process's tokens: the case tests nothing"
+        assert res["margin"] > MARGIN, f"a near-tie in the oracle's tokens ({res['margin']:.1e}): pick another seed"
+        assert res["same_tokens"], f"rank {rank}: tokens {res['tokens']} != one process's {res['want']}"
+
+
+@pytest.mark.parametrize("family", [f for f, _ in PADDED])
+def test_left_padded_cache_matches_transformers_prefill(results2, family):
+    """Every Mamba state and conv state, and K/V at the prompt's positions, within STATE_TOL of transformers' own
+    prefill of the same left-padded prefix (its masked mixers, its padding mask, generate's positions)."""
+    for rank, r in enumerate(results2):
+        errs = r["padded"][family]["errs"]
+        assert "error" not in errs, f"rank {rank}: {errs['error']}"
+        bad = {k: e for k, e in errs.items() if not e <= STATE_TOL}
+        assert not bad, f"rank {rank}: cached tensors over {STATE_TOL}: {bad}"
+        assert sum(k.endswith("recurrent_states") for k in errs) >= 1
+        control = r["padded"][family]["errs_without_mask"]
+        assert max(e for k, e in control.items() if k.endswith("recurrent_states")) > 1e-2, control
+
+
+@pytest.mark.parametrize("family", [f for f, _ in PADDED])
+@pytest.mark.parametrize("check", ["pad_id_inside_refused", "right_padding_refused"])
+def test_padding_not_on_the_left_is_refused(results2, family, check):
+    for rank, r in enumerate(results2):
+        ok, msg = r["padded"][family][check]
+        assert ok, f"rank {rank}: {msg}"
+
+
+@pytest.mark.parametrize("check", ["shortest", "one_token"])
+def test_short_prompts_at_two_ranks(results2, check):
+    for rank, r in enumerate(results2):
+        ok, msg = r["short"][check]
+        assert ok, f"rank {rank}, {check}: {msg}"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_prepared_model_generates_and_stays_prepared(request, world):
     res = request.getfixturevalue(f"results{world}")[0]["prepared"]
     assert res["same_tokens"]
     assert res["sharding_kept"][0], res["sharding_kept"][1]
+
+
+def _started_by_torch(rank, world):
+    """Ranks started with torch.distributed.init_process_group alone (deepspeed.comm never initialised): group=None
+    is the world (it was a group of one on each rank: each rank prefilled the whole prompt alone, silently).
+    Reports the group size of every Mamba layer's op call and no verdict (``agree`` needs deepspeed.comm)."""
+    import deepspeed.comm as dist
+
+    from ds_mamba_spcp import comm
+    from ds_mamba_spcp.inference import transformers as inference
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
+
+    model = build("bamba", True, 8)
+    ids = prompt(9, 9)
+    out = {"deepspeed_comm_before": dist.is_initialized(), "sizes": []}
+    original = inference.mixer_prefill
+
+    def counting(zxbcdt, core, group, cfg, **kwargs):
+        out["sizes"].append(comm.group_rank_size(group)[1])
+        return original(zxbcdt, core, group, cfg, **kwargs)
+
+    inference.mixer_prefill = counting
+    try:
+        got = sequence_parallel_generate(model, ids, **GEN)
+    finally:
+        inference.mixer_prefill = original
+    out["same_tokens"] = torch.equal(got, model.generate(ids, **GEN))
+    return out
+
+
+def test_ranks_started_by_torch_distributed_share_the_prompt():
+    results = run_ranks(_started_by_torch, 2, timeout=TIMEOUT, init="torch")
+    for rank, r in enumerate(results):
+        assert not r["deepspeed_comm_before"]  # the case: only torch.distributed was initialised
+        assert r["sizes"] and all(size == 2 for size in r["sizes"]), f"rank {rank}: op group sizes {r['sizes']}"
+        assert r["same_tokens"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -483,6 +722,29 @@ def test_group_of_one_is_the_models_own_prefill(family, attention):
     assert all(e == 0 for e in cache_errors(cache, own_cache).values())
     assert cache.get_seq_length() == 15
     assert torch.equal(sequence_parallel_generate(model, ids, **GEN), oracle(model, ids, attention, family))
+
+
+def test_one_token_prompt_in_a_group_of_one():
+    """A 1-token prompt has nothing to prefill before generate's own first forward (it crashed: a prefill of 0
+    tokens)."""
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
+
+    model = build("bamba", True, 23)
+    ids = prompt(1, 24)
+    assert torch.equal(sequence_parallel_generate(model, ids, **GEN), model.generate(ids, **GEN))
+
+
+def test_left_padded_prompts_in_a_group_of_one():
+    """A group of one prefills with the model's own forward, given the padding mask and generate's positions."""
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
+
+    model = build("bamba", True, 25)
+    ids = prompt(9, 26)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    want = model.generate(ids, attention_mask=mask, **GEN)
+    assert not torch.equal(want, model.generate(ids, **GEN))  # the padding changes the tokens
+    assert torch.equal(sequence_parallel_generate(model, ids, attention_mask=mask, **GEN), want)
 
 
 def test_attention_free_nemotron_h_plain_generate_fails_in_transformers():

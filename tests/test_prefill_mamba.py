@@ -195,6 +195,28 @@ def _run_world(rank, world):
     return out
 
 
+def _started_by_torch(rank, world):
+    """Ranks started with torch.distributed.init_process_group alone: group=None is the world (it was a group of
+    one on each rank). Reports the group size of every Mamba layer's op call and the prefill's states."""
+    import deepspeed.comm as dist
+
+    from ds_mamba_spcp import comm
+    from ds_mamba_spcp.inference import mamba_ssm
+
+    before, sizes, original = dist.is_initialized(), [], mamba_ssm.mixer_prefill
+
+    def counting(zxbcdt, core, group, cfg, **kwargs):
+        sizes.append(comm.group_rank_size(group)[1])
+        return original(zxbcdt, core, group, cfg, **kwargs)
+
+    mamba_ssm.mixer_prefill = counting
+    try:
+        res = _prefill(rank, world, LENGTHS[2][0], seed=LENGTHS[2][0])
+    finally:
+        mamba_ssm.mixer_prefill = original
+    return dict(res, deepspeed_comm_before=before, sizes=sizes)
+
+
 @pytest.fixture(scope="module")
 def one_process():
     return {seqlen: _tensors(_prefill(0, 1, seqlen, seed=seqlen)) for seqlen in LENGTHS[1]}
@@ -244,6 +266,18 @@ def test_sharded_states_and_logits_match_one_process(request, one_process, world
             print(f"world {world} rank {rank} L {seqlen}: worst {max(errs.values()):.1e}")
             assert all(e <= TOL for e in errs.values()), errs
             assert got["offset"] == seqlen and got["layout"] == want["layout"]
+
+
+def test_ranks_started_by_torch_distributed_share_the_prompt(one_process):
+    seqlen = LENGTHS[2][0]
+    results = run_ranks(_started_by_torch, 2, timeout=600, init="torch")
+    want = one_process[seqlen]
+    for rank, r in enumerate(results):
+        assert not r["deepspeed_comm_before"]  # the case: only torch.distributed was initialised
+        assert r["sizes"] and all(size == 2 for size in r["sizes"]), f"rank {rank}: op group sizes {r['sizes']}"
+        got = _tensors(r)
+        errs = [rel_err(got["states"][i][1], s) for i, (_, s) in want["states"].items()]
+        assert max(errs) <= TOL and rel_err(got["logits"], want["logits"]) <= TOL, errs
 
 
 def test_negative_control_state_restarting_at_borders(results2, one_process):

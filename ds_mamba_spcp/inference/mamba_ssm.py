@@ -110,12 +110,10 @@ def _sharded(mixers: list, group, cfg):
 
 
 def _resolve_group(group):
-    import deepspeed.comm as dist
+    """The group given, DeepSpeed's sequence-parallel group, or the world (``groups.generation_group``)."""
+    from ds_mamba_spcp.groups import generation_group
 
-    from ds_mamba_spcp.groups import deepspeed_sequence_parallel_group
-
-    if group is None and dist.is_initialized():
-        group = deepspeed_sequence_parallel_group() or dist.get_world_group()
+    group = generation_group(group)
     rank, cp = comm.group_rank_size(group)
     return group, rank, cp
 
@@ -128,7 +126,9 @@ def sequence_parallel_prefill_mamba(model: nn.Module, input_ids_shard: torch.Ten
                                     max_seqlen: int | None = None, config: Any = None) -> Prefill:  # fmt: skip
     """Prefills a prompt sharded across ``group`` into mamba-ssm's ``InferenceParams``.
 
-    input_ids_shard: (batch, seqlen/cp), this rank's contiguous shard; every rank the same shape.
+    input_ids_shard: (batch, seqlen/cp), this rank's contiguous shard; every rank the same shape. group: the
+    ranks sharing the prompt (None: DeepSpeed's sequence-parallel group, else the world, a world started with
+    ``torch.distributed.init_process_group`` alone included: ``groups.generation_group``).
     max_seqlen: the ``InferenceParams``' max_seqlen (default: the prompt's length; Mamba2 layers do not use
     it). config: the ``"mamba_sequence_parallel"`` options for the op (backend, tile_length, ...; a ds_config
     or a MambaSequenceParallelConfig), default the defaults. Returns ``Prefill(logits (batch, vocab) after

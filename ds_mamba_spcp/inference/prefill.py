@@ -103,17 +103,19 @@ def broadcast_from_last(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def mixer_prefill(zxbcdt: torch.Tensor, core: MixerCore, group, config: MambaSequenceParallelConfig):
+def mixer_prefill(zxbcdt: torch.Tensor, core: MixerCore, group, config: MambaSequenceParallelConfig, seq_idx=None):
     """One Mamba2 layer on this rank's contiguous shard, for a prefill.
 
     zxbcdt: (batch, local_seqlen, d_in_proj), in_proj's output on the shard. Returns (y, ssm_state,
     conv_state): this rank's shard of the pre-out_proj output (batch, local_seqlen, nheads*headdim), the
     state after the whole prompt (batch, nheads, headdim, dstate) in fp32 (fp64 for fp64 input), and the
-    conv state (batch, conv_dim, d_conv) in zxbcdt's dtype, both identical on every rank."""
+    conv state (batch, conv_dim, d_conv) in zxbcdt's dtype, both identical on every rank. With ``seq_idx``
+    (batch, local_seqlen) document labels (packed rows), one state and conv state per document instead,
+    (ndocs, ...) in ``mixer_core_prefill``'s document order."""
     args, kwargs = core.op_arguments()
     return mixer_core_prefill(
         zxbcdt, *args, process_group=group, mode=modes.STATE_PASSING, load_balancing=modes.NONE,
-        input_layout=modes.CONTIGUOUS,
+        input_layout=modes.CONTIGUOUS, seq_idx=seq_idx,
         backend=config.backend, overlap_comm=config.overlap_comm, check_shapes=config.check_shapes,
         tile_length=config.tile_length, **kwargs,
     )  # fmt: skip

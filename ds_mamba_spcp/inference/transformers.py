@@ -1,20 +1,34 @@
 """Hugging Face transformers: a prompt prefilled sharded across the group, then ``model.generate``.
 
     sequence_parallel_generate(model, input_ids, group)      every rank: the same whole prompt
-        -> checks, raised alike on every rank (prompt, kwargs, model; the same random state to sample)
-        -> sequence_parallel_prefill(model, this rank's shard of prompt[:, :n*cp], group), n = (seqlen - 2) // cp
-        -> model.generate(input_ids, cache=<the whole prompt's cache but its last 2..cp+1 tokens>)
-           transformers' own generate: it feeds the tokens the cache lacks (at least two, see ``_FED``)
-           and decodes, on every rank alike
+        -> checks, raised alike on every rank (prompt, mask, kwargs, model; the same random state to sample)
+        -> the padding mask generate runs with: the attention_mask given, or the one it derives from
+           pad_token_id (transformers' own _prepare_attention_mask_for_generation); left padding only
+        -> sequence_parallel_prefill(model, this rank's shard of prompt[:, :n*cp] and of the mask, group),
+           n = (seqlen - 2) // cp
+        -> model.generate(input_ids, cache=<the whole prompt's cache but its last 2..cp+1 tokens>,
+           use_cache=True): transformers' own generate feeds the tokens the cache lacks (at least two, see
+           ``_FED``) and decodes, on every rank alike
         -> the same tokens on every rank (checked), those of model.generate(input_ids) in one process
 
-    sequence_parallel_prefill(model, input_ids_shard, group)  every rank: its contiguous shard
+    sequence_parallel_prefill(model, input_ids_shard, group, attention_mask_shard)  every rank: its shard
         the model's own forward on the shard, with a cache (``PrefilledCache``, a ``DynamicCache``):
         Mamba2 mixers   in_proj -> the op with return_final_states -> out_proj; the cache's
                         LinearAttentionLayer gets the state and the conv tail (``inference.prefill``)
         attention       DeepSpeed's Ulysses attention (all-to-all [L/cp, heads] -> [L, heads/cp]), as
                         in training; ``cache.update`` gathers every rank's K/V into each rank's cache
         -> (the last prompt token's logits, from the last rank, and the cache), on every rank
+
+Left padding, as transformers computes it. Its Mamba2 mixers zero the padded positions' input (before
+in_proj) and their conv output, so a row's prompt starts from the zero state with zero conv columns before
+it; the op gets the same by packed-row labels (``seq_idx``: the padding 0, the prompt 1), each row's state
+and conv tail taken from its last document (zero while the prefilled part is all padding). Its attention
+masks the padded keys: after Ulysses' all-to-all each rank holds the whole prefix for some heads, and the
+kernel runs each row's prompt alone, causally (no (L, L) mask is built). Positions are generate's
+(``cumsum(mask) - 1``). A mask with a zero after a one (right padding, a pad id inside the prompt) is
+refused: there transformers lets the state decay across the masked position, which no document
+boundary reproduces. Also refused with padding at cp > 1: an in_proj bias (transformers feeds it from the
+padding into the prompt's conv) and flex_attention (DeepSpeed rebuilds its block mask as a causal one).
 
 transformers 5.24 keeps decode state in ``DynamicCache(config=...)``: a ``LinearAttentionLayer`` per Mamba
 layer (``conv_states``: the last d_conv pre-conv columns; ``recurrent_states``: the SSM state, fp32 as
@@ -39,8 +53,12 @@ so ``sequence_parallel_generate`` refuses to sample unless every rank's generato
 (``torch.manual_seed(s)`` alike on every rank), and it checks at the end that every rank has the same
 tokens (a mismatch raises on every rank).
 
-Padding is refused (Ulysses attention drops the mask); so are caches passed in, ``inputs_embeds``, and
-models this package cannot shard (``integrations.transformers``' checks). A prepared model
+Refused: caches passed in, ``inputs_embeds``, and models this package cannot shard
+(``integrations.transformers``' checks). ``use_cache=False`` (a fine-tuning generation_config often carries
+it) is overridden: generate decodes from the prefilled cache, which gives the tokens of its uncached
+recomputation up to roundoff. The group (None) is a prepared model's, DeepSpeed's sequence-parallel group,
+or the world, a world started with ``torch.distributed.init_process_group`` alone included
+(``groups.generation_group``). A prepared model
 (``prepare_sequence_parallel``) works too: its sharding steps aside while this module drives it.
 """
 
@@ -58,7 +76,7 @@ from torch import nn
 
 from ds_mamba_spcp import comm, modes
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
-from ds_mamba_spcp.groups import deepspeed_sequence_parallel_group
+from ds_mamba_spcp.groups import adopt_torch_distributed, generation_group
 from ds_mamba_spcp.inference.prefill import (
     Prefill,
     broadcast_from_last,
@@ -114,17 +132,14 @@ class PrefilledCache(DynamicCache):
 
 
 def _resolve_group(model: nn.Module, group):
-    """The group: the one given, a prepared model's, DeepSpeed's sequence-parallel group, or the world."""
+    """The group: the one given, a prepared model's, DeepSpeed's sequence-parallel group, or the world (a world
+    started with ``torch.distributed.init_process_group`` alone too: ``groups.generation_group``)."""
+    adopt_torch_distributed()  # before a prepared model resolves its group through deepspeed.comm
     if group is None:
         state = model.__dict__.get(hf._MODEL_ATTR)
         if state is not None:
             group = state.sharding.group()
-    import deepspeed.comm as dist
-
-    if group is None and dist.is_initialized():
-        group = deepspeed_sequence_parallel_group()
-        if group is None:
-            group = dist.get_world_group()
+    group = generation_group(group)
     rank, cp = comm.group_rank_size(group)
     return group, rank, cp
 
@@ -199,13 +214,17 @@ def _check_shards(ids: torch.Tensor, group, device) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _mixer_forward(adapter, group, cfg, *args, **kwargs):
-    """A mixer's forward during the prefill: the op on the shard, the cache's layer filled."""
+def _mixer_forward(adapter, group, cfg, padding, *args, **kwargs):
+    """A mixer's forward during the prefill: the op on the shard, the cache's layer filled. Left-padded rows
+    (``padding``) run as packed rows, the padding one document and the prompt the next."""
     hidden, cache, mask, rest = hf._mixer_call(args, kwargs)
     m = adapter.mixer
     if mask is not None or rest.get("seq_idx") is not None:
         raise NotImplementedError(f"{type(m).__qualname__}: a padded or packed prompt reached the sharded prefill")
-    y, state, conv = mixer_prefill(adapter._in_proj(hidden), adapter.core(), group, cfg)
+    seq_idx = None if padding is None else padding.labels
+    y, state, conv = mixer_prefill(adapter._in_proj(hidden), adapter.core(), group, cfg, seq_idx=seq_idx)
+    if padding is not None:
+        state, conv = padding.rows(state), padding.rows(conv)
     cache.update_conv_state(conv, m.layer_idx, conv_kernel_size=conv.shape[-1])
     cache.update_recurrent_state(state.float(), m.layer_idx)  # fp32, as transformers' own prefill keeps it
     return m.out_proj(y)
@@ -222,8 +241,9 @@ def _gathering_update(cache, group, key_states, value_states, layer_idx, *args, 
 class _Ulysses:
     """DeepSpeed's Ulysses attention for one module (one instance per batch size), as in training."""
 
-    def __init__(self, module, implementation, core_fn, group, position_ids) -> None:
-        self.implementation, self.core_fn, self.group, self.position_ids = implementation, core_fn, group, position_ids
+    def __init__(self, module, implementation, core_fn, group, position_ids, padding=None) -> None:
+        self.implementation, self.group, self.position_ids = implementation, group, position_ids
+        self.core_fn = core_fn if padding is None else functools.partial(_unpadded_attention, core_fn, padding)
         self.heads = int(module.config.num_attention_heads)
         self.kv_heads = self.heads // int(module.num_key_value_groups)
         self.head_dim = int(module.head_dim)
@@ -250,8 +270,53 @@ class _Ulysses:
             module.num_key_value_groups = groups
 
 
+def _unpadded_attention(core_fn, padding, module, query, key, value, attention_mask, *args, **kwargs):
+    """The attention kernel after Ulysses' all-to-all (the whole prefix, a subset of heads), for left-padded rows:
+    each row's prompt alone, causally (rows with as much padding together), which is what a padding mask gives
+    its tokens; the padded queries get zeros (their outputs reach no prompt token: the Mamba2 layers restart
+    at the prompt, and the prompt's queries never see them). No (batch, L, L) mask is built.
+
+    query, key, value: (batch, heads, L, head_dim); returns ((batch, L, heads, head_dim), None), as the kernel."""
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+    positions = kwargs.get("position_ids")
+    for pad, rows in padding.groups:
+        if pad >= query.shape[2]:
+            continue  # rows still all padding: nothing of theirs is attended to
+        rows = rows.to(query.device)
+        part = dict(kwargs)
+        if positions is not None:
+            part["position_ids"] = positions[rows, pad:]
+        got = core_fn(module, query[rows, :, pad:], key[rows, :, pad:], value[rows, :, pad:], None, *args, **part)[0]
+        out[rows, pad:] = got.to(out.dtype)
+    return out, None
+
+
+class _LeftPadding:
+    """A left-padded prefix on every rank: the labels that make each row's padding a document of its own, and
+    which of the op's per-document states is each row's.
+
+    mask: (batch, L) the whole prefix's mask (zeros, then ones, in every row; checked before), identical on every
+    rank; rank, local: this rank's shard [rank*local, (rank+1)*local)."""
+
+    def __init__(self, mask: torch.Tensor, rank: int, local: int) -> None:
+        mask = mask.to(torch.int32)
+        self.labels = mask[:, rank * local : (rank + 1) * local].contiguous()  # 0 padding, 1 the prompt
+        docs = 1 + (mask[:, 0] != mask[:, -1]).long()  # a row with padding and prompt holds two documents
+        self.last = docs.cumsum(0) - 1  # the op's states are per document, row by row
+        self.keep = mask[:, -1] == 1  # a prefix that ends in padding: the prompt starts after it, from zero
+        pads = (mask == 0).sum(1).tolist()
+        self.groups = [(p, torch.tensor([b for b, q in enumerate(pads) if q == p])) for p in sorted(set(pads))]
+
+    def rows(self, per_document: torch.Tensor) -> torch.Tensor:
+        """(ndocs, ...) -> (batch, ...): each row's last document, zero where the row is still padding (what
+        transformers' masked layers leave: nothing entered the state, the conv saw zero columns)."""
+        picked = per_document[self.last.to(per_document.device)]
+        keep = self.keep.to(picked.device).view(-1, *([1] * (picked.dim() - 1)))
+        return picked * keep.to(picked.dtype)
+
+
 @contextlib.contextmanager
-def _sharded(model: nn.Module, cache, group, cfg, position_ids):
+def _sharded(model: nn.Module, cache, group, cfg, position_ids, padding=None):
     """Inside the block, ``model``'s forward on a shard is the sharded prefill (then everything is put back)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -260,7 +325,7 @@ def _sharded(model: nn.Module, cache, group, cfg, position_ids):
         for m in _mixers(model):
             adapter = hf._MixerAdapter(m, group, cfg)
             had, previous = "forward" in m.__dict__, m.__dict__.get("forward")
-            m.forward = functools.partial(_mixer_forward, adapter, group, cfg)
+            m.forward = functools.partial(_mixer_forward, adapter, group, cfg, padding)
             undo.append(lambda m=m, had=had, previous=previous: _restore(m, "forward", had, previous))
         cache.update = functools.partial(_gathering_update, cache, group)
         undo.append(lambda: cache.__dict__.pop("update", None))
@@ -268,7 +333,8 @@ def _sharded(model: nn.Module, cache, group, cfg, position_ids):
         for m in hf.attention_modules(model):
             impl = m.config._attn_implementation
             current = installed.setdefault(impl, ALL_ATTENTION_FUNCTIONS[impl])
-            handlers[id(m)] = _Ulysses(m, impl, getattr(current, hf._CORE_ATTR, current), group, position_ids)
+            core = getattr(current, hf._CORE_ATTR, current)
+            handlers[id(m)] = _Ulysses(m, impl, core, group, position_ids, padding)
         for impl, current in installed.items():
             ALL_ATTENTION_FUNCTIONS[impl] = _routing(current, handlers)
             undo.append(lambda impl=impl, current=current: ALL_ATTENTION_FUNCTIONS.__setitem__(impl, current))
@@ -308,34 +374,106 @@ def _forward_kwargs(model: nn.Module, **values) -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 
-def sequence_parallel_prefill(model: nn.Module, input_ids_shard: torch.Tensor, group=None) -> Prefill:
+def _mask_problem(mask: Any, ids: torch.Tensor, what: str) -> Exception | None:
+    """Whether ``mask`` is a padding mask of ``ids``' shape (0 padding, 1 a token); None: it is, or none given."""
+    if mask is None:
+        return None
+    if not torch.is_tensor(mask) or tuple(mask.shape) != tuple(ids.shape):
+        got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        return ValueError(
+            f"{what} must be a (batch, seqlen) tensor of the prompt's shape {tuple(ids.shape)} (0 for padding, 1 for "
+            f"a token), got {got}. Pass the 2-D padding mask the tokenizer returns."
+        )
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        return ValueError(f"{what} must hold 0 (padding) and 1 (a token) only; pass the tokenizer's 2-D padding mask")
+    return None
+
+
+def _left_padding_problem(mask: torch.Tensor) -> Exception | None:
+    """None when every row of ``mask`` (batch, L) is zeros then ones (left padding); else why it cannot be sharded."""
+    later = mask[:, 1:] < mask[:, :-1]  # a masked position after a kept one
+    if bool(later.any()):
+        row, col = (int(i) for i in later.nonzero()[0])
+        return NotImplementedError(
+            f"the attention_mask masks position {col + 1} of row {row} after a token it keeps (right padding, or a "
+            "pad_token_id inside the prompt, which generate masks): transformers' Mamba2 layers let the state decay "
+            "across such a position without input, which the sharded prefill (left padding run as a document of its "
+            "own before the prompt) cannot reproduce. Pad on the left (tokenizer padding_side='left'); to feed pad "
+            "ids inside a prompt as ordinary tokens, pass attention_mask=torch.ones_like(input_ids)."
+        )
+    return None
+
+
+def _padding_problem(model: nn.Module, cp: int) -> Exception | None:
+    """Why a left-padded prompt cannot be prefilled sharded over ``cp`` ranks (None: it can)."""
+    if cp == 1:
+        return None  # the model's own forward, with its own padding mask
+    for m in _mixers(model):
+        if m.in_proj.bias is not None:
+            return NotImplementedError(
+                f"{type(m).__qualname__} (layer {m.layer_idx}) has a bias in in_proj: under transformers' padding mask "
+                "the padded positions then pass that bias into the conv of the prompt's first d_conv - 1 tokens, "
+                "which the sharded prefill (the padding a document of its own, whose conv columns the prompt does not "
+                "see) does not reproduce. Batch prompts of one length without padding, or generate in a group of one."
+            )
+    for m in hf.attention_modules(model):
+        if str(m.config._attn_implementation).startswith("flex"):
+            return NotImplementedError(
+                f"{type(m).__qualname__} runs flex_attention, whose block mask DeepSpeed's Ulysses attention rebuilds "
+                "as a causal one, so it would not leave out the padding. For left-padded prompts use "
+                "attn_implementation='sdpa' or a flash attention, or batch prompts of one length without padding."
+            )
+    return None
+
+
+def sequence_parallel_prefill(model: nn.Module, input_ids_shard: torch.Tensor, group=None,
+                              attention_mask_shard: torch.Tensor | None = None) -> Prefill:  # fmt: skip
     """Prefills a prompt sharded across ``group``; returns, on every rank, the logits after its last token and
     the decode cache of the whole prompt.
 
     input_ids_shard: (batch, seqlen/cp), this rank's contiguous shard of the prompt (rank r holds tokens
-    [r*seqlen/cp, (r+1)*seqlen/cp)); every rank the same shape; no padding. group: the ranks sharing the
-    prompt (None: a prepared model's group, DeepSpeed's sequence-parallel group, or the world). Returns
-    ``Prefill(logits (batch, vocab), cache)``, the cache a ``PrefilledCache`` (a transformers ``DynamicCache``)
-    to pass to ``model.generate(prompt_and_more, cache=cache)`` or to the model's forward, identical on every
-    rank. Runs under ``torch.no_grad``. A group of one is the model's own forward with ``use_cache=True``.
-    Errors (an unsupported model, shards of different shapes) are raised on every rank alike.
+    [r*seqlen/cp, (r+1)*seqlen/cp)); every rank the same shape. attention_mask_shard: None, or this rank's shard
+    of the prompt's 2-D padding mask (the same shape; 1 a token, 0 padding), left padding only (in every row
+    zeros, then ones, over the whole prompt); its positions (RoPE) are those ``generate`` gives a left-padded
+    row (``cumsum(mask) - 1``, 0 on the padding). group: the ranks sharing the prompt (None: a prepared model's
+    group, DeepSpeed's sequence-parallel group, or the world; a world started with
+    ``torch.distributed.init_process_group`` alone too). Returns ``Prefill(logits (batch, vocab), cache)``, the
+    cache a ``PrefilledCache`` (a transformers ``DynamicCache``) to pass to ``model.generate(prompt_and_more,
+    cache=cache)`` (with the same mask, extended) or to the model's forward, identical on every rank. Runs under
+    ``torch.no_grad``. A group of one is the model's own forward with ``use_cache=True``. Errors (an
+    unsupported model, shards of different shapes, padding that is not on the left) are raised on every rank
+    alike.
     """
     group, rank, cp = _resolve_group(model, group)
     device = input_ids_shard.device if torch.is_tensor(input_ids_shard) else None
     cfg = _config(model, cp)
-    raise_alike(_model_problem(model, cfg, cp) or _ids_problem(input_ids_shard, "input_ids_shard"), group, device)
+    problem = _model_problem(model, cfg, cp) or _ids_problem(input_ids_shard, "input_ids_shard")
+    problem = problem or _mask_problem(attention_mask_shard, input_ids_shard, "attention_mask_shard")
+    raise_alike(problem, group, device)
     _check_shards(input_ids_shard, group, device)
     local = input_ids_shard.shape[1]
+    mask = None
+    if attention_mask_shard is not None:
+        whole = gather_sequence(attention_mask_shard.to(torch.long), 1, group)  # (batch, local*cp) on every rank
+        if bool((whole == 0).any()):
+            mask = whole
+            raise_alike(_left_padding_problem(mask) or _padding_problem(model, cp), group, device)
     cache = PrefilledCache(model.config)
-    # contiguous: DeepSpeed all-gathers position_ids, and gloo refuses an expanded (self-overlapping) CUDA tensor
-    positions = torch.arange(rank * local, (rank + 1) * local, device=device).expand_as(input_ids_shard).contiguous()
+    if mask is None:
+        # contiguous: DeepSpeed all-gathers position_ids, and gloo refuses an expanded (self-overlapping) CUDA tensor
+        positions = torch.arange(rank * local, (rank + 1) * local, device=device).expand_as(input_ids_shard)
+    else:  # generate's positions of a left-padded row
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, rank * local : (rank + 1) * local]
+    positions = positions.contiguous()
     kwargs = _forward_kwargs(model, position_ids=positions, use_cache=True, logits_to_keep=1)
     kwargs[_cache_key(model)] = cache
     with torch.no_grad(), hf.sequence_parallel_disabled(model):
         if cp == 1:  # the model's own prefill
+            kwargs.update(_forward_kwargs(model, attention_mask=mask))
             logits = model(input_ids=input_ids_shard, **kwargs).logits[:, -1]
         else:
-            with _sharded(model, cache, group, cfg, positions):
+            padding = None if mask is None else _LeftPadding(mask, rank, local)
+            with _sharded(model, cache, group, cfg, positions, padding):
                 logits = model(input_ids=input_ids_shard, **kwargs).logits[:, -1]
     cache.tokens = local * cp
     return Prefill(broadcast_from_last(logits, group), cache)
@@ -364,14 +502,6 @@ def _generate_problem(model, input_ids, kwargs: dict, cp: int) -> Exception | No
     for key, why in _REFUSED.items():
         if kwargs.get(key) is not None:
             return ValueError(f"sequence_parallel_generate does not take {key}= ({why}); drop it")
-    mask = kwargs.get("attention_mask")
-    if mask is not None and (not torch.is_tensor(mask) or mask.shape != input_ids.shape or bool((mask == 0).any())):
-        return NotImplementedError(
-            "sequence_parallel_generate got an attention_mask that is not all ones (padding, or another shape): "
-            "DeepSpeed's Ulysses attention drops the mask in the sharded prefill, so padded rows would attend to "
-            "their padding. Pass rows of equal length without padding (batch prompts of one length together), or "
-            "no attention_mask."
-        )
     # the op needs d_conv - 1 tokens per shard (a shard's conv halo comes from the rank before alone)
     halo = max([int(m.conv1d.weight.shape[-1]) - 1 for m in _mixers(model)] or [0])
     need = cp * max(1, halo) + _FED
@@ -384,10 +514,35 @@ def _generate_problem(model, input_ids, kwargs: dict, cp: int) -> Exception | No
     return None
 
 
-def _sampling(model, kwargs: dict) -> bool:
-    cfg = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    cfg.update(**{k: v for k, v in kwargs.items() if hasattr(cfg, k)})
-    return bool(cfg.do_sample)
+def _generation_config(model, kwargs: dict):
+    """The generation config ``model.generate(**kwargs)`` runs with (transformers' own resolution, on a copy)."""
+    named = inspect.signature(model.generate).parameters
+    rest = {k: v for k, v in kwargs.items() if k not in named}
+    return model._prepare_generation_config(kwargs.get("generation_config"), **rest)[0]
+
+
+def _generation_mask(model, input_ids: torch.Tensor, kwargs: dict, config) -> Any:
+    """The 2-D padding mask ``generate`` runs ``input_ids`` with: the one passed, or the one transformers derives
+    from ``pad_token_id`` (the pad ids of the prompt masked, unless the pad id is also an eos id)."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None or "attention_mask" not in inspect.signature(model.forward).parameters:
+        return mask
+    config = copy.deepcopy(config)  # _prepare_special_tokens writes its tensors into it
+    model._prepare_special_tokens(config, None, device=input_ids.device, batch_size=input_ids.shape[0])
+    return model._prepare_attention_mask_for_generation(input_ids, config, {})
+
+
+def _generation_mask_problem(model, input_ids: torch.Tensor, mask: Any, cp: int) -> Exception | None:
+    problem = _mask_problem(mask, input_ids, "attention_mask")
+    if problem is not None or mask is None or not bool((mask == 0).any()):
+        return problem
+    empty = (mask == 0).all(1).nonzero().flatten().tolist()
+    if empty:
+        return ValueError(
+            f"row {empty[0]} of the attention_mask keeps no token (all padding): there is no prompt to continue. "
+            "Drop the row, or give it at least one token."
+        )
+    return _left_padding_problem(mask.long()) or _padding_problem(model, cp)
 
 
 def _rng_fingerprint(device) -> list[int]:
@@ -401,36 +556,65 @@ def _rng_fingerprint(device) -> list[int]:
 def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=None, **generate_kwargs):
     """``model.generate(input_ids, **generate_kwargs)`` with the prompt prefilled sharded across ``group``.
 
-    Every rank passes the same whole prompt ``input_ids`` (batch, seqlen) (rows of one length, no padding;
-    checked). The first ``n*cp`` tokens (n = (seqlen - 2) // cp) are prefilled sharded
+    Every rank passes the same whole prompt ``input_ids`` (batch, seqlen) and ``attention_mask`` if any
+    (checked); left padding (in every row zeros, then ones) is supported, and pad ids in the prompt are masked
+    as ``generate`` masks them (only where they lead a row; one after a token is refused, see the module
+    docstring). The first ``n*cp`` tokens (n = (seqlen - 2) // cp) are prefilled sharded
     (``sequence_parallel_prefill``); transformers' own ``generate`` then feeds the other 2..cp+1 tokens on
-    top of that cache and decodes, on every rank. Returns on every rank what ``model.generate``
-    returns in one process (the same tokens; checked across ranks, a mismatch raises on every rank).
+    top of that cache and decodes, on every rank, from that cache whatever ``use_cache`` says. A prompt of at
+    most 2 tokens in a group of one is plain ``generate``; at cp > 1 the prompt needs cp * (d_conv - 1) + 2
+    tokens (a shorter one is refused, the least length named). Returns on every rank what ``model.generate``
+    returns in one process (the same tokens; checked across ranks, a mismatch raises on every rank). group:
+    see ``sequence_parallel_prefill``.
     Sampling (``do_sample``) needs every rank's random generator in the same state (``torch.manual_seed``
     alike on every rank; checked). Errors are raised on every rank alike.
     """
     group, rank, cp = _resolve_group(model, group)
     device = input_ids.device if torch.is_tensor(input_ids) else None
-    raise_alike(_generate_problem(model, input_ids, generate_kwargs, cp), group, device)
-    if not same_on_every_rank(fingerprint(input_ids), group, device):
+    problem = _generate_problem(model, input_ids, generate_kwargs, cp)
+    config = mask = None
+    if problem is None and not hasattr(model, "_prepare_generation_config"):
+        problem = TypeError(f"{type(model).__qualname__} is not a transformers generative model (no generate)")
+    if problem is None:
+        try:
+            config = _generation_config(model, generate_kwargs)
+        except (ValueError, TypeError) as e:  # what generate itself would raise
+            problem = e
+    if problem is None:
+        mask = _generation_mask(model, input_ids, generate_kwargs, config)
+        problem = _generation_mask_problem(model, input_ids, mask, cp)
+    raise_alike(problem, group, device)
+    if mask is not None and not bool((mask == 0).any()):
+        mask = None  # all ones: no padding (generate drops it too)
+    prompt = fingerprint(input_ids) + fingerprint(torch.ones_like(input_ids) if mask is None else mask.long())
+    if not same_on_every_rank(prompt, group, device):
         raise ValueError(
-            "sequence_parallel_generate: the ranks passed different prompts (shape or tokens); every rank of the "
-            "group must pass the same whole input_ids (each prefills its own shard of it)."
+            "sequence_parallel_generate: the ranks passed different prompts (shape, tokens or attention_mask); every "
+            "rank of the group must pass the same whole input_ids and mask (each prefills its own shard of them)."
         )
-    if _sampling(model, generate_kwargs) and not same_on_every_rank(_rng_fingerprint(input_ids.device), group, device):
+    if config.do_sample and not same_on_every_rank(_rng_fingerprint(input_ids.device), group, device):
         raise ValueError(
             "sequence_parallel_generate with do_sample=True: the ranks' random generators are in different states, "
             "so they would sample different tokens. Seed every rank alike before the call (torch.manual_seed(s) "
             "with the same s on every rank), or decode greedily (do_sample=False)."
         )
     n = (input_ids.shape[1] - _FED) // cp
-    cache = sequence_parallel_prefill(model, input_ids[:, rank * n : (rank + 1) * n], group).cache
+    if n == 0:  # a group of one, a prompt of at most _FED tokens: nothing to prefill before generate's first forward
+        with hf.sequence_parallel_disabled(model):
+            out = model.generate(input_ids, **generate_kwargs)
+        return out
+    shard = slice(rank * n, (rank + 1) * n)
+    cache = sequence_parallel_prefill(model, input_ids[:, shard], group, None if mask is None else mask[:, shard]).cache
+    # decode from the prefilled cache whatever use_cache says: without it generate would feed the whole sequence
+    # again on top of the cache; with it, its tokens are those of its uncached recomputation up to roundoff.
+    # A mask generate derives from pad ids it derives again (the same call as _generation_mask).
+    kwargs = {**generate_kwargs, "use_cache": True, _cache_key(model): cache}
     hook = None
     if cache.attention_free:
         hook = model.register_forward_hook(functools.partial(_count_tokens, cache), with_kwargs=True)
     try:
         with hf.sequence_parallel_disabled(model):
-            out = model.generate(input_ids, **{_cache_key(model): cache}, **generate_kwargs)
+            out = model.generate(input_ids, **kwargs)
     finally:
         if hook is not None:
             hook.remove()
