@@ -373,7 +373,7 @@ def _use_cache_false(rank, world):
 
 
 PADDED = [("bamba", True), ("mamba2", True)]  # a hybrid (attention + Mamba2) and an attention-free model
-PAD_SEQLEN = 22  # 2 ranks: the prefill takes 20 tokens, generate's continuation the last two
+PAD_SEQLEN = 21  # 2 ranks: the prefill takes 18 tokens, generate's continuation the last three
 
 
 def masked_cache_errors(cache, ref, mask: torch.Tensor) -> dict:
@@ -403,7 +403,7 @@ def _padded_case(rank, world, family, attention, seed):
     n = (PAD_SEQLEN - 2) // world  # as sequence_parallel_generate splits it
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # 7 pads: the padding ends inside rank 0's shard
-    mask[2, : n * world] = 0  # the prefill holds only padding for this row: its two tokens come after
+    mask[2, : n * world] = 0  # the prefill holds only padding for this row: its three tokens come after
     padded_ids = ids.clone()
     padded_ids[0, :12] = 0  # pad ids (GEN's pad_token_id) in front of the prompt, across the shard border
     scored = dict(output_scores=True, return_dict_in_generate=True, **GEN)
@@ -724,13 +724,14 @@ def test_group_of_one_is_the_models_own_prefill(family, attention):
     assert torch.equal(sequence_parallel_generate(model, ids, **GEN), oracle(model, ids, attention, family))
 
 
-def test_one_token_prompt_in_a_group_of_one():
-    """A 1-token prompt has nothing to prefill before generate's own first forward (it crashed: a prefill of 0
-    tokens)."""
+@pytest.mark.parametrize("seqlen", [1, 2, 3])
+def test_one_token_prompt_in_a_group_of_one(seqlen):
+    """A prompt of at most the two tokens left to generate has nothing to prefill before generate's own first
+    forward (a 1-token prompt crashed: a prefill of 0 tokens); three tokens prefill one."""
     from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
 
     model = build("bamba", True, 23)
-    ids = prompt(1, 24)
+    ids = prompt(seqlen, 24)
     assert torch.equal(sequence_parallel_generate(model, ids, **GEN), model.generate(ids, **GEN))
 
 

@@ -599,7 +599,7 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
             "with the same s on every rank), or decode greedily (do_sample=False)."
         )
     n = (input_ids.shape[1] - _FED) // cp
-    if n == 0:  # a group of one, a prompt of at most _FED tokens: nothing to prefill before generate's first forward
+    if n <= 0:  # a group of one, a prompt of at most _FED tokens: nothing to prefill before generate's first forward
         with hf.sequence_parallel_disabled(model):
             out = model.generate(input_ids, **generate_kwargs)
         return out
