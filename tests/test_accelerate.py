@@ -3,19 +3,23 @@ six Mamba2 families by one call (``ds_mamba_spcp.integrations.accelerate.enable`
 sp_size 1 in one process.
 
 Two spawns serve every test (a module fixture): one process runs the references one after the other, and two
-gloo ranks run the sequence-parallel trainings (sp_size 2, dp 1), the resume, the refusals, and, last, the
-negative control (Falcon-H1 through accelerate's own path, ``enable()`` undone). Every training is a plain
-``Trainer`` (SGD, constant learning rate, no clipping, fp32, 5 steps of 2 rows) on tiny random models of the
-six families (``tests/hf_models.py``) and token-id datasets built in the test (no download). Each batch's rows
-are cropped to an even length of 18..28 tokens that changes between steps (``sp_seq_length_is_variable``;
-shards of 9..14 tokens, never a multiple of the chunk size 8).
+gloo ranks run the sequence-parallel trainings (sp_size 2, dp 1), the resume, the refusals, the negative control
+(Falcon-H1 through accelerate's own path, ``enable()`` undone) and, last, DeepSpeed's data-loader adapter for a
+Llama with and without ``enable()``. Besides, a few shorter runs cover what the data can look like: packed rows
+from a ``datasets.Dataset`` column, rows without position_ids (one model under two Trainers in turn), TRL's
+right-padded rows; a case the code refuses is recorded (``_attempt``) so that the others still run. Every
+training is a plain ``Trainer`` (SGD, constant learning rate, no clipping, fp32, 5 steps of 2 rows) on tiny
+random models of the six families (``tests/hf_models.py``) and token-id datasets built in the test (no
+download). Each batch's rows are cropped to an even length of 18..28 tokens that changes between steps
+(``sp_seq_length_is_variable``; shards of 9..14 tokens, never a multiple of the chunk size 8).
 
 Compared with the one-process run: every step's loss and the Trainer's grad_norm, and each parameter's update
 after the 5 steps (``after - before``, gathered under ZeRO-3), each as a relative error. Bound 1e-4 (the
 issue's): the runs differ only by the order of floating-point sums (the state passed between ranks, DeepSpeed's
 reduction over the ranks), errors seen here are ~1e-7..1e-5 on the updates (the largest on a few SSM scalars'
 updates, ill-conditioned sums, see tests/test_hf.py) and ~1e-7 on losses and norms, while a lost state or a
-doubled gradient is off by 1e-2..1 (the negative control). Evaluation (``trainer.evaluate``, unsharded on
+doubled gradient is off by 1e-2..1 (the negative control; packed rows trained as unpacked: 3e-2 on the loss,
+2.6 on an update). Evaluation (``trainer.evaluate``, unsharded on
 whole rows on each rank) must give the one-process eval loss within the same bound, and greedy ``generate``
 the same tokens.
 """
@@ -148,20 +152,26 @@ def _params(trainer) -> dict:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(family: str, stage: int, sp: int, out: str, collate=crop_collate, sizes=None, **kw) -> dict:
-    """One Trainer run: per-step (loss, grad_norm), the update of every parameter, eval loss, greedy tokens."""
+def _train(
+    family: str, stage: int, sp: int, out: str, collate=crop_collate, sizes=None, *, model=None, dataset=None,
+    evaluate=True, **kw,
+) -> dict:  # fmt: skip
+    """One Trainer run: per-step (loss, grad_norm), the update of every parameter, eval loss, greedy tokens (not
+    after a resume, nor with ``evaluate=False``). ``model`` (default: a fresh one of ``family``) and ``dataset``
+    (default: ``TokenRows``) are given for the runs of one model twice, of datasets.Dataset columns."""
     from transformers import Trainer
 
-    model = hf_models.build(family, sizes=sizes)
+    model = model if model is not None else hf_models.build(family, sizes=sizes)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     resume = kw.pop("resume_from_checkpoint", None)
     args = training_args(out, stage, sp, **kw)
-    trainer = Trainer(model=model, args=args, train_dataset=TokenRows(ROWS), data_collator=collate)
+    dataset = dataset if dataset is not None else TokenRows(ROWS)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collate)
     trainer.train(resume_from_checkpoint=resume)
     logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     after = _params(trainer)
     result = {"logs": logs, "update": _updates(before, after)}
-    if resume is None:
+    if resume is None and evaluate:
         result["eval_loss"] = trainer.evaluate(TokenRows(4, seed=1))["eval_loss"]
         unwrapped = trainer.model.eval()
         prompt = TokenRows(1, seed=2).ids[:, :6].to(unwrapped.device)
@@ -188,6 +198,15 @@ def _error(fn) -> str:
     except Exception as e:  # noqa: BLE001 - the test asserts on the type and the message
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def _attempt(fn, *args) -> dict:
+    """``fn(*args)``, or ``{"error": its message}``: a case that every rank refuses alike lets the spawn go on to the
+    next one, and its test reports the message."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the test reports it
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -261,6 +280,171 @@ def _sft(family: str, sp: int, out: str, *, attention=False, oracle=False) -> di
 
 
 # ---------------------------------------------------------------------------------------------------
+# datasets.Dataset columns, one model prepared twice, right padding, a model without the mixers
+# ---------------------------------------------------------------------------------------------------
+
+PACKED_DOCS = [[10, 8, 6], [13, 11], [12, 12], [5, 9, 10]]  # rows of 24: documents across the border at 12, on it
+PADDED_DOCS = [11, 9, 13, 7]  # one document per row, odd lengths: pad_to_multiple_of=2 pads each with one token
+
+
+def _packed_rows():
+    """datasets.Dataset of packed rows of 24 tokens with a position_ids column restarting at every document (labels
+    -100 at each document's first token, as TRL's padding-free collator sets them)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(4)
+    columns: dict = {"input_ids": [], "labels": [], "position_ids": []}
+    for i in range(ROWS):
+        docs = PACKED_DOCS[i % len(PACKED_DOCS)]
+        ids = torch.randint(0, hf_models.VOCAB, (sum(docs),), generator=g)
+        positions = torch.cat([torch.arange(n) for n in docs])
+        columns["input_ids"].append(ids.tolist())
+        columns["labels"].append(ids.masked_fill(positions == 0, -100).tolist())
+        columns["position_ids"].append(positions.tolist())
+    return Dataset.from_dict(columns)
+
+
+def _unpacked_rows():
+    """datasets.Dataset of rows of 20 tokens, input_ids and labels only: no position_ids anywhere."""
+    from datasets import Dataset
+
+    ids = torch.randint(0, hf_models.VOCAB, (ROWS, 20), generator=torch.Generator().manual_seed(5))
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+
+def _per_document_lm(model):
+    """The oracle of packed rows in one process for Mamba2ForCausalLM, which passes no position_ids to its backbone
+    (so ``_per_document`` cannot split there): each document of each row run alone, the logits put back in place and
+    scored by the model's own loss over the whole rows. Its forward names position_ids: the Trainer keeps them."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    forward = model.forward
+
+    def split_forward(input_ids=None, labels=None, position_ids=None, **kwargs):
+        rows = []
+        for ids, positions in zip(input_ids, position_ids):
+            starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
+            docs = [forward(input_ids=ids[None, a:b]).logits for a, b in zip(starts[:-1], starts[1:])]
+            rows.append(torch.cat(docs, dim=1))
+        logits = torch.cat(rows)
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    model.forward = split_forward
+
+
+def _train_packed_columns(sp: int, out: str) -> dict:
+    """Mamba2 under the plain Trainer on ``_packed_rows`` (default_data_collator); under sequence parallelism,
+    per training call whether seq_idx reached the model (after enable()'s hook derived it from position_ids)."""
+    from transformers import default_data_collator
+
+    model = hf_models.build("mamba2")
+    calls = []
+    if sp == 1:
+        _per_document_lm(model)
+    else:
+        model.register_forward_pre_hook(
+            lambda module, a, kw: calls.append(kw.get("seq_idx") is not None) if module.training else None,
+            with_kwargs=True,
+        )  # fmt: skip
+    result = _train(
+        "mamba2", 2, sp, out, default_data_collator, model=model, dataset=_packed_rows(), evaluate=False, max_steps=3
+    )  # fmt: skip
+    return {**result, "seq_idx": calls}
+
+
+def _train_twice(sp: int, out: str) -> dict:
+    """One Mamba2 model trained by two Trainers in turn (2 steps each, ZeRO-2) on ``_unpacked_rows``; the names of
+    the model's forward hooks afterwards."""
+    from transformers import default_data_collator
+
+    model = hf_models.build("mamba2")
+    data = _unpacked_rows()
+    runs = []
+    for i in range(2):
+        path = f"{out}_{i}"
+        runs.append(_train("mamba2", 2, sp, path, default_data_collator, model=model, dataset=data, evaluate=False,
+                           max_steps=2))  # fmt: skip
+    hooks = [getattr(h, "__name__", "") for h in (*model._forward_pre_hooks.values(), *model._forward_hooks.values())]
+    return {"runs": runs, "hooks": hooks}
+
+
+def _sft_padded(sp: int, out: str) -> dict:
+    """TRL's SFTTrainer with packing=False, one document of odd length per row (Bamba, sdpa attention). Under
+    sequence parallelism pad_to_multiple_of=2 pads each row with one token (position 0, label -100, attention_mask
+    0); the one-process reference runs the rows unpadded."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    g = torch.Generator().manual_seed(6)
+    lengths = PADDED_DOCS * (ROWS // len(PADDED_DOCS))
+    docs = [torch.randint(3, hf_models.VOCAB, (n,), generator=g).tolist() for n in lengths]
+    model = hf_models.build("bamba")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = training_args(
+        out, 2, sp, cls=SFTConfig, per_device_train_batch_size=1, packing=False, max_length=32,
+        pad_to_multiple_of=SP if sp > 1 else None, max_steps=3,
+    )  # fmt: skip
+    data = Dataset.from_dict({"input_ids": docs})
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer())
+    trainer.train()
+    logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    return {"logs": logs, "update": _updates(before, _params(trainer))}
+
+
+def _llama():
+    """A tiny LlamaForCausalLM (sdpa): a model without any of the six mixers."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=hf_models.VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=20,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def varlen_collate(rows):
+    """Rows of 16 tokens packed as 10 + 6, with the whole-row keys DeepSpeed's adapter passes on (a 2-D seq_idx, an
+    int max_length_q) and an all-ones attention_mask."""
+    ids = torch.stack([r["input_ids"] for r in rows])[:, :16]
+    positions = torch.cat([torch.arange(10), torch.arange(6)]).expand_as(ids).clone()
+    seq_idx = (positions == 0).cumsum(dim=1).to(torch.int32) - 1
+    return {
+        "input_ids": ids, "labels": ids.clone(), "position_ids": positions, "seq_idx": seq_idx, "max_length_q": 10,
+        "attention_mask": torch.ones_like(ids),
+    }  # fmt: skip
+
+
+def _adapter_batches(out: str, core_sdpa) -> list[dict]:
+    """The micro-batches DeepSpeed's data-loader adapter hands the Trainer for a Llama (2 steps), as (array, device,
+    dtype) per tensor. accelerate's own path creates the sequence-parallel group (asserting that none exists) and
+    registers DeepSpeed's attention for the whole process: both are undone first."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from transformers import Trainer
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    dist.barrier()
+    parallel_state_sp._release_sequence_parallel_groups()
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = core_sdpa
+    seen = []
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            tensors = {k: v for k, v in inputs.items() if torch.is_tensor(v)}
+            seen.append({**inputs, **{k: (v.numpy().copy(), str(v.device), str(v.dtype)) for k, v in tensors.items()}})
+            # what a Llama's forward takes (the rest is what is compared)
+            keep = {k: v for k, v in inputs.items() if k in ("input_ids", "labels", "shift_labels", "position_ids")}
+            return super().training_step(model, keep, *args, **kwargs)
+
+    args = training_args(out, 1, SP, max_steps=2)
+    Recording(model=_llama(), args=args, train_dataset=TokenRows(8), data_collator=varlen_collate).train()
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------------
 # rank functions
 # ---------------------------------------------------------------------------------------------------
 
@@ -271,6 +455,9 @@ def _references(rank, world, tmp):
     out = {fam: _train(fam, stage, 1, os.path.join(tmp, f"ref_{fam}")) for fam, stage in CASES.items()}
     out["sft"] = _sft("mamba2", 1, os.path.join(tmp, "ref_sft"), oracle=True)
     out["falcon_h1_fixed"] = _train("falcon_h1", CASES["falcon_h1"], 1, os.path.join(tmp, "ref_fixed"), fixed_collate)
+    out["packed_columns"] = _train_packed_columns(1, os.path.join(tmp, "ref_columns"))
+    out["twice"] = _train_twice(1, os.path.join(tmp, "ref_twice"))
+    out["padded"] = _sft_padded(1, os.path.join(tmp, "ref_padded"))
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -294,6 +481,9 @@ def _sequence_parallel(rank, world, tmp):
         RESUME, CASES[RESUME], SP, ckpt, resume_from_checkpoint=os.path.join(ckpt, "checkpoint-3")
     )  # fmt: skip
     out["sft"] = _sft("mamba2", SP, os.path.join(tmp, "sp_sft"))
+    out["packed_columns"] = _attempt(_train_packed_columns, SP, os.path.join(tmp, "sp_columns"))
+    out["twice"] = _attempt(_train_twice, SP, os.path.join(tmp, "sp_twice"))
+    out["padded"] = _attempt(_sft_padded, SP, os.path.join(tmp, "sp_padded"))
 
     errors = {}
     errors["zigzag"] = _error(
@@ -321,6 +511,12 @@ def _sequence_parallel(rank, world, tmp):
     parallel_state_sp._release_sequence_parallel_groups()
     ALL_ATTENTION_FUNCTIONS["sdpa"] = core_sdpa
     out["bug_falcon_h1"] = _train("falcon_h1", CASES["falcon_h1"], SP, os.path.join(tmp, "bug"), fixed_collate)
+
+    # a model without the mixers: DeepSpeed's data-loader adapter, with and without enable()
+    out["adapter_plain"] = _adapter_batches(os.path.join(tmp, "llama_plain"), core_sdpa)
+    mamba_sp.enable()
+    out["adapter_enabled"] = _adapter_batches(os.path.join(tmp, "llama_enabled"), core_sdpa)
+    mamba_sp.disable()
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -393,6 +589,69 @@ def test_sft_packed_matches_one_process(runs):
         err = _errors(run["sft"], ref["sft"])
         print(f"SFT packed: {err}")
         assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
+
+
+def test_dataset_position_ids_reach_the_mixers(runs):
+    """Mamba2ForCausalLM.forward names no position_ids, so the Trainer's remove_unused_columns dropped a
+    datasets.Dataset's position_ids column and the adapter refused the batch ("add it in the data collator"). With
+    enable() the column is kept: every training call of packed rows gets seq_idx, and the run equals one process
+    running each document alone."""
+    ref, sp = runs
+    for run in sp:
+        assert "error" not in run["packed_columns"], run["packed_columns"]["error"]
+        calls = run["packed_columns"]["seq_idx"]
+        assert len(calls) == 3 and all(calls), calls
+        err = _errors(run["packed_columns"], ref["packed_columns"])
+        print(f"packed rows from a dataset column: {err}")
+        assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
+
+
+def test_one_model_prepared_twice(runs):
+    """Two Trainers in turn on one Mamba2 model, on rows without position_ids (unpacked rows: the adapter numbers
+    whole rows; DeepSpeed's refused them). The second preparation keeps the first's mixers and hooks (installed
+    once), and both runs equal one process's."""
+    ref, sp = runs
+    for run in sp:
+        assert "error" not in run["twice"], run["twice"]["error"]
+        hooks = run["twice"]["hooks"]
+        assert [hooks.count(h) for h in ("_before_call", "_check_model_call", "_after_call")] == [1, 1, 1], hooks
+        for i, (mine, theirs) in enumerate(zip(run["twice"]["runs"], ref["twice"]["runs"])):
+            err = _errors(mine, theirs)
+            print(f"prepared twice, Trainer {i + 1}: {err}")
+            assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
+
+
+def test_right_padding_is_not_a_document(runs):
+    """TRL, packing=False, pad_to_multiple_of=2, sdpa attention (Bamba): the padded tail (position 0, label -100,
+    attention_mask 0) was read as a packed second document and refused. The losses, grad_norms and every parameter's
+    update equal those of the unpadded rows in one process (the bound of the module: the tail changes where the
+    shards are cut, so sums are reordered)."""
+    ref, sp = runs
+    for run in sp:
+        assert "error" not in run["padded"], run["padded"]["error"]
+        err = _errors(run["padded"], ref["padded"])
+        print(f"right-padded rows: {err}")
+        assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
+
+
+def test_adapter_unchanged_without_the_mixers(runs):
+    """A Llama (no Mamba2 mixer) gets DeepSpeed's own data-loader adapter under enable(): every micro-batch the
+    Trainer receives has the same keys, values, shapes, dtypes and devices as without enable() (before, the whole-row
+    keys seq_idx and max_length_q were dropped)."""
+    import numpy as np
+
+    _, sp = runs
+    for run in sp:
+        plain, enabled = run["adapter_plain"], run["adapter_enabled"]
+        assert len(plain) == len(enabled) == 2
+        for a, b in zip(plain, enabled):
+            assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+            assert {"seq_idx", "max_length_q", "shift_labels"} <= set(a)
+            for key in a:
+                if isinstance(a[key], tuple):
+                    assert np.array_equal(a[key][0], b[key][0]) and a[key][1:] == b[key][1:], key
+                else:
+                    assert a[key] == b[key], key
 
 
 EXPECTED_ERRORS = {

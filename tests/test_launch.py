@@ -245,13 +245,13 @@ def test_mode_values(monkeypatch):
 
 
 def test_state_passing_kernel_values(monkeypatch):
-    """DS_MAMBA_SPCP_STATE_PASSING: ops/pass_states.py's kernels unless 'upstream'; a typo is refused, not read as
-    either."""
+    """DS_MAMBA_SPCP_STATE_PASSING: ops/pass_states.py's kernels unless 'upstream'; empty is the default, as for the
+    package's other variables (it raised); a typo is refused, not read as either."""
     from ds_mamba_spcp.ops import pass_states
 
     monkeypatch.delenv(pass_states.ENV, raising=False)
     assert pass_states.enabled()
-    for raw, want in (("prefetch", True), ("upstream", False)):
+    for raw, want in (("prefetch", True), ("upstream", False), ("", True), (" Upstream ", False)):
         monkeypatch.setenv(pass_states.ENV, raw)
         assert pass_states.enabled() is want
     monkeypatch.setenv(pass_states.ENV, "mamba")

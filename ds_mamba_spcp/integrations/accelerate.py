@@ -12,7 +12,7 @@ A script adds one call before it builds the ``Trainer``, ``SFTTrainer`` or ``Acc
                       parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)), ...)
     trainer.train()
 
-``enable()`` puts this package in at the five places where accelerate and the Trainer decide something about
+``enable()`` puts this package in at the six places where accelerate and the Trainer decide something about
 sequence parallelism; for a model that holds none of transformers' Mamba2 mixers (or a ds_config whose
 ``"mamba_sequence_parallel"`` section says ``"enabled": false``) each of them does what it did before::
 
@@ -21,13 +21,18 @@ sequence parallelism; for a model that holds none of transformers' Mamba2 mixers
       UlyssesSPAttentionHF.register_with_transformers(model, ...)  ──> prepare_sequence_parallel(model, section):
             DeepSpeed's sequence-parallel group (the mpu handed to deepspeed.initialize); DeepSpeed's Ulysses
             attention in front of each attention module of this model, once (not also through a process-wide
-            registration: one Ulysses exchange per attention layer); this package's Mamba2 mixers
-      UlyssesSPDataLoaderAdapter(loader)  ──> the same, gathering rows of different lengths on any backend
-            (gloo too), checking every row's length on every rank, dropping whole-row varlen metadata
+            registration: one Ulysses exchange per attention layer); this package's Mamba2 mixers. A model
+            prepared again (a second Trainer) keeps all of it, hooks included
+      UlyssesSPDataLoaderAdapter(loader)  ──> for the model just prepared: the same, gathering rows of different
+            lengths on any backend (gloo too), checking every row's length on every rank, dropping whole-row varlen
+            metadata, numbering rows that come without position_ids as whole rows, and keeping a row's trailing
+            padding out of the documents (``_padding_as_tail``); DeepSpeed's own adapter for any other model
     transformers  Trainer
       deepspeed_sp_compute_loss  ──> the same global mean, its gradient scaled for the ZeRO stage
       skip_first_batches (resume mid-epoch)  ──> the adapter skips its own micro-batches (accelerate's would
             rebuild a plain DataLoader without it)
+      Trainer._set_signature_columns_if_needed  ──> keeps the dataset's position_ids column, which
+            ``remove_unused_columns`` dropped for Mamba2ForCausalLM (its forward takes them in ``**kwargs`` only)
 
 The prepared model gets two more forward hooks: calls in ``eval()`` mode run unsharded (evaluation and
 ``generate`` on whole sequences, as accelerate asks of DeepSpeed's attention with ``disable_in_eval``), and a
@@ -48,9 +53,10 @@ accelerate loop scores its shards with ``ds_mamba_spcp.data.sequence_parallel_cr
 grad_scale_for_engine(engine))``.
 
 The ``"mamba_sequence_parallel"`` section of the ds_config the Trainer is given decides the mode and options
-(``ds_mamba_spcp.config``); absent, the defaults with ``"enabled": true`` (state passing). Its size, if it
-names one, must equal ``sp_size``; its ``input_layout`` must be contiguous (DeepSpeed's data-loader adapter
-cuts every row into contiguous shards). Errors are raised on every rank alike, before any collective.
+(``ds_mamba_spcp.config``); absent, or without an ``"enabled"`` key, the defaults with ``"enabled": true`` (state
+passing): here only ``"enabled": false`` turns it off (``load_mamba_sp_config`` elsewhere defaults to false). Its
+size, if it names one, must equal ``sp_size``; its ``input_layout`` must be contiguous (DeepSpeed's data-loader
+adapter cuts every row into contiguous shards). Errors are raised on every rank alike, before any collective.
 
 Tested with accelerate 1.15.0, transformers 5.24, TRL 1.16.0 and DeepSpeed 0.19.8 (tests/test_accelerate.py).
 """
@@ -82,6 +88,10 @@ _WHOLE_ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 _STATE_ATTR = "_ds_mamba_spcp_accelerate"  # a prepared model's _Covered, in its __dict__
 
 _patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) of what enable() replaced, in order
+# whether the model accelerate prepared last is one this package shards: the data-loader adapter accelerate builds
+# next (in the same prepare call, or the Trainer's deepspeed_ulysses_dl_adapter right after it) is then this
+# package's, else DeepSpeed's own
+_adapter_is_ours = False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,6 +121,7 @@ def enable() -> None:
         (ulysses_sp, "UlyssesSPDataLoaderAdapter", _adapter_class(ulysses_sp.UlyssesSPDataLoaderAdapter)),
         (trainer_mod, "deepspeed_sp_compute_loss", _compute_loss),
         (trainer_mod, "skip_first_batches", _skip_first_batches),
+        (trainer_mod.Trainer, "_set_signature_columns_if_needed", _set_signature_columns),
     ]
     missing = [f"{getattr(o, '__name__', o)}.{a}" for o, a, _ in targets if a not in vars(o)]
     if missing:
@@ -125,9 +136,11 @@ def enable() -> None:
 
 def disable() -> None:
     """Undoes ``enable()`` (models prepared meanwhile stay prepared)."""
+    global _adapter_is_ours
     while _patches:
         owner, name, original = _patches.pop()
         setattr(owner, name, original)
+    _adapter_is_ours = False
 
 
 def enabled() -> bool:
@@ -249,11 +262,14 @@ def _register_with_transformers(
     disable_in_eval=False,
     max_length=None,
 ):
-    """DeepSpeed's registration for other models; for a covered one, ``prepare_sequence_parallel``."""
+    """DeepSpeed's registration for other models; for a covered one, ``prepare_sequence_parallel``, once per model: a
+    model prepared again (a second Trainer, or accelerator.prepare again) keeps its mixers, hooks and group."""
+    global _adapter_is_ours
     model = model_name_or_path
     section = None
     if isinstance(model, nn.Module) and sequence_parallel_size > 1:
         section = _covered_section(model)
+    _adapter_is_ours = section is not None
     if section is None:
         original = _original("register_with_transformers").__func__
         return original(
@@ -264,8 +280,20 @@ def _register_with_transformers(
     cfg = _validated_config(section, sequence_parallel_size)
     _init_deepspeed_comm()
     seq_length = seq_length if seq_length is not None else max_length
+    seq_length = None if seq_length_is_variable else seq_length
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is not None:
+        if state.cfg != cfg:
+            raise ValueError(
+                f"{type(model).__qualname__} was prepared for sequence parallelism with {state.cfg!r} and is prepared "
+                f"again with {cfg!r}; a model's mixers are sharded once: keep the ds_config's \"{SECTION}\" section "
+                "and sp_size, or build a fresh model."
+            )
+        # the new engine may run another ZeRO stage (grad_scale is read again at its first loss)
+        state.seq_length, state.grad_scale = seq_length, None
+        return state.mpu
     mpu = prepare_sequence_parallel(model, cfg)
-    model.__dict__[_STATE_ATTR] = _Covered(cfg, mpu, None if seq_length_is_variable else seq_length)
+    model.__dict__[_STATE_ATTR] = _Covered(cfg, mpu, seq_length)
     # before prepare_sequence_parallel's own check: unsharded in eval(), seq_idx from packed position_ids
     model.register_forward_pre_hook(_before_call, with_kwargs=True, prepend=True)
     model.register_forward_hook(_after_call, always_call=True)
@@ -376,6 +404,26 @@ def _skip_first_batches(dataloader, num_batches=0):
     return _original("skip_first_batches")(dataloader, num_batches)
 
 
+def _set_signature_columns(trainer) -> None:
+    """The Trainer's list of the dataset columns it keeps (the model forward's arguments), with ``position_ids`` for
+    a model holding the mixers under DeepSpeed's sequence parallelism. ``Mamba2ForCausalLM.forward`` does not name
+    ``position_ids`` (it takes them in ``**kwargs``), so ``remove_unused_columns`` dropped them from the dataset: packed
+    rows would reach the adapter without their documents."""
+    _original("_set_signature_columns_if_needed")(trainer)
+    pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    columns = trainer._signature_columns
+    if (
+        pc is not None
+        and pc.sp_backend == "deepspeed"
+        and pc.sp_enabled
+        and isinstance(trainer.model, nn.Module)
+        and _holds_mixers(trainer.model)
+        and isinstance(columns, list)
+        and "position_ids" not in columns
+    ):
+        columns.append("position_ids")
+
+
 def _compute_loss(accelerator, model, inputs, return_outputs, pc):
     """transformers' ``deepspeed_sp_compute_loss`` with the gradient scaled for the ZeRO stage (module docstring)."""
     state = _covered_state(model)
@@ -414,17 +462,26 @@ def _compute_loss(accelerator, model, inputs, return_outputs, pc):
 
 
 def _adapter_class(base: type) -> type:
-    """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` with its own ``refill``. The adapter collects one batch from
-    every rank of the group and hands each rank its contiguous shard of every one of them in turn, labels
-    shifted before the cut (``shift_labels``). DeepSpeed's refill all-gathers each rank's tensors at that rank's
-    own length, which gloo refuses (its all-gather needs equal sizes: CPU runs, or ranks sharing a GPU, break
-    as soon as two ranks' rows differ in length); this one pads to the group's longest row and batch, gathers,
-    and crops. It also raises, on every rank, for a row the group cannot cut evenly (naming the fix), and drops
-    the whole-row varlen keys (``_WHOLE_ROW_KEYS``), which no shard can use: the documents of a packed row
-    travel in ``position_ids``, from which DeepSpeed's attention and this package's ``seq_idx`` are derived."""
+    """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` with its own ``refill``, for a model this package shards (built
+    right after accelerate prepared one, ``_adapter_is_ours``; any other model gets DeepSpeed's adapter itself). The
+    adapter collects one batch from every rank of the group and hands each rank its contiguous shard of every one
+    of them in turn, labels shifted before the cut (``shift_labels``). DeepSpeed's refill all-gathers each rank's
+    tensors at that rank's own length, which gloo refuses (its all-gather needs equal sizes: CPU runs, or ranks
+    sharing a GPU, break as soon as two ranks' rows differ in length); this one pads to the group's longest row and
+    batch, gathers, and crops. It raises, on every rank, for a row the group cannot cut evenly (naming the fix) and
+    for packed rows without ``position_ids``; rows without ``position_ids`` are otherwise unpacked rows (a row is
+    one document) and get ``0 .. seqlen-1``, the positions the model gives a whole row. It drops the whole-row
+    varlen keys (``_WHOLE_ROW_KEYS``), which no shard can use: the documents of a packed row travel in
+    ``position_ids``, from which DeepSpeed's attention and this package's ``seq_idx`` are derived. A row's trailing
+    padding is not a document (``_padding_as_tail``)."""
 
     class UlyssesSPDataLoaderAdapter(base):
         __doc__ = base.__doc__
+
+        def __new__(cls, *args, **kwargs):
+            if not _adapter_is_ours:  # the model prepared last is not sharded by this package: DeepSpeed's adapter
+                return base(*args, **kwargs)
+            return super().__new__(cls)
 
         def refill(self):
             import deepspeed.comm as dist
@@ -434,28 +491,31 @@ def _adapter_class(base: type) -> type:
             except StopIteration:
                 self.iter = iter(self.dl)  # as DeepSpeed's: the next epoch starts afresh
                 raise
+            whole_row = [k for k in _WHOLE_ROW_KEYS if k in batch]
             batch = {k: v for k, v in batch.items() if k not in _WHOLE_ROW_KEYS}
-            for key in ("input_ids", "position_ids"):
-                if not torch.is_tensor(batch.get(key)) or batch[key].dim() != 2:
-                    raise ValueError(
-                        f"sequence parallelism needs {key!r} (batch, seqlen) in every batch (position_ids: each "
-                        "token's position in its row, restarting at 0 per packed document) so that every token "
-                        "keeps its position after the row is cut; add it in the data collator."
-                    )
-            rows, length = batch["input_ids"].shape
+            problem, rows, length = _check_batch(batch, whole_row)
             sp, group = self.sp_world_size, self.sp_group
-            shape = torch.tensor([rows, length], dtype=torch.int64, device=self.device)
+            # a flag for this rank's problem travels with its shape, so that every rank raises alike
+            shape = torch.tensor([rows, length, problem is not None], dtype=torch.int64, device=self.device)
             shapes = [torch.empty_like(shape) for _ in range(sp)]
             dist.all_gather(shapes, shape, group=group)
             shapes = [tuple(int(v) for v in s.tolist()) for s in shapes]
+            failing = [r for r, (_, _, flag) in enumerate(shapes) if flag]
+            if failing:
+                problems = [None] * sp
+                dist.all_gather_object(problems, problem, group=group)
+                raise ValueError(f"rank {failing[0]} of the sequence-parallel group: {problems[failing[0]]}")
+            shapes = [(r, n) for r, n, _ in shapes]
             bad = [n for _, n in shapes if n % sp]
             if bad:
                 raise ValueError(
                     f"rows of {bad[0]} tokens cannot be cut into {sp} equal sequence shards (the group's ranks hold "
                     f"rows of {[n for _, n in shapes]} tokens). Make every row's length a multiple of sp_size={sp}: "
                     f"pad_to_multiple_of={sp} in the data collator (TRL: SFTConfig(pad_to_multiple_of={sp})) with "
-                    "labels -100 on the padding and no attention_mask (padding-free rows), or crop the rows."
+                    "labels -100 on the padding (right padding, which no loss sees), or crop the rows."
                 )
+            if "position_ids" not in batch:  # unpacked rows (_check_batch): the positions of whole rows
+                batch["position_ids"] = torch.arange(length).expand(rows, length).clone()
             most_rows, longest = max(r for r, _ in shapes), max(n for _, n in shapes)
             per_rank: list[dict] = [{} for _ in range(sp)]
             for key, value in batch.items():
@@ -465,11 +525,6 @@ def _adapter_class(base: type) -> type:
                     for r in range(sp):
                         per_rank[r][key] = objects[r]
                     continue
-                if value.dim() < 2 or tuple(value.shape[:2]) != (rows, length):
-                    raise ValueError(
-                        f"{key!r} has shape {tuple(value.shape)} but input_ids is {(rows, length)}: every tensor of "
-                        "a batch is cut along dim 1, so it must be (batch, seqlen, ...)."
-                    )
                 padded = value.new_zeros((most_rows, longest, *value.shape[2:]), device=self.device)
                 padded[:rows, :length] = value.to(self.device)
                 gathered = [torch.empty_like(padded) for _ in range(sp)]
@@ -480,6 +535,7 @@ def _adapter_class(base: type) -> type:
             for one in per_rank:  # every rank's batch, in rank order: this rank's shard of each
                 chunk = one["input_ids"].shape[1] // sp
                 if "labels" in one:
+                    _padding_as_tail(one)
                     one["shift_labels"] = shift_labels(one.pop("labels"))
                 for key, value in one.items():
                     if torch.is_tensor(value):
@@ -500,6 +556,60 @@ def _adapter_class(base: type) -> type:
     UlyssesSPDataLoaderAdapter.__qualname__ = base.__qualname__
     UlyssesSPDataLoaderAdapter.__module__ = __name__
     return UlyssesSPDataLoaderAdapter
+
+
+def _padding_as_tail(batch: dict) -> None:
+    """In place, on one batch of whole rows (labels not yet shifted): a row's trailing tokens that no loss sees are
+    not a document. Right padding (TRL's collator, ``pad_to_multiple_of``) gives them labels -100, position 0 (a
+    restart, which would read as a packed document: refused with sdpa) and zeros in ``attention_mask`` (refused as
+    padding). From the first position restart inside the trailing run of labels -100 to the row's end, positions
+    continue those before it instead, and an ``attention_mask`` whose zeros all lie in that run is dropped. Exact:
+    those tokens come after every scored one, so causal attention and the Mamba2 layers carry nothing from them to a
+    scored token, and their own outputs are scored nowhere (their gradient is zero), whatever they compute. A
+    restart before the run (a document with scored tokens) stays a document."""
+    labels, positions = batch["labels"], batch.get("position_ids")
+    if not (torch.is_tensor(labels) and torch.is_tensor(positions) and labels.dim() == 2 and positions.dim() == 2):
+        return
+    length = labels.shape[1]
+    index = torch.arange(length, device=labels.device)
+    # the trailing run of labels -100 begins after the last scored label (at `length` where the last one is scored)
+    tail = index >= torch.where(labels != IGNORE_INDEX, index, -1).amax(dim=1, keepdim=True) + 1
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask) and mask.shape == labels.shape and not bool(((mask == 0) & ~tail).any()):
+        del batch["attention_mask"]
+    first = torch.where((positions == 0) & tail & (index > 0), index, length).amin(dim=1, keepdim=True)  # (rows, 1)
+    if bool((first < length).any()):
+        before = positions.gather(1, (first - 1).clamp(0, length - 1))  # the position before the restart
+        batch["position_ids"] = torch.where(index >= first, before + 1 + (index - first), positions).to(positions.dtype)
+
+
+def _check_batch(batch: dict, whole_row: list[str]) -> tuple[str | None, int, int]:
+    """(what is wrong with one rank's batch or None, rows, seqlen), before any collective."""
+    ids = batch.get("input_ids")
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        shape = tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__
+        return (
+            f"sequence parallelism needs 'input_ids' (batch, seqlen) in every batch, got {shape}; every tensor of the "
+            "batch is cut along dim 1 with it.", 0, 0,
+        )  # fmt: skip
+    rows, length = ids.shape
+    for key, value in batch.items():
+        if torch.is_tensor(value) and (value.dim() < 2 or tuple(value.shape[:2]) != (rows, length)):
+            return (
+                f"{key!r} has shape {tuple(value.shape)} but input_ids is {(rows, length)}: every tensor of a batch "
+                "is cut along dim 1, so it must be (batch, seqlen, ...).", rows, length,
+            )  # fmt: skip
+    positions = batch.get("position_ids")
+    if positions is not None and not torch.is_tensor(positions):
+        return f"'position_ids' must be a (batch, seqlen) tensor, got {type(positions).__name__}.", rows, length
+    if positions is None and whole_row:
+        return (
+            f"packed rows (the batch has {', '.join(whole_row)}) without 'position_ids': the documents of a row cut "
+            "across ranks travel in position_ids restarting at 0 per document. Have the data collator return them "
+            "(DataCollatorWithFlattening(return_position_ids=True)); a Trainer keeps the dataset's position_ids "
+            "column for these models once enable() is called.", rows, length,
+        )  # fmt: skip
+    return None, rows, length
 
 
 __all__ = ["MIXER_CLASSES", "disable", "enable", "enabled", "packed_seq_idx"]

@@ -44,12 +44,13 @@ NUM_WARPS = 4
 
 
 def enabled() -> bool:
-    """Whether the Triton backend launches these kernels (``DS_MAMBA_SPCP_STATE_PASSING`` unset or ``prefetch``)
-    or mamba-ssm's (``upstream``); anything else is refused."""
-    value = os.environ.get(ENV, "prefetch")
-    if value not in ("prefetch", "upstream"):
-        raise ValueError(f"{ENV}={value!r}: expected 'prefetch' (the default) or 'upstream'")
-    return value == "prefetch"
+    """Whether the Triton backend launches these kernels (``DS_MAMBA_SPCP_STATE_PASSING`` unset, empty or
+    ``prefetch``) or mamba-ssm's (``upstream``); anything else is refused. Read as the package's other variables
+    are: spaces and case ignored, empty is the default."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in ("", "prefetch", "upstream"):
+        raise ValueError(f"{ENV}={value!r}: expected 'prefetch' (the default; also unset or empty) or 'upstream'")
+    return value != "upstream"
 
 
 @triton.jit
