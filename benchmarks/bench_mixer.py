@@ -558,7 +558,7 @@ def _git(*cmd):
 
 # environment variables that change what a run measures
 ENV_RECORDED = ("NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES", "NCCL_ALGO", "MAMBA_DETERMINISTIC")
-ENV_RECORDED += ("DS_MAMBA_SPCP_FAST_LAUNCH", "DS_MAMBA_SPCP_PROGRAMS", "DS_MAMBA_SPCP_STATE_PASSING")
+ENV_RECORDED += ("DS_MAMBA_SPCP_STATE_PASSING",)
 
 
 def environment(args, ctx: Context) -> dict:
@@ -610,23 +610,7 @@ def environment(args, ctx: Context) -> dict:
         backend=ctx.backend,
         backend_module=backend_module,
         env={k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
-        launch_path=_launch_path(),
-        programs=_programs_mode(),
     )
-
-
-def _launch_path() -> str:
-    """The Triton backend's launch path this run took: 'off' (Triton's), 'on' (ops/launch.py) or 'check'."""
-    from ds_mamba_spcp.ops import launch
-
-    return launch.mode()
-
-
-def _programs_mode() -> str:
-    """Whether known-mode segments replayed recorded programs (ops/programs.py): 'off', 'on' or 'check'."""
-    from ds_mamba_spcp.ops import launch, programs
-
-    return programs.mode(launch.mode())
 
 
 def write_json(path: str, payload: dict):

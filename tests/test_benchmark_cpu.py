@@ -215,11 +215,11 @@ def test_report_keeps_cells_of_one_length_in_different_tiles_apart():
 
 
 def test_profile_host_cpu(tmp_path):
-    """benchmarks/profile_host.py on 2 gloo ranks: one profile per mode, naming the op's own code."""
+    """benchmarks/probes/profile_host.py on 2 gloo ranks: one profile per mode, naming the op's own code."""
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), os.path.join(REPO, "benchmarks", "profile_host.py"), "--cpu", "--iters", "3",
-           "--modes", "ideal,state_passing", "--out", str(tmp_path)]  # fmt: skip
+           "--master_port", str(port), os.path.join(REPO, "benchmarks", "probes", "profile_host.py"), "--cpu",
+           "--iters", "3", "--modes", "ideal,state_passing", "--out", str(tmp_path)]  # fmt: skip
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     finally:
@@ -273,12 +273,12 @@ def test_packed_cells_run_every_mode(cpu_run):
 
 
 def test_probe_host_sync_steps_cpu():
-    """benchmarks/probe_host_sync.py times on CUDA only; its steps are built here on CPU (bench_mixer's CPU dims,
+    """benchmarks/probes/probe_host_sync.py times on CUDA only; its steps are built here on CPU (bench_mixer's CPU dims,
     fp32, the reference backend) and each tiled call must give the whole op's output and gradients. Tiles
     reorder the fp32 chunk sums only, so 1e-4 relative is loose (seen 4.5e-7); the same tiles each run from a zero
     state and no halo (what a call that lost the tiles' chain would give) are 0.12 off."""
     bench = _load_bench()
-    spec = importlib.util.spec_from_file_location("probe_host_sync", os.path.join(REPO, "benchmarks",
+    spec = importlib.util.spec_from_file_location("probe_host_sync", os.path.join(REPO, "benchmarks", "probes",
                                                                                    "probe_host_sync.py"))  # fmt: skip
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
@@ -296,49 +296,3 @@ def test_probe_host_sync_steps_cpu():
     for name in ("tiles_32", "tiles_64"):
         for got, want in zip(results[name], results["ideal"]):
             assert ((got - want).norm() / want.norm()).item() < 1e-4, name
-
-
-def test_probe_launch_cost_attribution_cpu(monkeypatch):
-    """probe_launch_cost's Attribution keeps each wrapped call's self time: its time less that of the wrapped calls
-    inside it, summed per label. A fake clock that each function advances makes the times exact: outer spends 1 s
-    itself and calls inner (2 s) twice; a call that raises is still counted."""
-    path = os.path.join(REPO, "benchmarks", "probe_launch_cost.py")
-    spec = importlib.util.spec_from_file_location("probe_launch_cost", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    clock = [0.0]
-    monkeypatch.setattr(probe.time, "perf_counter", lambda: clock[0])
-    att = probe.Attribution()
-
-    def inner_fn(fail=False):
-        clock[0] += 2.0
-        if fail:
-            raise RuntimeError("boom")
-
-    inner = att.wrap("inner", inner_fn)
-
-    def outer_fn():
-        clock[0] += 0.5
-        inner()
-        inner()
-        clock[0] += 0.5
-
-    outer = att.wrap("outer", outer_fn)
-    outer()
-    with pytest.raises(RuntimeError):
-        inner(fail=True)
-    assert att.self_s == {"inner": 6.0, "outer": 1.0}
-    assert att.calls == {"inner": 3, "outer": 1}
-    # the totals a step's rest is computed from: the wrapped self times add up to the wall time
-    assert sum(att.self_s.values()) == clock[0]
-
-
-def test_probe_launch_layer_cpu_runs(tmp_path):
-    """probe_launch_layer_cpu.py (a fake driver under Triton's real launch path) still runs on this Triton, and
-    each kernel it times took the direct launch (the script asserts it). Its timings are not checked here."""
-    out = tmp_path / "launch_layer.json"
-    cmd = [sys.executable, "benchmarks/probe_launch_layer_cpu.py", "--calls", "20", "--reps", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(out.read_text())
-    assert len(got["kernels"]) == 9 and all(r["direct_us"] > 0 and r["triton_us"] > 0 for r in got["kernels"].values())

@@ -1,6 +1,6 @@
 """The glue's host work per segment, counted on CPU: Triton launches and torch ops (issue 23).
 
-``benchmarks/count_launches.py`` runs one fwd+bwd of ``mamba_split_conv1d_scan_sp`` (a group of one, the
+``benchmarks/probes/count_launches.py`` runs one fwd+bwd of ``mamba_split_conv1d_scan_sp`` (a group of one, the
 Triton backend under Triton's interpreter, 64 tokens in 2 tiles of 32) in a fresh process and counts every
 Triton launch (mamba-ssm's kernels and ours, and the conv) and every torch op that is not a view. The counts
 do not depend on timing or on the machine, only on the code and the pinned mamba-ssm/Triton versions, so
@@ -35,7 +35,8 @@ NOT_IN_FORWARD = ("cat", "flip", "sum", "arange", "where", "index", "cumsum", "m
 
 def test_launches_and_torch_ops_per_segment(tmp_path):
     out = tmp_path / "counts.json"
-    cmd = [sys.executable, "benchmarks/count_launches.py", "--seqlen", "64", "--tile-length", "32", "--json", str(out)]
+    cmd = [sys.executable, "benchmarks/probes/count_launches.py", "--seqlen", "64", "--tile-length", "32"]
+    cmd += ["--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())

@@ -35,7 +35,6 @@ Runtime: ~1.5 s per segment forward and ~5-7 s per backward on one core; the who
 
 from __future__ import annotations
 
-import collections
 import json
 import math
 import os
@@ -167,12 +166,11 @@ def segments_main():
     """Subprocess entry: prints one line 'RESULT <json>' with the errors of every case."""
     from tests import triton_cpu_shims
 
-    os.environ.pop("DS_MAMBA_SPCP_FAST_LAUNCH", None)  # Triton's own launch path, unless a case sets it
     triton_backend = triton_cpu_shims.install()
     from ds_mamba_spcp.ops import pass_states, reference
 
     torch.set_num_threads(1)
-    results, through_triton = {}, {}
+    results = {}
     for name, opts in SEGMENT_CASES.items():
         t, grads = make_inputs(opts, SEG_BATCH, SEG_LEN)
         spec = spec_of(opts)
@@ -183,8 +181,6 @@ def segments_main():
         start = time.perf_counter()
         got = _run_segment(triton_backend, t, grads, spec, initial_states=t["initial_states"], seq_idx=labels)
         results[name] = dict(errs=_errors(got, want), seconds=time.perf_counter() - start)
-        if name in FAST_LAUNCH_CASES:
-            through_triton[name] = got
         if name == "gate_Dhead":
             # negative control: S_in zero instead of the initial state (a lost state summary)
             bad = _run_segment(triton_backend, t, grads, spec, initial_states=None, backward=False)
@@ -198,68 +194,8 @@ def segments_main():
             results[f"upstream_state_passing_{name}"] = dict(errs=_errors(up, want), seconds=0.0)
     results["fold_chunks"] = _fold_chunks_vs_upstream(triton_backend)
     results["pass_states"] = _pass_states_vs_upstream()
-    results["group_of_one_tiled"], tiled_case = _group_of_one_tiled(triton_backend)
-    results["fast_launch"] = _fast_launch_vs_triton(triton_backend, through_triton)
-    results["programs"] = _programs_vs_run(triton_backend, *tiled_case)
+    results["group_of_one_tiled"] = _group_of_one_tiled(triton_backend)
     print("RESULT " + json.dumps(results), flush=True)
-
-
-FAST_LAUNCH_CASES = ("gate_Dhead", "packed_rms_after_gate")
-
-
-def _fast_launch_vs_triton(triton_backend, through_triton):
-    """Segments launched through ops/launch.py (DS_MAMBA_SPCP_FAST_LAUNCH=1) against Triton's own path (the results
-    of ``through_triton``: the same segments, run above with the variable unset), per case:
-    the names of the results that differ (bitwise) in each of two runs; the kernels whose interpreted launches did
-    not all come from a launcher (escaped to Triton's path); the launches of the second run that did not find
-    their key recorded by the first; the recorded configs the second run used."""
-    import collections
-
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from ds_mamba_spcp.ops import launch
-
-    calls = collections.Counter()
-    run = InterpretedFunction.run
-
-    def counted(self, *args, **kwargs):
-        calls[self.__name__] += 1
-        return run(self, *args, **kwargs)
-
-    InterpretedFunction.run = counted
-    res = dict(errs={}, escaped={}, second_run_not_recorded={}, configs={}, seconds=0.0)
-    try:
-        for name in FAST_LAUNCH_CASES:
-            opts = SEGMENT_CASES[name]
-            t, grads = make_inputs(opts, SEG_BATCH, SEG_LEN)
-            labels = segment_labels(SEG_BATCH, SEG_LEN) if opts.get("packed") else None
-            kw = dict(initial_states=t["initial_states"], seq_idx=labels)
-            want = through_triton[name]
-            calls.clear()
-            os.environ[launch.ENV] = "1"
-            by_run = []
-            for run_index in range(2):  # the second run finds every key recorded
-                launch.COUNTS.clear()
-                got = _run_segment(triton_backend, t, grads, spec_of(opts), **kw)
-                res["errs"][f"{name}_run{run_index}"] = [k for k in want if not torch.equal(got[k], want[k])]
-                by_run.append(collections.Counter(launch.COUNTS))
-            # a launcher launches through the interpreter itself, or (a key's first launch, or through) through
-            # Triton's Autotuner, which then does
-            via = collections.Counter()
-            for (kernel, path), n in (by_run[0] + by_run[1]).items():
-                if path in ("interpreted", "first", "through"):
-                    via[kernel] += n
-            res["escaped"][name] = {k: [calls[k], via[k]] for k in set(calls) | set(via) if calls[k] != via[k]}
-            # a key that never repeats (one that read a tensor's address, say) would take Triton's path every time
-            res["second_run_not_recorded"][name] = sorted(
-                f"{kernel}:{path}" for (kernel, path) in by_run[1] if path in ("first", "through")
-            )
-            res["configs"][name] = sum(n for (_, path), n in by_run[1].items() if path == "config")
-            res["launched"] = sorted(via)
-    finally:
-        InterpretedFunction.run = run
-        os.environ.pop(launch.ENV, None)
-    return res
 
 
 def _fold_chunks_vs_upstream(triton_backend):
@@ -344,18 +280,18 @@ def _pass_states_vs_upstream():
         od = torch.bfloat16 if low else torch.float32
         tag = f"c{nchunks}_init{int(init)}_packed{int(packed)}_{'bf16' if low else 'fp32'}"
         want = sp._state_passing_fwd(states, dA, initial_states=i0, out_dtype=od, **extra)
-        got = ps.state_passing_fwd(ps._state_passing_fwd_kernel, states, dA, i0, out_dtype=od, block=64, **extra)
+        got = ps.state_passing_fwd(states, dA, i0, out_dtype=od, block=64, **extra)
         errs["fwd_" + tag] = worst(want, got)
         prev, dout = torch.randn(2, b, nchunks, h, dim, generator=g).unbind(0)
         dfinal = torch.randn(b, h, dim, generator=g) if init else None  # (dfinal_states with the initial states)
         conv = torch.bfloat16 if low else None
         kw = dict(has_initial_states=init, dstates_dtype=torch.bfloat16, states_dtype=conv)
         want = sp._state_passing_bwd(prev, dA, dout, dfinal_states=dfinal, **kw, **extra)
-        got = ps.state_passing_bwd(ps._state_passing_bwd_kernel, prev, dA, dout, dfinal, seq, **kw, chunk_size=chunk,
+        got = ps.state_passing_bwd(prev, dA, dout, dfinal, seq, **kw, chunk_size=chunk,
                                    block=64)  # fmt: skip
         errs["bwd_" + tag] = worst(want if conv else (*want, None), got)
         if packed:
-            bad = ps.state_passing_fwd(ps._state_passing_fwd_kernel, states, dA, i0, out_dtype=od, block=64)
+            bad = ps.state_passing_fwd(states, dA, i0, out_dtype=od, block=64)
             controls["fwd_no_labels_" + tag] = worst(sp._state_passing_fwd(states, dA, i0, out_dtype=od, **extra), bad)
     return dict(errs=errs, controls=controls, seconds=0.0)
 
@@ -401,110 +337,22 @@ def _group_of_one_tiled(triton_backend):
     finally:
         triton_backend.segment_fwd = real
     res["bug_no_carry"] = _errors({"out": bad["out"]}, want)
-    return res, (t, grads, names, kw, got)  # the case and its results, for _programs_vs_run
-
-
-def _programs_vs_run(triton_backend, t, grads, names, kw, want):
-    """ops/programs.py on the interpreter, through the launch layer: _group_of_one_tiled's case (the public op in a
-    group of one in tiles of 16 of 37 tokens: the rows together in three tiles, the first without a halo, the last
-    of 5 tokens, so three keys per direction; packed, gated RMSNorm, the kept y, initial and final states) twice
-    with programs (DS_MAMBA_SPCP_PROGRAMS=1: the first run records, the second replays), against ``want``, its results
-    with the segment code (Triton's launch path, which the launch layer matches bitwise: test above). Per run: the
-    results that differ (bitwise). Then, forward only: check mode, two runs under no_grad (no kept y: the key of the
-    forward-only route and the chunked prefill; recorded, then replayed), the plain gate without RMSNorm (its chunk
-    scan writes into the output's view; against its own run with the code), two under inference mode, and two
-    negative controls: the kept forward
-    programs without their last launch (the comparison must see it), and a forward whose ops change under the same
-    key (check mode must raise)."""
-    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
-    from ds_mamba_spcp.ops import programs
-
-    def call(mode, backward=True, recompute_output=False, rms=True):
-        os.environ[programs.ENV] = mode
-        inputs = {k: t[k].clone().requires_grad_(backward) for k in names}
-        args = [inputs[k] for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D")]
-        weight = inputs["rmsnorm_weight"] if rms else None
-        out, final = mamba_split_conv1d_scan_sp(*args, SHAPE["chunk"], rmsnorm_weight=weight,
-                                                initial_states=inputs["initial_states"], **kw, backend="triton",
-                                                tile_length=16, recompute_output=recompute_output)  # fmt: skip
-        got = {"out": out.detach(), "final_states": final.detach()}
-        if backward:
-            ((out * grads["out"].to(out.dtype)).sum() + (final * grads["final"].to(final.dtype)).sum()).backward()
-            got.update({"d" + k: inputs[k].grad for k in names})
-        return got
-
-    def differ(got, want):
-        return sorted(k for k in got if not torch.equal(got[k], want[k]))
-
-    os.environ["DS_MAMBA_SPCP_FAST_LAUNCH"] = "1"
-    start = time.perf_counter()
-    res = dict(errs={})
-    try:
-        before = collections.Counter(programs.COUNTS)
-        for i in range(2):
-            res["errs"][f"run{i}"] = differ(call("1"), want)
-        res["counts"] = {f"{n}:{p}": c - before[n, p] for (n, p), c in programs.COUNTS.items() if c > before[n, p]}
-        with torch.no_grad():
-            res["errs"]["check"] = differ(call("check", backward=False), want)
-            # forward only, y not kept (recompute_output: the key of the forward-only route): recorded, then replayed
-            before = collections.Counter(programs.COUNTS)
-            res["errs"]["no_grad"] = [differ(call("1", False, recompute_output=True), want) for _ in range(2)]
-            res["counts_no_grad"] = {f"{n}:{p}": c - before[n, p] for (n, p), c in programs.COUNTS.items()
-                                     if c > before[n, p]}  # fmt: skip
-            # the plain gate (no RMSNorm: the chunk scan writes the gated output into the tile's view of the whole)
-            gate = call("0", False, rms=False)
-            res["errs"]["gate"] = [differ(call("1", False, rms=False), gate) for _ in range(2)]
-        with torch.inference_mode():  # (contiguous and reshape reach the recorder whole here)
-            res["errs"]["inference_mode"] = [differ(call("1", False, recompute_output=True), want) for _ in range(2)]
-        # negative control 1: the last launch (the chunk scan) of each kept forward program dropped
-        kept = {key: p.steps for key, p in triton_backend._FWD_KNOWN.programs.items()}
-        for p in triton_backend._FWD_KNOWN.programs.values():
-            last = max(i for i, s in enumerate(p.steps) if isinstance(s[1], programs._Launch))
-            p.steps = p.steps[:last] + p.steps[last + 1 :]
-        with torch.no_grad():
-            res["bug_dropped_launch"] = differ(call("1", backward=False), want)
-        for key, steps in kept.items():
-            triton_backend._FWD_KNOWN.programs[key].steps = steps
-        # negative control 2: a forward that clones its output on every other call, under the same key
-        real, flips = triton_backend._scan_out, [0]
-
-        def flipping(*args):
-            flips[0] += 1
-            out, y = real(*args)
-            return (out.clone() if flips[0] % 2 else out), y
-
-        triton_backend._scan_out = flipping
-        try:
-            with torch.no_grad():
-                call("check", backward=False)
-            res["bug_outside_key"] = "no error"
-        except programs.ProgramMismatch as e:
-            res["bug_outside_key"] = f"ProgramMismatch: {e}"[:300]
-        finally:
-            triton_backend._scan_out = real
-    finally:
-        os.environ.pop(programs.ENV, None)
-        os.environ.pop("DS_MAMBA_SPCP_FAST_LAUNCH", None)
-    res["seconds"] = time.perf_counter() - start
     return res
 
 
-def test_programs_replay_equals_the_segment_code(segment_results):
-    """ops/programs.py: a group of one's tiles replayed from recorded programs are bitwise equal to the segment
-    code's run (three replays, both directions, both tile lengths), and so is check mode; a program without one of
-    its launches is not (the comparison sees a dropped step); a segment whose ops change under the same key raises
-    ProgramMismatch in check mode. This is the test of what programs record (aten ops, views, launches, the conv as
-    an extern step) against what the segment code computes; tests/test_programs.py tests the mechanism alone."""
-    res = segment_results["programs"]
-    clean = {"run0": [], "run1": [], "check": [], "no_grad": [[], []], "gate": [[], []], "inference_mode": [[], []]}
-    assert res["errs"] == clean, res
-    # the rows run together, three tiles: the first run records each tile's key (the first tile has no halo, the
-    # last is 5 tokens long), the second replays all three, in both directions; nothing runs unrecorded
-    want = {f"_{d}_known:{p}": 3 for d in ("fwd", "bwd") for p in ("record", "replay")}
-    assert res["counts"] == want, res["counts"]
-    assert res["counts_no_grad"] == {"_fwd_known:record": 3, "_fwd_known:replay": 3}, res["counts_no_grad"]
-    assert res["bug_dropped_launch"], "a program without its last launch gave the same results"
-    assert res["bug_outside_key"].startswith("ProgramMismatch"), res["bug_outside_key"]
+def test_state_passing_kernel_values(monkeypatch):
+    """DS_MAMBA_SPCP_STATE_PASSING: ops/pass_states.py's kernels unless 'upstream'; empty is the default, as for the
+    package's other variables (it raised); a typo is refused, not read as either."""
+    from ds_mamba_spcp.ops import pass_states
+
+    monkeypatch.delenv(pass_states.ENV, raising=False)
+    assert pass_states.enabled()
+    for raw, want in (("prefetch", True), ("upstream", False), ("", True), (" Upstream ", False)):
+        monkeypatch.setenv(pass_states.ENV, raw)
+        assert pass_states.enabled() is want
+    monkeypatch.setenv(pass_states.ENV, "mamba")
+    with pytest.raises(ValueError, match="expected 'prefetch'"):
+        pass_states.enabled()
 
 
 def test_fold_chunks_equals_upstream(segment_results):
@@ -535,17 +383,6 @@ def test_group_of_one_tiles_in_known_mode_match_the_reference(segment_results):
     bad = {k: v for k, v in res["errs"].items() if not v <= TOL}
     assert not bad, f"errors over {TOL}: {bad} (all: {res['errs']})"
     assert res["bug_no_carry"]["out"] > 100 * TOL, res["bug_no_carry"]
-
-
-def test_fast_launch_equals_triton_launch(segment_results):
-    """ops/launch.py on the interpreter: mamba-ssm's wrappers rebound, recorded configs with their pre-hooks,
-    heuristics per launch. The same kernels with the same arguments: bitwise equal, every launch through a
-    launcher, and the second run finds every key the first recorded (only recorded configs, no Triton launch)."""
-    res = segment_results["fast_launch"]
-    assert res["errs"] == {f"{c}_run{i}": [] for c in FAST_LAUNCH_CASES for i in range(2)}, res["errs"]
-    assert res["escaped"] == {c: {} for c in FAST_LAUNCH_CASES}, "launches that escaped ops/launch.py"
-    assert res["second_run_not_recorded"] == {c: [] for c in FAST_LAUNCH_CASES}, "keys not found in the second run"
-    assert min(res["configs"].values()) >= 10 and "_layer_norm_bwd_kernel" in res["launched"], res
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,10 @@ each a loop over the chunks that loads a chunk's values and uses them at once: a
 once per tile: 8 launches per 32K step in 8K tiles against mamba-ssm's 2 on the whole row.
 
 The kernels here compute the same recurrences, in the same order and precision (their results equal upstream's
-bitwise, the ddA partial sums aside, which are summed over blocks of another size: ``tests/test_triton_interpreter.py``
-at upstream's block, ``benchmarks/probe_state_passing.py`` on an H200 against upstream at its usual block of 256),
-but walk the chunks in groups of four and issue the next group's loads before the current group is computed.
+bitwise, the ddA partial sums aside, which are summed over blocks of another size:
+``tests/test_triton_interpreter.py`` at upstream's block, ``benchmarks/probes/probe_state_passing.py`` on an H200
+against upstream at its usual block of 256), but walk the chunks in groups of four and issue the next group's loads
+before the current group is computed.
 
     forward   out[0] = S_in; S <- exp(dA_c) S + states[c]; out[c + 1] = S (c < nchunks - 1), final = S (the last)
     backward  dS = dfinal; for c from the last chunk: ddA[c] = sum(out[c] dS) exp(dA_c) (per block of the
@@ -36,8 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-# "upstream": mamba-ssm's kernels instead (for A/B measurements). Read on every call; a program (ops/programs.py)
-# keys on it too (programs._ENV_READ), so that flipping it between calls takes effect there as well
+# "upstream": mamba-ssm's kernels instead (for A/B measurements). Read on every call
 ENV = "DS_MAMBA_SPCP_STATE_PASSING"
 BLOCK = 1024  # the best of 128-1024 x 2-8 warps for all three kernels at 64-1024 chunks (the probe above)
 NUM_WARPS = 4
@@ -248,18 +248,18 @@ def _state_passing_bwd_kernel(
         s2, g2, d2, l2, s3, g3, d3, l3 = t2, h2, e2, k2, t3, h3, e3, k3
 
 
-def state_passing_fwd(kernel, states, dA_last, initial_states=None, seq_idx=None, chunk_size=None, out_dtype=None,
+def state_passing_fwd(states, dA_last, initial_states=None, seq_idx=None, chunk_size=None, out_dtype=None,
                       block=BLOCK, num_warps=NUM_WARPS):  # fmt: skip
-    """mamba-ssm's ``_state_passing_fwd`` (same arguments and results) through ``kernel`` (this module's forward
-    kernel, or a launcher of it): states (b, c, h, dim) -> (out (b, c, h, dim) in out_dtype (the states' dtype by
-    default): the state entering every chunk, final (b, h, dim) fp32)."""
+    """mamba-ssm's ``_state_passing_fwd`` (same arguments and results) on this module's forward kernel: states
+    (b, c, h, dim) -> (out (b, c, h, dim) in out_dtype (the states' dtype by default): the state entering every
+    chunk, final (b, h, dim) fp32)."""
     batch, nchunks, nheads, dim = states.shape
     out = torch.empty(batch, nchunks, nheads, dim, device=states.device, dtype=out_dtype or states.dtype)
     final = torch.empty(batch, nheads, dim, device=states.device, dtype=torch.float32)
     has_seq = seq_idx is not None
     block = min(block, triton.next_power_of_2(dim))
     with torch.cuda.device(states.device.index):
-        kernel[(triton.cdiv(dim, block), batch, nheads)](
+        _state_passing_fwd_kernel[(triton.cdiv(dim, block), batch, nheads)](
             states, out, final, dA_last, initial_states, seq_idx, dim, nchunks,
             seq_idx.shape[-1] if has_seq else 0, chunk_size if has_seq else 0,
             *states.stride(), *out.stride(), *final.stride(),
@@ -285,13 +285,13 @@ def bwd_buffers(states, dout, dstates_dtype, states_dtype, dinit_dtype):
     return dstates, converted, dinit
 
 
-def state_passing_bwd(kernel, states, dA_last, dout, dfinal_states=None, seq_idx=None, *, has_initial_states,
+def state_passing_bwd(states, dA_last, dout, dfinal_states=None, seq_idx=None, *, has_initial_states,
                       dstates_dtype, states_dtype=None, dinit_dtype=None, chunk_size=None, block=BLOCK,
                       num_warps=NUM_WARPS):  # fmt: skip
-    """mamba-ssm's ``_state_passing_bwd`` (same arguments) through ``kernel``: -> (dstates (dstates_dtype),
-    ddA_chunk_cumsum (b, h, c) in dA_last's dtype, dinitial_states (b, h, dim) in dinit_dtype (dstates_dtype by
-    default; None without initial states), the states converted to states_dtype (the states themselves when
-    they have it; None when states_dtype is None))."""
+    """mamba-ssm's ``_state_passing_bwd`` (same arguments) on this module's backward kernel: -> (dstates
+    (dstates_dtype), ddA_chunk_cumsum (b, h, c) in dA_last's dtype, dinitial_states (b, h, dim) in dinit_dtype
+    (dstates_dtype by default; None without initial states), the states converted to states_dtype (the states
+    themselves when they have it; None when states_dtype is None))."""
     batch, nchunks, nheads, dim = states.shape
     dstates, converted, dinit = bwd_buffers(states, dout, dstates_dtype, states_dtype,
                                             (dinit_dtype or dstates_dtype) if has_initial_states else None)  # fmt: skip
@@ -300,7 +300,7 @@ def state_passing_bwd(kernel, states, dA_last, dout, dfinal_states=None, seq_idx
     ddA_partial = torch.empty(batch, nheads, nchunks, n_blocks, dtype=torch.float32, device=dout.device)
     has_seq = seq_idx is not None
     with torch.cuda.device(dout.device.index):
-        kernel[(n_blocks, batch, nheads)](
+        _state_passing_bwd_kernel[(n_blocks, batch, nheads)](
             dout, states, dA_last, dfinal_states, seq_idx, dstates, ddA_partial, dinit, converted,
             dim, nchunks, seq_idx.shape[-1] if has_seq else 0, chunk_size if has_seq else 0,
             *dout.stride(), *states.stride(), dA_last.stride(0), dA_last.stride(2), dA_last.stride(1),

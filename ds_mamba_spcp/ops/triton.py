@@ -29,10 +29,6 @@ summaries), so a segment chain reproduces the single-device op up to rounding. T
 quantities (S_ext, log_a, S_in, L, dS_out) are fp32. Nothing here reads a tensor value on the
 host, so forward and backward can be captured in a CUDA graph.
 
-Launches: every kernel (mamba-ssm's, through its wrappers, and this module's) is reached through ``_kernels()``:
-Triton's own launch path, or with DS_MAMBA_SPCP_FAST_LAUNCH set, ``ops/launch.py``'s (the same kernels and
-configs, launched through their compiled kernels' C launchers; experimental).
-
 Memory: the autograd Function saves the inputs, the halo, S_in and the gathered decays, plus the
 pre-gate output y as upstream's op does (freed as soon as the gate's backward has used it; with
 recompute_output=True it is recomputed instead); the conv output, x/B/C, chunk states and CB are
@@ -43,7 +39,7 @@ Length limit: mamba-ssm 2.3.2's kernels compute element offsets in int32 (mamba-
 so a tensor they touch must hold fewer than 2**31 elements. The widest is zxbcdt and its gradient
 (d_in_proj elements per token): see ``max_tokens``. The sharded op runs longer segments as tiles
 (``ops/tiles.py``); only a direct call of this module with more is refused, with the way out.
-Measured on an H200 (benchmarks/probe_int32_limit.py: upstream's op, bf16, batch 1, nheads=64,
+Measured on an H200 (benchmarks/probes/probe_int32_limit.py: upstream's op, bf16, batch 1, nheads=64,
 headdim=64, ngroups=8, dstate=128, d_in_proj=10304, against the fp32 reference): 208384 tokens
 (zxbcdt 2,147,188,736 elements) match (worst 1/16 of the sequence 2.8e-3 out, 3.0e-3 dzxbcdt);
 208512 tokens (2,148,507,648 elements, the first chunk past 2**31) and 212992 and 262144 end in an
@@ -53,8 +49,6 @@ illegal memory access. The guard's bound (208412 tokens for that shape) sits bet
 from __future__ import annotations
 
 import math
-import types
-from typing import NamedTuple
 
 import torch
 import triton
@@ -62,12 +56,12 @@ import triton.language as tl
 
 from ds_mamba_spcp import _upstream
 from ds_mamba_spcp.autograd import first_order_only
-from ds_mamba_spcp.ops import launch, pass_states, programs
+from ds_mamba_spcp.ops import pass_states
 from ds_mamba_spcp.ops.segment import Ready, run_bwd_known, run_fwd_known
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 _upstream.check_pinned_versions()
-_conv_fwd_fn, _conv_bwd_fn = map(programs.extern, _upstream.causal_conv1d_functions())  # C++ writes: program steps
+_conv_fwd_fn, _conv_bwd_fn = _upstream.causal_conv1d_functions()
 _bmm = _upstream.mamba_module("ops.triton.ssd_bmm")
 _chunk_state = _upstream.mamba_module("ops.triton.ssd_chunk_state")
 _state_passing = _upstream.mamba_module("ops.triton.ssd_state_passing")
@@ -172,9 +166,8 @@ def _split_xBC(xBC, spec: CoreSpec):
 def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec, seq_idx=None, init=None):
     """dt processing, then (the halo having arrived meanwhile) conv and per-chunk states from zero:
     everything before any state arrives. init: the halo in the conv's layout, given instead of ``halo``."""
-    k = _kernels()
     z, xBC, dt_raw = split_zxbcdt(zxbcdt, spec)
-    dA_cumsum, dt = k.chunk_state._chunk_cumsum_fwd(
+    dA_cumsum, dt = _chunk_state._chunk_cumsum_fwd(
         dt_raw, A, spec.chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit
     )
     x, B, C = _split_xBC(_conv_fwd(xBC, _ready(halo), conv1d_weight, conv1d_bias, spec, seq_idx, init), spec)
@@ -184,22 +177,21 @@ def _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: Cor
     x = x if x.stride(-1) == 1 or x.stride(1) == 1 else x.contiguous()
     z = z.unflatten(-1, (spec.nheads, spec.headdim))
     z = z if z.stride(-1) == 1 or z.stride(1) == 1 else z.contiguous()
-    chunk_states = k.chunk_state._chunk_state_fwd(B, x, dt, dA_cumsum, seq_idx=seq_idx, states_in_fp32=True)
+    chunk_states = _chunk_state._chunk_state_fwd(B, x, dt, dA_cumsum, seq_idx=seq_idx, states_in_fp32=True)
     return z, xBC, dt_raw, x, B, C, dt, dA_cumsum, chunk_states  # chunk_states: [b, c, h, p, n] fp32
 
 
 def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None, seq_idx=None, chunk_size=None):
     """States entering every chunk (out_dtype) and the state after the last one (fp32)."""
-    k = _kernels()
     flat = chunk_states.flatten(-2)
     init = None if initial_states is None else initial_states.flatten(-2)
     if pass_states.enabled():  # the same recurrence, with the next chunks' loads in flight (ops/pass_states.py)
         prev, final = pass_states.state_passing_fwd(
-            k.pass_fwd, flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
+            flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
             out_dtype=out_dtype,
         )  # fmt: skip
     else:
-        prev, final = k.state_passing._state_passing_fwd(
+        prev, final = _state_passing._state_passing_fwd(
             flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
             out_dtype=out_dtype,
         )  # fmt: skip
@@ -271,7 +263,6 @@ def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, lo
     """
     b, nchunks, h, p, n = x.shape
     flat = x.reshape(b, nchunks, h, p * n)
-    k = _kernels()
     out = torch.empty(b, h, p * n, device=x.device, dtype=torch.float32)
     total = torch.empty(b, h, device=x.device, dtype=torch.float32) if log_a else out
     block = min(512, triton.next_power_of_2(p * n))
@@ -280,7 +271,7 @@ def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, lo
     seq_strides = seq_idx.stride() if has_seq else (0, 0)
     init_flat = None if init is None else init.reshape(b, h, p * n)
     with torch.cuda.device(x.device.index):
-        k.fold_chunks[grid](
+        _fold_chunks_kernel[grid](
             flat, dA_last, out, seq_idx if has_seq else flat, total, flat if init is None else init_flat, nchunks,
             p * n, seq_idx.shape[1] if has_seq else 0, chunk_size if has_seq else 0,
             *flat.stride(), *dA_last.stride(), *out.stride(), *seq_strides, *(total.stride() if log_a else (0, 0)),
@@ -299,10 +290,9 @@ def _state_passing_bwd_fp32_dinit(states, dA_chunk_cumsum, dout, dfinal_states, 
     ``_fold_chunks(..., init=dS_out)`` computed in a launch of its own: the same recurrence over the same values in
     fp32. With ranks it is discarded (L, folded before dS_out arrived, went instead). -> (dstates,
     ddA_chunk_cumsum, dinitial_states fp32 (b, h, dim), the states converted to ``states_dtype`` or None)."""
-    k = _kernels()
     if pass_states.enabled():  # ops/pass_states.py's kernel: the same recurrence, its loads ahead
         return pass_states.state_passing_bwd(
-            k.pass_bwd, states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, has_initial_states=True,
+            states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, has_initial_states=True,
             dstates_dtype=dstates_dtype, states_dtype=states_dtype, dinit_dtype=torch.float32, chunk_size=chunk_size,
         )  # fmt: skip
     batch, nchunks, nheads, dim = states.shape
@@ -310,7 +300,7 @@ def _state_passing_bwd_fp32_dinit(states, dA_chunk_cumsum, dout, dfinal_states, 
     n_blocks = triton.cdiv(dim, 64)  # upstream's smallest BLOCK_SIZE: a partial sum per block of the config's
     ddA_partial = torch.empty(batch, nheads, nchunks, n_blocks, dtype=torch.float32, device=dout.device)
     seq_strides = (seq_idx.stride(0), seq_idx.stride(1)) if seq_idx is not None else (0, 0)
-    kernel = k.state_passing._state_passing_bwd_kernel
+    kernel = _state_passing._state_passing_bwd_kernel
     with torch.cuda.device(dout.device.index):
         kernel[lambda meta: (triton.cdiv(dim, meta["BLOCK_SIZE"]), batch, nheads)](
             dout, states, dA_chunk_cumsum, dfinal_states, seq_idx, dstates, ddA_partial, dinit, converted,
@@ -361,65 +351,12 @@ def _ddA_tail(ddA, ddA_next, ddA_prev, ddA_chunk):
     ``ddA += ddA_next + ddA_prev.flip(-1).cumsum(-1).flip(-1)``, in one launch (ddA_prev is not modified).
     """
     b, h, c, chunk_size = ddA.shape
-    k = _kernels()
     with torch.cuda.device(ddA.device.index):
-        k.ddA_tail[(b, h, c)](
+        _ddA_tail_kernel[(b, h, c)](
             ddA, ddA_next, ddA_prev, ddA_chunk, chunk_size, *ddA.stride(), *ddA_next.stride(), *ddA_prev.stride(),
             *ddA_chunk.stride(), BLOCK=triton.next_power_of_2(chunk_size), num_warps=4,
         )  # fmt: skip
     return ddA
-
-
-class _Kernels(NamedTuple):
-    """What the segment functions launch: mamba-ssm's modules (their wrappers) and this module's kernels."""
-
-    bmm: types.ModuleType
-    chunk_state: types.ModuleType
-    state_passing: types.ModuleType
-    chunk_scan: types.ModuleType
-    combined: types.ModuleType
-    layernorm: types.ModuleType
-    fold_chunks: object
-    ddA_tail: object
-    pass_fwd: object
-    pass_bwd: object
-
-
-_THROUGH_TRITON = _Kernels(
-    _bmm,
-    _chunk_state,
-    _state_passing,
-    _chunk_scan,
-    _combined,
-    _layernorm,
-    _fold_chunks_kernel,
-    _ddA_tail_kernel,
-    pass_states._state_passing_fwd_kernel,
-    pass_states._state_passing_bwd_kernel,
-)
-
-
-_DIRECT: dict[bool, _Kernels] = {}  # check -> the launchers (built on first use: their recorded keys live there)
-
-
-def _direct_launch(check: bool) -> _Kernels:
-    """The same, launched through ``ops/launch.py`` (mamba-ssm's wrappers rebound to its launchers); check:
-    every recorded launch verified against Triton."""
-    if check not in _DIRECT:
-        spaces = launch.redirect(_THROUGH_TRITON[:6], check)
-        modules = [spaces[m.__name__] for m in _THROUGH_TRITON[:6]]
-        own = [launch.launcher(kernel, check) for kernel in _THROUGH_TRITON[6:]]
-        _DIRECT[check] = _Kernels(*modules, *own)
-    return _DIRECT[check]
-
-
-def _kernels() -> _Kernels:
-    """ops/launch.py's launchers where ``launch.mode()`` says so (by default on a verified Triton), else Triton's
-    own launch path (always under torch.compile, which traces Triton's kernel objects)."""
-    mode = launch.mode()
-    if mode == "off" or torch.compiler.is_compiling():
-        return _THROUGH_TRITON
-    return _direct_launch(mode == "check")
 
 
 def _flat_rows(t):
@@ -436,7 +373,6 @@ def _chunk_scan_fwd_into(cb, x, dt, dA_cumsum, C, states, D, z, seq_idx, out):
     only the batch stride may differ, and only for batch 1. Returns (out, y)."""
     batch, seqlen, nheads, headdim = x.shape
     _, _, nchunks, chunk_size = dt.shape
-    k = _kernels()
     _, _, ngroups, dstate = C.shape
     y = torch.empty(batch, seqlen, nheads, headdim, device=x.device, dtype=x.dtype)
     if out.shape != y.shape or out.dtype != y.dtype or (y.stride()[1:] != out.stride()[1:]) or batch != 1:
@@ -448,7 +384,7 @@ def _chunk_scan_fwd_into(cb, x, dt, dA_cumsum, C, states, D, z, seq_idx, out):
 
     seq_strides = (seq_idx.stride(0), seq_idx.stride(1)) if seq_idx is not None else (0, 0)
     with torch.cuda.device(x.device.index):
-        k.chunk_scan._chunk_scan_fwd_kernel[grid](
+        _chunk_scan._chunk_scan_fwd_kernel[grid](
             cb, x, z, out, y, dt, dA_cumsum, seq_idx, C, states, D,
             chunk_size, headdim, dstate, batch, seqlen, nheads // ngroups,
             *cb.stride(), *x.stride(), *z.stride(), *out.stride(),
@@ -457,7 +393,7 @@ def _chunk_scan_fwd_into(cb, x, dt, dA_cumsum, C, states, D, z, seq_idx, out):
             *seq_strides, *C.stride(), *states.stride(), D.stride(0) if D is not None else 0,
             True, D is not None, D.dim() == 2 if D is not None else True,
             BLOCK_SIZE_DSTATE=max(triton.next_power_of_2(dstate), 16), HAS_Z=True, HAS_SEQ_IDX=seq_idx is not None,
-            IS_TRITON_22=k.chunk_scan.TRITON_22,
+            IS_TRITON_22=_chunk_scan.TRITON_22,
         )  # fmt: skip
     return out, y
 
@@ -496,8 +432,8 @@ def segment_fwd(
     S_out the state passing's final state (as mamba-ssm's op carries it).
     """
     if S_in is not None:
-        return _known(_FWD_KNOWN, zxbcdt, _ready(halo), conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
-                      S_in, seq_idx, out, spec=spec, keep_y=keep_y)  # fmt: skip
+        return run_fwd_known(_segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
+                                          spec=spec, seq_idx=seq_idx, keep_y=keep_y, out=out, S_in=S_in))  # fmt: skip
     return (yield from _segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
                                     spec=spec, seq_idx=seq_idx, keep_y=keep_y, out=out))  # fmt: skip
 
@@ -510,13 +446,12 @@ def _segment_fwd(
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
     D = D.contiguous()
-    k = _kernels()
     known = S_in is not None
     z, _, _, x, B, C, dt, dA_cumsum, chunk_states = _scan_inputs(
         zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx
     )
     if known:
-        CB = k.bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)
+        CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)
     else:
         # S_ext and log_a (the segment's total decay, exp(log_a); -inf where a document starts inside): one launch
         S_ext, log_a = _fold_chunks(
@@ -524,16 +459,16 @@ def _segment_fwd(
             log_a=True,
         )  # fmt: skip
         handle = yield S_ext, log_a
-        CB = k.bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)  # overlaps
+        CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)  # overlaps
         S_in = handle.wait()
     prev_states, S_out = _pass_states(chunk_states, dA_cumsum, S_in, C.dtype, seq_idx, spec.chunk_size)
     del chunk_states
-    res, y = _scan_out(CB, x, dt, dA_cumsum, C, prev_states, D, z, rmsnorm_weight, spec, seq_idx, out, k)
+    res, y = _scan_out(CB, x, dt, dA_cumsum, C, prev_states, D, z, rmsnorm_weight, spec, seq_idx, out)
     y = y if keep_y else None  # y: before the gate
     return (res, y, S_out) if known else (res, y)
 
 
-def _scan_out(CB, x, dt, dA_cumsum, C, prev_states, D, z, rmsnorm_weight, spec, seq_idx, out, k):
+def _scan_out(CB, x, dt, dA_cumsum, C, prev_states, D, z, rmsnorm_weight, spec, seq_idx, out):
     """The chunk scan and the gate (or the gated RMSNorm): (out (batch, seqlen, d_inner), y)."""
     batch, seqlen = x.shape[:2]
     if rmsnorm_weight is None:
@@ -541,12 +476,12 @@ def _scan_out(CB, x, dt, dA_cumsum, C, prev_states, D, z, rmsnorm_weight, spec, 
             into = out.unflatten(-1, x.shape[-2:])
             _, y = _chunk_scan_fwd_into(CB, x, dt, dA_cumsum, C, prev_states, D, z, seq_idx, into)
             return out, y
-        res, y = k.chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z, seq_idx=seq_idx)
+        res, y = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=z, seq_idx=seq_idx)
         return res.flatten(-2), y
-    y, _ = k.chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=None, seq_idx=seq_idx)
+    y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_states, D=D, z=None, seq_idx=seq_idx)
     y_rms, z_rms = _rms_args(y, z, spec)
     out_rows = None if out is None else _flat_rows(out)
-    res, _, _ = k.layernorm._layer_norm_fwd(
+    res, _, _ = _layernorm._layer_norm_fwd(
         y_rms, rmsnorm_weight.contiguous(), None, spec.rmsnorm_eps, z_rms, out=out_rows,
         group_size=spec.d_inner // spec.ngroups, norm_before_gate=spec.norm_before_gate, is_rms_norm=True,
     )  # fmt: skip
@@ -570,9 +505,10 @@ def segment_bwd(
     which starts from dS_out (``_state_passing_bwd_fp32_dinit``), returned last.
     """
     if dS_out is not None:
-        y = kept.pop() if kept else None
-        *grads, dS_in, dhalo = _known(_BWD_KNOWN, dout, zxbcdt, _ready(halo), conv1d_weight, conv1d_bias, dt_bias,
-                                      A, D, rmsnorm_weight, S_in, seq_idx, y, dzxbcdt, dS_out, spec=spec)  # fmt: skip
+        grads, dS_in, dhalo = run_bwd_known(_segment_bwd(
+            dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, spec=spec,
+            seq_idx=seq_idx, kept=kept, dzxbcdt=dzxbcdt, dS_out=dS_out,
+        ))  # fmt: skip
         yield dhalo
         return (*grads, dS_in)
     return (yield from _segment_bwd(dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
@@ -588,7 +524,6 @@ def _segment_bwd(
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
     chunk = spec.chunk_size
-    k = _kernels()
     D = D.contiguous()
     dout = (dout if dout.stride(-1) == 1 else dout.contiguous()).unflatten(-1, (spec.nheads, spec.headdim))
     init = _halo_layout(_ready(halo))  # laid out once: the recomputed conv and the conv backward take it
@@ -597,13 +532,13 @@ def _segment_bwd(
     )
     prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, None, seq_idx, chunk)  # fp32, as upstream's backward
     del chunk_states
-    CB = k.bmm._bmm_chunk_fwd(C, B, chunk, seq_idx=seq_idx, output_dtype=torch.float32)
+    CB = _bmm._bmm_chunk_fwd(C, B, chunk, seq_idx=seq_idx, output_dtype=torch.float32)
     if kept:
         y = kept.pop()  # the pre-gate output, kept by the forward
         prev_lowp = None  # the states as the forward's chunk scan read them: from _state_passing_bwd below
     else:
         prev_lowp = prev_states.to(C.dtype)
-        y, _ = k.chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None, seq_idx=seq_idx)
+        y, _ = _chunk_scan._chunk_scan_fwd(CB, x, dt, dA_cumsum, C, prev_lowp, D=D, z=None, seq_idx=seq_idx)
 
     # gradient buffers: views into dzxbcdt (z, dt) and into one xBC-shaped buffer (x, B, C)
     if dzxbcdt is None or (rmsnorm_weight is not None and _flat_rows(dzxbcdt) is None):
@@ -615,15 +550,15 @@ def _segment_bwd(
     # output gate / gated RMSNorm: dout -> gradient of y
     if rmsnorm_weight is None:
         dz = dz.unflatten(-1, (spec.nheads, spec.headdim))
-        dz, dy, dD_gate = k.chunk_scan._chunk_scan_bwd_dz(x, z, y, dout, chunk_size=chunk, has_ddAcs=False, D=D, dz=dz)
+        dz, dy, dD_gate = _chunk_scan._chunk_scan_bwd_dz(x, z, y, dout, chunk_size=chunk, has_ddAcs=False, D=D, dz=dz)
         drmsnorm_weight = None
     else:
         y_rms, z_rms = _rms_args(y, z, spec)
         weight = rmsnorm_weight.contiguous()
         group_size = spec.d_inner // spec.ngroups
-        _, _, rstd = k.layernorm._layer_norm_fwd(y_rms, weight, None, spec.rmsnorm_eps, z_rms, group_size=group_size,
+        _, _, rstd = _layernorm._layer_norm_fwd(y_rms, weight, None, spec.rmsnorm_eps, z_rms, group_size=group_size,
                                                 norm_before_gate=spec.norm_before_gate, is_rms_norm=True)  # fmt: skip
-        dy_rms, drmsnorm_weight, _, _ = k.layernorm._layer_norm_bwd(
+        dy_rms, drmsnorm_weight, _, _ = _layernorm._layer_norm_bwd(
             dout.reshape(-1, spec.d_inner), y_rms, weight, None, spec.rmsnorm_eps, None, rstd, z_rms,
             group_size=group_size, norm_before_gate=spec.norm_before_gate, is_rms_norm=True, dz=_flat_rows(dz),
         )  # fmt: skip
@@ -633,7 +568,7 @@ def _segment_bwd(
     del y
 
     # L: the gradient reaching S_in when S_out receives none
-    dprev = k.chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, seq_idx=seq_idx, dtype=torch.float32)
+    dprev = _chunk_scan._chunk_scan_bwd_dstates(C, dA_cumsum, dy, seq_idx=seq_idx, dtype=torch.float32)
     prev_flat, dprev_flat = prev_states.flatten(-2), dprev.flatten(-2)
     dA_last = dA_cumsum[:, :, :, -1]
     if known:  # dS_in comes from _state_passing_bwd below, in fp32 (it starts from dS_out)
@@ -642,8 +577,8 @@ def _segment_bwd(
         handle = yield _fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk)
 
     # needs no dS_out: overlaps the all-gather
-    dCB = k.chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, seq_idx=seq_idx, ngroups=spec.ngroups).to(CB.dtype)
-    ddA = k.chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)  # CB is masked across documents
+    dCB = _chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, seq_idx=seq_idx, ngroups=spec.ngroups).to(CB.dtype)
+    ddA = _chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)  # CB is masked across documents
 
     dS_out = handle.wait().flatten(-2)
     # with the gradient the later segments send, and (as upstream) the states rounded to the
@@ -657,26 +592,26 @@ def _segment_bwd(
         dS_in = dS_in.view(dS_in.shape[0], dS_in.shape[1], spec.headdim, spec.dstate)
         converted = [converted]
     else:
-        dstates, ddA_chunk_cumsum, _, *converted = k.state_passing._state_passing_bwd(
+        dstates, ddA_chunk_cumsum, _, *converted = _state_passing._state_passing_bwd(
             prev_flat, dA_last, dprev_flat, dfinal_states=dS_out, seq_idx=seq_idx, has_initial_states=True,
             dstates_dtype=x.dtype, states_dtype=states_dtype, chunk_size=chunk,
         )  # fmt: skip
     if prev_lowp is None:
         prev_lowp = converted[0].unflatten(-1, (spec.headdim, spec.dstate))
     del prev_states, prev_flat, dprev, dprev_flat, converted
-    dC_states, ddA_cumsum_prev = k.chunk_scan._chunk_scan_bwd_dC(
+    dC_states, ddA_cumsum_prev = _chunk_scan._chunk_scan_bwd_dC(
         prev_lowp, dA_cumsum, dy, seq_idx=seq_idx, C=C, ngroups=spec.ngroups
     )
-    k.bmm._bmm_chunk_bwd(B, dCB.transpose(-1, -2), residual=dC_states, out=dC)
+    _bmm._bmm_chunk_bwd(B, dCB.transpose(-1, -2), residual=dC_states, out=dC)
     del dC_states, prev_lowp
     dstates = dstates.unflatten(-1, (spec.headdim, spec.dstate))
-    dx, ddt, dD_x = k.combined._chunk_scan_chunk_state_bwd_dx(
+    dx, ddt, dD_x = _combined._chunk_scan_chunk_state_bwd_dx(
         x, dt, dA_cumsum, B, CB, dy, dstates, D=D, seq_idx=seq_idx, dx=dx
     )
-    dB_states, ddA_next = k.chunk_state._chunk_state_bwd_db(
+    dB_states, ddA_next = _chunk_state._chunk_state_bwd_db(
         x, dt, dA_cumsum, dstates, seq_idx=seq_idx, B=B, ngroups=spec.ngroups
     )
-    k.bmm._bmm_chunk_bwd(C, dCB, residual=dB_states, out=dB)
+    _bmm._bmm_chunk_bwd(C, dCB, residual=dB_states, out=dB)
     dD = dD_gate if dD_gate is not None else dD_x
 
     # conv backward, writing the xBC part of dzxbcdt; the halo's gradient is causal-conv1d's dinitial_states
@@ -690,7 +625,7 @@ def _segment_bwd(
     yield None if dinit is None else dinit.transpose(1, 2)  # -> (batch, d_conv-1, conv_dim), on its way back
 
     ddA = _ddA_tail(ddA, ddA_next, ddA_cumsum_prev, ddA_chunk_cumsum)  # upstream's six small ops in one launch
-    _, dA, ddt_bias = k.chunk_state._chunk_cumsum_bwd(
+    _, dA, ddt_bias = _chunk_state._chunk_cumsum_bwd(
         ddA, ddt, dt_raw.clone(), A, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit, ddt=ddt_given
     )  # upstream clones dt here too (a Triton "invalid device context" workaround)
     grads = (
@@ -703,36 +638,6 @@ def _segment_bwd(
         drmsnorm_weight,
     )
     return (*grads, dS_in) if known else grads
-
-
-def _fwd_known(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, seq_idx, out, *, spec,
-               keep_y):  # fmt: skip
-    """A known-mode forward as one function of tensors (what ``ops/programs.py`` records): (out, y, S_out)."""
-    return run_fwd_known(_segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
-                                      spec=spec, seq_idx=seq_idx, keep_y=keep_y, out=out, S_in=S_in))  # fmt: skip
-
-
-def _bwd_known(dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, seq_idx, y,
-               dzxbcdt, dS_out, *, spec):  # fmt: skip
-    """A known-mode backward as one function of tensors: (*gradients, dS_in, the halo's gradient or None)."""
-    grads, dS_in, dhalo = run_bwd_known(_segment_bwd(
-        dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, spec=spec,
-        seq_idx=seq_idx, kept=None if y is None else [y], dzxbcdt=dzxbcdt, dS_out=dS_out,
-    ))  # fmt: skip
-    return (*grads, dS_in, dhalo)
-
-
-_FWD_KNOWN = programs.Programs(_fwd_known)
-_BWD_KNOWN = programs.Programs(_bwd_known)
-
-
-def _known(core: programs.Programs, *args, **kwargs):
-    """A known-mode segment: replayed from its recorded program where ``programs.mode`` says so (by default wherever
-    the launch layer is on), else run."""
-    mode = "off" if torch.compiler.is_compiling() else programs.mode(launch.mode())
-    if mode == "off":
-        return core.fn(*args, **kwargs)
-    return core(mode == "check", *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

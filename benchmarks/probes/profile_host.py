@@ -4,9 +4,9 @@ Eager mode is host-bound at short shards (bench_mixer's ``host_ms`` is close to 
 this prints, for each mode, the Python functions that spend that time (rank 0; the other ranks
 run the same steps unprofiled so that the collectives pair up):
 
-    torchrun --nproc_per_node 2 benchmarks/profile_host.py --seqlen 8K --modes ideal,state_passing
-    torchrun --nproc_per_node 2 benchmarks/profile_host.py --cpu      # gloo, reference backend
-    python3 benchmarks/profile_host.py --seqlen 32K --tile-length 8K --kernels   # one process: a group of one in tiles
+    torchrun --nproc_per_node 2 benchmarks/probes/profile_host.py --seqlen 8K --modes ideal,state_passing
+    torchrun --nproc_per_node 2 benchmarks/probes/profile_host.py --cpu      # gloo, reference backend
+    python3 benchmarks/probes/profile_host.py --seqlen 32K --tile-length 8K --kernels  # a group of one in tiles
 
 Writes ``<out>/host_<mode>.txt`` (top functions by own time and by cumulative time) and prints a
 line per mode: host ms per step with and without the profiler. ``--kernels`` (CUDA) also writes
@@ -25,7 +25,7 @@ import pstats
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 
 import bench_mixer as bm  # noqa: E402
 import torch  # noqa: E402

@@ -8,7 +8,7 @@ corrupts a region, which a global norm would dilute) and of every parameter's gr
 length runs in its own process (an overflow can end in an illegal memory access, which poisons
 the CUDA context), spread over the visible GPUs.
 
-    python benchmarks/probe_int32_limit.py --lengths 65536,208384,208512,212992,262144 --out probe.json
+    python benchmarks/probes/probe_int32_limit.py --lengths 65536,208384,208512,212992,262144 --out probe.json
 
 A length "matches" when every error is under 2e-2 (bf16 against fp32 sits near 5e-3; a corrupted
 region is O(1)). ``guard_refuses`` says whether ``ops/triton.py``'s int32 guard would refuse it.
@@ -25,7 +25,7 @@ import time
 import traceback
 
 MATCH = 2e-2
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def child(seqlen: int) -> dict:

@@ -12,7 +12,7 @@ for mamba-ssm's kernels (its autotuned block) and ours at each ``--blocks`` x ``
 equal upstream's bitwise (every result but the ddA partial sums, which are summed over other blocks: their
 largest relative difference is reported), also on packed rows. Writes JSON (``--out``).
 
-    python benchmarks/probe_state_passing.py --out results.json
+    python benchmarks/probes/probe_state_passing.py --out results.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ds_mamba_spcp import _upstream  # noqa: E402
 from ds_mamba_spcp.ops import pass_states as ps  # noqa: E402
@@ -84,23 +84,21 @@ def _cell(sp, nchunks, nheads, dim, args, seq=None, chunk_size=128):
     dfinal = torch.randn(1, nheads, dim, device=dev, generator=g)
     extra = {} if seq is None else dict(seq_idx=seq, chunk_size=chunk_size)
     bf16 = torch.bfloat16
-    fwd = ps._state_passing_fwd_kernel
-    bwd = ps._state_passing_bwd_kernel
     bkw = dict(has_initial_states=True, dstates_dtype=bf16, states_dtype=bf16)
     res = dict(nchunks=nchunks, nheads=nheads, dim=dim, packed=seq is not None)
 
     # equality: ours (default block) against upstream
     for od, name in ((bf16, "fwd_bf16"), (torch.float32, "fwd_fp32")):
         want = sp._state_passing_fwd(states, dA, initial_states=init, out_dtype=od, **extra)
-        got = ps.state_passing_fwd(fwd, states, dA, init, out_dtype=od, **extra)
+        got = ps.state_passing_fwd(states, dA, init, out_dtype=od, **extra)
         res[f"equal_{name}"] = all(_same(a, b) for a, b in zip(want, got))
     want = sp._state_passing_bwd(prev, dA, dout, dfinal_states=dfinal, **bkw, **extra)
-    got = ps.state_passing_bwd(bwd, prev, dA, dout, dfinal, seq, **bkw, dinit_dtype=bf16, chunk_size=chunk_size)
+    got = ps.state_passing_bwd(prev, dA, dout, dfinal, seq, **bkw, dinit_dtype=bf16, chunk_size=chunk_size)
     res["equal_bwd"] = {n: _same(want[i], got[i]) for i, n in ((0, "dstates"), (2, "dinit"), (3, "converted"))}
     res["diff_bwd"] = {n: _diff(want[i], got[i]) for i, n in ((0, "dstates"), (2, "dinit"), (3, "converted"))}
     # the dinit known mode takes, in fp32, against upstream's (bf16: its wrapper's dtype for it) and against its
     # own rounding to bf16
-    wide = ps.state_passing_bwd(bwd, prev, dA, dout, dfinal, seq, **bkw, dinit_dtype=torch.float32,
+    wide = ps.state_passing_bwd(prev, dA, dout, dfinal, seq, **bkw, dinit_dtype=torch.float32,
                                 chunk_size=chunk_size)[2]  # fmt: skip
     res["dinit_fp32_rounded_equal"] = _same(wide.to(bf16), want[2])
     res["dinit_fp32_vs_bf16"] = _diff(want[2], wide)
@@ -122,11 +120,9 @@ def _cell(sp, nchunks, nheads, dim, args, seq=None, chunk_size=128):
         for warps in args.warps:
             tag = f"b{block}_w{warps}"
             kw = dict(block=block, num_warps=warps)
-            fns[f"ours_fwd_bf16_{tag}"] = lambda kw=kw: ps.state_passing_fwd(
-                fwd, states, dA, init, out_dtype=bf16, **kw
-            )
-            fns[f"ours_fwd_fp32_{tag}"] = lambda kw=kw: ps.state_passing_fwd(fwd, states, dA, init, **kw)
-            fns[f"ours_bwd_{tag}"] = lambda kw=kw: ps.state_passing_bwd(bwd, prev, dA, dout, dfinal, None, **bkw,
+            fns[f"ours_fwd_bf16_{tag}"] = lambda kw=kw: ps.state_passing_fwd(states, dA, init, out_dtype=bf16, **kw)
+            fns[f"ours_fwd_fp32_{tag}"] = lambda kw=kw: ps.state_passing_fwd(states, dA, init, **kw)
+            fns[f"ours_bwd_{tag}"] = lambda kw=kw: ps.state_passing_bwd(prev, dA, dout, dfinal, None, **bkw,
                                                                         dinit_dtype=torch.float32, **kw)  # fmt: skip
     ms = _time(fns, args.rounds, args.launches)
     res["ms"] = ms

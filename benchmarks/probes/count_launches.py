@@ -5,8 +5,8 @@ causal-conv1d's CUDA conv replaced by a plain-PyTorch stand-in), so every launch
 kernels or of ours goes through ``InterpretedFunction.run`` and every torch op through the dispatcher,
 where they are counted: the host work of the glue in numbers that do not depend on the machine.
 
-    python benchmarks/count_launches.py --seqlen 64 --tile-length 32     # a group of one, 2 tiles
-    python benchmarks/count_launches.py --json /tmp/counts.json
+    python benchmarks/probes/count_launches.py --seqlen 64 --tile-length 32     # a group of one, 2 tiles
+    python benchmarks/probes/count_launches.py --json /tmp/counts.json
 
 One fwd+bwd step of ``mamba_split_conv1d_scan_sp`` (a group of one, no process group) is run once to warm
 up and once counted. Printed (and written as JSON): per direction, the Triton launches by kernel, the torch
@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 

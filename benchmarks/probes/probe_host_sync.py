@@ -1,6 +1,6 @@
 """Does an eager fwd+bwd of the op wait for the GPU anywhere? (issue 23, one CUDA device)
 
-    MAMBA_DETERMINISTIC=1 python3 benchmarks/probe_host_sync.py --out benchmarks/results/host_sync_h200x1.json
+    MAMBA_DETERMINISTIC=1 python3 benchmarks/probes/probe_host_sync.py --out benchmarks/results/host_sync_h200x1.json
 
 For mamba-ssm's whole op and this package's op in tiles of 8K and 16K (a group of one, 32K tokens, bench_mixer's
 inputs and GPU shapes, those of its issue-23 cells: 64 heads of 64, 8 groups, dstate 128, bf16), the host time of the
@@ -23,7 +23,7 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 
 import bench_mixer as bm  # noqa: E402
 import torch  # noqa: E402
