@@ -218,7 +218,7 @@ def packed_labels(cell: Cell, ctx: Context, seq_layout: str):
     chunk's worth apart on average, so documents start inside shards and chunks alike."""
     if not cell.docs:
         return None
-    from ds_mamba_spcp.layout import shard_sequence
+    from ds_mamba_spcp.engine.layout import shard_sequence
 
     g = torch.Generator().manual_seed(ctx.seed)
     rows = []
@@ -243,7 +243,7 @@ def build_step(mode: str, cell: Cell, ctx: Context):
         labels = packed_labels(cell, ctx, "contiguous")
         packed = {}
         if labels is not None:
-            from ds_mamba_spcp.ops.reference import canonical_seq_idx
+            from ds_mamba_spcp.ops.segment import canonical_seq_idx
 
             packed = dict(seq_idx=canonical_seq_idx(labels))
         return inp.fwd_bwd(lambda: op(*inp.args(), **inp.kwargs(), **packed))

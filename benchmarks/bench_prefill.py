@@ -105,7 +105,7 @@ def _mamba_model(p: dict, device, dtype):
     """mamba-ssm's MambaLMHeadModel: its fused add-norm on GPU, plain LayerNorms on CPU."""
     import torch
 
-    from ds_mamba_spcp._upstream import mamba_lm_head_model
+    from ds_mamba_spcp.ops.kernels.upstream import mamba_lm_head_model
 
     model_cls, config_cls = mamba_lm_head_model()
     gpu = device.type == "cuda"
@@ -139,8 +139,8 @@ def _with_route(run, forward_only: bool):
 def _runner(mode: str, models: dict, tile: int):
     """``run(ids) -> last logits`` for a mode, or a string saying why it cannot run here."""
 
-    from ds_mamba_spcp._upstream import mamba_module
-    from ds_mamba_spcp.inference.mamba_ssm import chunked_prefill_mamba, sequence_parallel_prefill_mamba
+    from ds_mamba_spcp.integrations.mamba_ssm.generation import chunked_prefill_mamba, sequence_parallel_prefill_mamba
+    from ds_mamba_spcp.ops.kernels.upstream import mamba_module
 
     hf, mamba, gpu = models["hf"], models["mamba"], models["gpu"]
     if mode == "hf_forward":
@@ -275,7 +275,7 @@ def main(argv=None) -> dict:
         # transformers binds mamba-ssm's Triton kernels to Mamba2 only when `import mamba_ssm` works; on a GPU
         # without mamba-ssm's CUDA extension this package's bare mamba_ssm makes it work (the issue's baseline
         # is transformers' forward on mamba-ssm's kernels, not its PyTorch path)
-        from ds_mamba_spcp._upstream import expose_mamba_package
+        from ds_mamba_spcp.ops.kernels.upstream import expose_mamba_package
 
         expose_mamba_package()
     import transformers  # noqa: F401 - its Mamba2 module binds mamba-ssm's kernels or its PyTorch path first

@@ -30,7 +30,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, model_validator
 
-from ds_mamba_spcp import modes
+from ds_mamba_spcp.engine import modes
 from ds_mamba_spcp.ops import BACKENDS
 
 SECTION = "mamba_sequence_parallel"
@@ -92,7 +92,7 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     """Compare every call across the ranks of the group (shapes, dtypes, options, the document labels of
     packed rows), so that a mismatch raises on every rank instead of hanging in a collective. Costs one
     small all-gather per call; on GPUs a host read only when this rank's call changed or for packed
-    rows, otherwise a device-side comparison (see ``ds_mamba_spcp.call``). ``false`` skips it."""
+    rows, otherwise a device-side comparison (see ``ds_mamba_spcp.engine.call``). ``false`` skips it."""
 
     recompute_output: bool = False
     """``"state_passing"`` mode only (``"ulysses"`` runs mamba-ssm's op, which keeps it, and refuses
@@ -121,7 +121,7 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     """A group of one on CUDA only (refused for a group of several ranks and on CPU): replay the mixer core's
     forward and backward from CUDA graphs captured per shape on first use, which removes its host time (the
     launches of mamba-ssm's kernels). Each live call of a shape holds one captured instance with its own
-    memory pool; see ``ds_mamba_spcp.graphs``."""
+    memory pool; see ``ds_mamba_spcp.engine.graphs``."""
 
     def __init__(self, **data: Any) -> None:
         # DeepSpeedConfigModel.__init__(strict=False) silently drops every value equal to "auto" (a
@@ -144,7 +144,7 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
         return self
 
     def entry(self) -> modes.Entry:
-        """This section's entry of the table of modes (``ds_mamba_spcp.modes``)."""
+        """This section's entry of the table of modes (``ds_mamba_spcp.engine.modes``)."""
         return modes.entry(self.mode, self.load_balancing, self.input_layout, recompute_output=self.recompute_output,
                            overlap_comm=self.overlap_comm)  # fmt: skip
 

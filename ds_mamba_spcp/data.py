@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_mamba_spcp import comm
-from ds_mamba_spcp.layout import LAYOUTS, shard_sequence, unshard_sequence
+from ds_mamba_spcp.engine.layout import LAYOUTS, shard_sequence, unshard_sequence
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (the value ``torch.nn.functional.cross_entropy`` skips)."""

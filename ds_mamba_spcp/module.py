@@ -18,7 +18,7 @@ from torch import nn
 
 from ds_mamba_spcp.config import load_mamba_sp_config
 from ds_mamba_spcp.integrations.core import MixerCore, mixer_forward
-from ds_mamba_spcp.integrations.mamba_ssm import DistributedMamba2, wrap_mamba_ssm_mixers
+from ds_mamba_spcp.integrations.mamba_ssm.mixer import DistributedMamba2, wrap_mamba_ssm_mixers
 
 __all__ = ["DistributedMamba2", "MixerCore", "mixer_forward", "wrap_mamba2_mixers"]
 
@@ -37,6 +37,6 @@ def wrap_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: An
     count = wrap_mamba_ssm_mixers(model, sequence_process_group, cfg)
     if sys.modules.get("transformers") is None:
         return count
-    from ds_mamba_spcp.integrations.transformers_adapter import wrap_hf_mamba2_mixers
+    from ds_mamba_spcp.integrations.transformers.adapter import wrap_hf_mamba2_mixers
 
     return count + wrap_hf_mamba2_mixers(model, sequence_process_group, cfg)

@@ -1,60 +1,15 @@
-"""The public mixer-core ops and the one dispatcher every entry point goes through.
+"""The public mixer-core ops: mamba-ssm's argument list in, one prepared call out to the dispatcher.
 
-    mamba_split_conv1d_scan_sp / mamba_split_conv1d_scan_ulysses / mixer_core    (mamba-ssm's argument list)
-    integrations.core.mixer_forward (the adapters: in_proj -> core -> out_proj)  (a MixerCore, read off a mixer)
-        -> call.prepare   the arguments as one MixerCall, checked alike on every rank
-        -> run(call)      the call's entry of the table of modes (modes.py) says what runs:
-                              the entry's move, zigzag -> contiguous   (permute.move_in; permute_* entries)
-                              in_proj, when the call carries projections
-                              the strategy, autocast off:  group of one   group_of_one.run   (cp == 1)
-                                                           state passing  state_passing.run
-                                                           ulysses        ulysses.run
-                                  forward_only (inference): the same entry's forward-only route, no_grad:
-                                                           group of one   group_of_one.run_forward_only
-                                                           state passing  state_passing.run_forward_only
-                                                           ulysses        ulysses.run_forward_only
-                              out_proj; the move back                  (permute.move_out)
-
-The strategies import nothing above them; this module is the only one that knows them all. See
-docs/design.md, "One dispatch path".
+mamba_split_conv1d_scan_sp / mamba_split_conv1d_scan_ulysses / mixer_core
+    -> engine.call.from_arguments   the arguments as one MixerCall, checked alike on every rank
+    -> engine.dispatch.run          the strategy the table of modes names (docs/design.md, "One dispatch path")
 """
 
 from __future__ import annotations
 
-import torch
-
-from ds_mamba_spcp import graphs, group_of_one, modes, permute, state_passing, ulysses
-from ds_mamba_spcp.call import MixerCall, from_arguments
-
-STRATEGIES = {modes.STATE_PASSING: state_passing.run, modes.ULYSSES: ulysses.run}
-# the forward-only routes (Options.forward_only): no autograd Function, nothing saved for a backward, the
-# state after each document of a packed row (docs/design.md, "Forward only")
-FORWARD_ONLY = {modes.STATE_PASSING: state_passing.run_forward_only, modes.ULYSSES: ulysses.run_forward_only}
-
-
-def run(call: MixerCall):
-    """Runs a prepared call as its entry of the table of modes says. Autocast does not reach the core: it
-    computes as its inputs' dtypes say, with every cross-rank quantity in fp32 (as mamba-ssm's op); the
-    projections of an adapter's call run under the caller's autocast, as the host mixer's own do."""
-    move = call.entry.move if call.cp > 1 else None
-    if move is not None:
-        call = permute.move_in(call, move)
-    projections = call.projections
-    if projections is not None:
-        call = call.replace(zxbcdt=projections.in_proj(projections.hidden), projections=None)
-    if call.options.forward_only:
-        strategy = group_of_one.run_forward_only if call.cp == 1 else FORWARD_ONLY[call.entry.strategy]
-    else:
-        strategy = group_of_one.run if call.cp == 1 else STRATEGIES[call.entry.strategy]
-    with torch.autocast(device_type=call.zxbcdt.device.type, enabled=False):
-        graphed = call.options.cuda_graphs and not call.options.forward_only  # inference runs eager: no backward
-        res = graphs.run(call, strategy) if graphed else strategy(call)
-    out, final_states = res if call.options.return_final_states else (res, None)
-    if projections is not None:
-        out = projections.out_proj(out)
-    if move is not None:
-        out = permute.move_out(out, call.group, move)
-    return (out, final_states) if call.options.return_final_states else out
+from ds_mamba_spcp.engine import modes
+from ds_mamba_spcp.engine.call import from_arguments
+from ds_mamba_spcp.engine.dispatch import run
 
 
 def mixer_core(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, *,
@@ -133,7 +88,7 @@ def mamba_split_conv1d_scan_sp(
     overlap_comm: post the summary all-gather asynchronously and overlap it with the state-free work.
     check_shapes: compare the ranks' calls (shapes, dtypes, options, seq_idx's borders) on every call,
     so that a mismatch raises the same error on every rank instead of hanging (one small all-gather
-    and a host read per call; see ``ds_mamba_spcp.call``).
+    and a host read per call; see ``ds_mamba_spcp.engine.call``).
     recompute_output: False (default) keeps the pre-gate output y (batch, local_seqlen,
     nheads*headdim) from forward, as mamba-ssm's own op does, so that the Triton backward skips one
     chunk-scan kernel, and frees it as soon as the gate's backward has used it; True saves only the
@@ -144,7 +99,7 @@ def mamba_split_conv1d_scan_sp(
     segment holds more tokens than one call of mamba-ssm's kernels can index (int32 offsets), so that
     no shard length is refused; a group of one then runs the whole row in tiles.
     cuda_graphs: a group of one on CUDA only: the first call of a shape captures its forward and backward in
-    CUDA graphs, later calls replay them (``ds_mamba_spcp.graphs``: what it costs, what it refuses).
+    CUDA graphs, later calls replay them (``ds_mamba_spcp.engine.graphs``: what it costs, what it refuses).
     """
     return run(from_arguments(locals(), what="mamba_split_conv1d_scan_sp"))
 

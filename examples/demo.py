@@ -7,7 +7,7 @@ the single-process run, and what each sequence-parallel mode sends per layer.
    when there is no GPU), each holding half of every sequence;
 2. ``python examples/train.py`` with the same config: one process, whole sequences;
 3. the per-step loss of both side by side, and the bytes each rank sends per layer and training
-   step (forward + backward) in every mode, from the model's sizes (``ds_mamba_spcp.traffic``).
+   step (forward + backward) in every mode, from the model's sizes (``ds_mamba_spcp.engine.traffic``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import train  # noqa: E402 - examples/train.py (puts the checkout on sys.path wh
 
 from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers  # noqa: E402
 from ds_mamba_spcp.config import load_mamba_sp_config  # noqa: E402
-from ds_mamba_spcp.traffic import state_passing_bytes, ulysses_bytes  # noqa: E402
+from ds_mamba_spcp.engine.traffic import state_passing_bytes, ulysses_bytes  # noqa: E402
 
 
 def free_port() -> int:

@@ -95,7 +95,7 @@ def main(argv=None) -> list[dict]:
         from accelerate.utils import ParallelismConfig
         from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
 
-        from ds_mamba_spcp.integrations import accelerate as mamba_sp
+        from ds_mamba_spcp.integrations.transformers import accelerate as mamba_sp
 
         mamba_sp.enable()  # the one line: before the Trainer is built
         parallelism = ParallelismConfig(

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_mamba_spcp._upstream import mamba2_class
-from ds_mamba_spcp.layout import LAYOUTS, shard_sequence, unshard_sequence
+from ds_mamba_spcp.engine.layout import LAYOUTS, shard_sequence, unshard_sequence
+from ds_mamba_spcp.ops.kernels.upstream import mamba2_class
 
 
 def mamba2_factory(

@@ -15,8 +15,8 @@ import os
 import torch
 
 from ds_mamba_spcp import mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp
-from ds_mamba_spcp.layout import shard_sequence
-from ds_mamba_spcp.traffic import state_passing_bytes, ulysses_bytes
+from ds_mamba_spcp.engine.layout import shard_sequence
+from ds_mamba_spcp.engine.traffic import state_passing_bytes, ulysses_bytes
 
 
 def main():

@@ -106,7 +106,8 @@ def run_case(rank, world, opts, sharded_op, inputs=case_inputs, headdim=HEADDIM)
     """
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_ref
+    from ds_mamba_spcp import mamba_split_conv1d_scan_ref
+    from ds_mamba_spcp.engine import layout
 
     seq_layout = opts.get("layout", "contiguous")
     seqlen = opts["per_rank"] * world
@@ -160,7 +161,7 @@ def run_error_case(rank, world, opts, sharded_op):
     opts.setdefault("per_rank", 6)
     seqlen = opts["per_rank"] * world
     tensors, _ = case_inputs(opts, seqlen)
-    from ds_mamba_spcp import layout
+    from ds_mamba_spcp.engine import layout
 
     local = layout.shard_sequence(tensors["zxbcdt"], rank, world, "contiguous")
     if opts.get("layout") == "zigzag":
@@ -205,7 +206,7 @@ MIXERS = {
 def make_mixer(variant: str, dtype=torch.float64, seed: int = 0, **overrides):
     """A small Mamba2 with every parameter randomised (decays of order one per shard, so the state
     passed between ranks matters)."""
-    from ds_mamba_spcp._upstream import mamba2_class
+    from ds_mamba_spcp.ops.kernels.upstream import mamba2_class
 
     opts = {**MIXERS[variant], **overrides}
     torch.manual_seed(seed)

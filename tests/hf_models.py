@@ -152,7 +152,7 @@ GPU_SIZES = dict(
 def load_kernels_first():
     """mamba-ssm's Triton modules before transformers' models: transformers then binds its fused kernels."""
     os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
-    from ds_mamba_spcp._upstream import expose_mamba_package, mamba_module
+    from ds_mamba_spcp.ops.kernels.upstream import expose_mamba_package, mamba_module
 
     mamba_module("ops.triton.ssd_combined")
     expose_mamba_package()  # the bare mamba_ssm stays in sys.modules: transformers finds it and binds the kernels

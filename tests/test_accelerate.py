@@ -479,7 +479,7 @@ def _sequence_parallel(rank, world, tmp):
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ds_mamba_spcp.integrations import accelerate as mamba_sp
+    from ds_mamba_spcp.integrations.transformers import accelerate as mamba_sp
 
     t0 = time.perf_counter()
     core_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -706,7 +706,7 @@ def test_unwrapped_linear_attention_keeps_accelerate_refusal():
     import accelerate.accelerator as accelerator_mod
     from transformers import PretrainedConfig
 
-    from ds_mamba_spcp.integrations import accelerate as mamba_sp
+    from ds_mamba_spcp.integrations.transformers import accelerate as mamba_sp
 
     model = torch.nn.Linear(2, 2)
     model.config = PretrainedConfig(layer_types=["linear_attention", "full_attention"])
@@ -740,7 +740,7 @@ FAMILY, STAGE = "falcon_h1", 2
 
 
 def _gpu_runs(rank, world, tmp):
-    from ds_mamba_spcp.integrations import accelerate as mamba_sp
+    from ds_mamba_spcp.integrations.transformers import accelerate as mamba_sp
 
     sp = world
     out = {}

@@ -139,7 +139,7 @@ def test_suites_and_payload():
     # the raw all-to-all moves what the traffic model says ulysses moves, B/C sharded or replicated
     import torch
 
-    from ds_mamba_spcp import traffic
+    from ds_mamba_spcp.engine import traffic
 
     for cp, nheads, ngroups in [(2, 64, 8), (2, 32, 4), (4, 8, 2), (8, 16, 1)]:
         dims = bench.Dims(headdim=64, dstate=128, d_conv=4, chunk_size=128, dtype="bfloat16", rmsnorm=False)

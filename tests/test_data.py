@@ -23,7 +23,7 @@ from ds_mamba_spcp.data import (
     shard_batch,
     shift_labels,
 )
-from ds_mamba_spcp.layout import shard_sequence
+from ds_mamba_spcp.engine.layout import shard_sequence
 from tests.dist_utils import run_ranks
 
 CP = 2

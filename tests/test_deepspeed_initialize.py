@@ -47,7 +47,7 @@ def _step(engine, model, layout_name, rank, world, loss_scale):
     import deepspeed.comm as dist
     from deepspeed.utils import safe_get_full_grad
 
-    from ds_mamba_spcp import layout
+    from ds_mamba_spcp.engine import layout
 
     x, target = _data()
     shard = lambda t: layout.shard_sequence(t, rank, world, layout_name)  # noqa: E731

@@ -151,7 +151,8 @@ def _fwd_bwd(fn, inputs, gout, gfinal, shape, opts, final_weight=1.0, **extra):
 def _run_case(rank, world, case):
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp, scan
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import layout, scan
     from ds_mamba_spcp.op import mamba_split_conv1d_scan_ulysses
     from ds_mamba_spcp.ops import triton as triton_backend
 
@@ -300,7 +301,8 @@ def _no_sync_and_graph(rank, world):
     and replayed on two new input sets, each compared with eager on the same inputs."""
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import layout
 
     case = GRAPH_CASE
     shape, opts = SHAPES[case["shape"]]
@@ -417,7 +419,7 @@ def _run_deterministic(rank, world):
     """The small odd shape in mamba-ssm's deterministic mode: one Triton config per kernel instead of
     autotuning (the odd shape's autotuning alone ran past 90 s on the H200 machine), the same kernels
     with their reductions done by stores and sums instead of fp32 atomics."""
-    from ds_mamba_spcp._upstream import mamba_modules_loaded
+    from ds_mamba_spcp.ops.kernels.upstream import mamba_modules_loaded
 
     if mamba_modules_loaded("mamba_ssm.ops.triton.ssd_combined"):
         raise RuntimeError("mamba-ssm's kernels were imported before MAMBA_DETERMINISTIC could be set")

@@ -59,7 +59,7 @@ ATOMIC = ("dweight", "dbias")  # fp32 atomics, then bf16: within one rounding st
 
 @pytest.mark.parametrize("packed", [False, True], ids=["halo", "seq_idx"])
 def test_direct_calls_match_custom_ops(packed, monkeypatch):
-    from ds_mamba_spcp import _upstream
+    from ds_mamba_spcp.ops.kernels import upstream as _upstream
 
     direct, custom = _upstream.causal_conv1d_functions(), _upstream.causal_conv1d_custom_ops()
     t = _inputs(0, packed)

@@ -1,4 +1,4 @@
-"""The op's CUDA-graph mode (``cuda_graphs=True``, ``ds_mamba_spcp.graphs``) on one GPU: replays equal eager calls.
+"""The op's CUDA-graph mode (``cuda_graphs=True``, ``engine/graphs.py``) on one GPU: replays equal eager calls.
 
     MAMBA_DETERMINISTIC=1 python -m pytest -m gpu -q tests/test_gpu_graphs.py
 
@@ -96,7 +96,7 @@ def _inputs(case, seed, dev):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_replay_is_bitwise_equal_to_eager(name):
     _needs_determinism()
-    from ds_mamba_spcp import graphs
+    from ds_mamba_spcp.engine import graphs
 
     case, dev = CASES[name], torch.device("cuda", 0)
     seq_idx = _labels(case["seqlen"], case["docs"], dev) if case.get("docs") else None
@@ -122,7 +122,7 @@ def test_negative_control_stale_inputs_differ(monkeypatch):
     """A replay that does not copy the new inputs in returns the captured call's results: the exact comparison
     of the test above must catch that."""
     _needs_determinism()
-    from ds_mamba_spcp import graphs
+    from ds_mamba_spcp.engine import graphs
 
     case, dev = CASES["tiles_32k_gate"], torch.device("cuda", 0)
     (tA, gA), (tB, gB) = _inputs(case, 1, dev), _inputs(case, 2, dev)
@@ -141,7 +141,7 @@ def test_negative_control_stale_inputs_differ(monkeypatch):
 
 
 def test_second_backward_raises():
-    from ds_mamba_spcp import graphs
+    from ds_mamba_spcp.engine import graphs
 
     case, dev = CASES["whole_8k_gate"], torch.device("cuda", 0)
     t, g = _inputs(case, 1, dev)

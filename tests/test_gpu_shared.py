@@ -72,7 +72,7 @@ def _grads_of(out, final, inputs, gout, gfinal, weight):
 
 
 def _run(rank, world):
-    from ds_mamba_spcp import layout
+    from ds_mamba_spcp.engine import layout
     from ds_mamba_spcp.op import mixer_core
     from ds_mamba_spcp.ops.reference import mamba_split_conv1d_scan_ref
     from ds_mamba_spcp.ops.triton import single_device_op
@@ -91,7 +91,7 @@ def _run(rank, world):
         return {k: (v if dtype is None else v.to(dtype)).detach().clone().requires_grad_() for k, v in t.items()}
 
     # upstream on the whole row (labels renumbered from 0, which its kernels need), and fp32 reference
-    from ds_mamba_spcp.ops.reference import canonical_seq_idx
+    from ds_mamba_spcp.ops.segment import canonical_seq_idx
 
     up_in = leaves()
     up_out, up_final = full(single_device_op, up_in, seq_idx=canonical_seq_idx(labels))
@@ -164,7 +164,8 @@ def _autocast_case(rank, world, t, grads, dev):
     """The op under autocast vs the plain call: bitwise where the kernels are deterministic, within the
     measured run-to-run spread for causal-conv1d's weight and bias gradients. One warm-up call first (Triton
     autotuning), then plain, autocast, plain, so both distances are taken between tuned runs."""
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import layout
 
     def run(autocast: bool):
         inputs = {k: v.detach().clone().requires_grad_() for k, v in t.items()}
@@ -217,7 +218,8 @@ def _stream_case(world, dev):
 
 
 def _double_backward_case(rank, world, t, dev):
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import layout
     from ds_mamba_spcp.ops.triton import single_device_op
 
     def attempt(fn, zx):

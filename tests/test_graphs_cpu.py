@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ds_mamba_spcp import mamba_split_conv1d_scan_sp
-from ds_mamba_spcp.call import Options, _check_options
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
+from ds_mamba_spcp.engine.call import Options, _check_options
 from ds_mamba_spcp.integrations.core import options_of
 from ds_mamba_spcp.ops.spec import CoreSpec
 

@@ -59,8 +59,9 @@ def _outcome(fn):
 
 
 def _later_mismatch(rank, world):
-    from ds_mamba_spcp import call as call_mod
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import call as call_mod
+    from ds_mamba_spcp.engine import layout
     from ds_mamba_spcp.op import mixer_core
 
     t = make_inputs(PER_RANK * world)
@@ -120,7 +121,8 @@ def _module_mismatch(rank, t):
 
 
 def _saved_bytes(rank, world):
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import layout
 
     out = {}
     for lb, seq_layout in (("none", "contiguous"), ("virtual", "zigzag")):
@@ -163,8 +165,10 @@ def _saved_bytes(rank, world):
 
 
 def _options_reach_the_function(rank, world):
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp, state_passing
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
     from ds_mamba_spcp.config import MambaSequenceParallelConfig
+    from ds_mamba_spcp.engine import layout
+    from ds_mamba_spcp.engine.strategies import state_passing
     from ds_mamba_spcp.module import MixerCore, mixer_forward
     from ds_mamba_spcp.op import mixer_core
 
@@ -207,7 +211,8 @@ def _options_reach_the_function(rank, world):
 
 
 def _autocast(rank, world):
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp import mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import layout
     from ds_mamba_spcp.op import mixer_core
 
     t32 = make_inputs(PER_RANK * world, dtype=torch.float32, seed=3)
@@ -239,7 +244,8 @@ def _autocast(rank, world):
 def _double_backward_and_membership(rank, world):
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import layout
 
     t = make_inputs(PER_RANK * world)
     z = layout.shard_sequence(t["zxbcdt"], rank, world, "contiguous")

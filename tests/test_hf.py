@@ -647,7 +647,7 @@ def test_norm_group_size_other_than_n_groups_raises():
 def test_deepspeed_registration_already_installed_raises():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ds_mamba_spcp.integrations.transformers_adapter import _install_dispatcher
+    from ds_mamba_spcp.integrations.transformers.adapter import _install_dispatcher
 
     def uattn_wrapper(*args, **kwargs):  # the name DeepSpeed's register_with_transformers installs
         raise AssertionError("not called")

@@ -102,7 +102,8 @@ def fwd_bwd(fn, m, u, gout, **kw):
 def _equivalence(rank, world, opts, seed):
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import DistributedMamba2, layout
+    from ds_mamba_spcp import DistributedMamba2
+    from ds_mamba_spcp.engine import layout
 
     if opts.get("pairs"):
         if world % 2:
@@ -485,7 +486,8 @@ def test_sequence_parallel_size_without_distributed_backend():
 @pytest.mark.parametrize("fields", [dict(), dict(recompute_output=True, overlap_comm=False, check_shapes=False)])
 def test_config_options_reach_the_op(monkeypatch, fields):
     """The section's op options are the options of the call the wrapper runs."""
-    from ds_mamba_spcp import DistributedMamba2, op
+    from ds_mamba_spcp import DistributedMamba2
+    from ds_mamba_spcp.engine import dispatch
 
     seen = {}
 
@@ -494,7 +496,7 @@ def test_config_options_reach_the_op(monkeypatch, fields):
         hidden = call.projections.hidden
         return call.projections.out_proj(hidden.new_zeros(*hidden.shape[:2], m.d_ssm))
 
-    monkeypatch.setattr(op, "run", run)
+    monkeypatch.setattr(dispatch, "run", run)
     m = make_mixer("gate_g1")
     w = DistributedMamba2(m, None, section(backend="reference", **fields))
     w(torch.randn(BATCH, 6, D_MODEL, dtype=torch.float64))

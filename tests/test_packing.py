@@ -106,7 +106,8 @@ def oracle(t, labels, ngroups):
 
 
 def _run_case(rank, world, mode, pattern, bug=None):
-    from ds_mamba_spcp import layout, state_passing
+    from ds_mamba_spcp.engine import layout
+    from ds_mamba_spcp.engine.strategies import state_passing
     from ds_mamba_spcp.op import mixer_core
 
     kwargs, seq_layout, ngroups = MODES[mode]
@@ -154,7 +155,8 @@ def _run_case(rank, world, mode, pattern, bug=None):
 
 def _cu_seqlens_case(rank, world):
     """cu_seqlens (batch 1, the same on every rank) gives exactly what the seq_idx it describes gives."""
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import layout
 
     t, _ = make_inputs(2, PER_RANK * world, seed=5)
     t = {k: v[:1] if k in ("zxbcdt", "initial_states") else v for k, v in t.items()}
@@ -173,7 +175,8 @@ def _cu_seqlens_case(rank, world):
 
 def _error_cases(rank, world):
     """Bad labels: every rank raises the same kind of error, none hangs, and the group stays usable."""
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import layout
 
     t, _ = make_inputs(2, PER_RANK * world, seed=9)
     labels = labels_for("random", PER_RANK * world, world, seed=9)

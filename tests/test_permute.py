@@ -71,8 +71,8 @@ def _sp(opts):
 
 def _permutation_checks(rank, world):
     """name -> bool (agreed over ranks): every permutation property, bitwise."""
-    from ds_mamba_spcp.layout import shard_sequence
-    from ds_mamba_spcp.permute import contiguous_to_zigzag, zigzag_to_contiguous
+    from ds_mamba_spcp.engine.layout import shard_sequence
+    from ds_mamba_spcp.engine.permute import contiguous_to_zigzag, zigzag_to_contiguous
 
     g = torch.Generator().manual_seed(1)
 
@@ -116,7 +116,7 @@ def _permutation_checks(rank, world):
 
 
 def _convert_errors(rank, world):
-    from ds_mamba_spcp.permute import zigzag_to_contiguous
+    from ds_mamba_spcp.engine.permute import zigzag_to_contiguous
 
     res = {}
     for name, kwargs in {
@@ -187,7 +187,7 @@ def test_negative_control_fails(world_results):
 def test_group_of_one_is_single_device_op(lb):
     """Without a distributed backend the permuted op is the reference op, bitwise."""
     from ds_mamba_spcp import mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp
-    from ds_mamba_spcp.permute import zigzag_to_contiguous
+    from ds_mamba_spcp.engine.permute import zigzag_to_contiguous
 
     opts = dict(dtype="float64", batch=2, ngroups=2, per_rank=12, rms=True, init=True, final=True)
     inputs, _ = case_inputs(opts, 12)

@@ -51,7 +51,7 @@ TRITON = {"mamba_sequence_parallel": {"enabled": True, "backend": "triton"}}
 
 
 def _mamba_model(dtype):
-    from ds_mamba_spcp._upstream import mamba_lm_head_model
+    from ds_mamba_spcp.ops.kernels.upstream import mamba_lm_head_model
 
     model_cls, config_cls = mamba_lm_head_model()
     cfg = config_cls(
@@ -97,8 +97,11 @@ def _margins(scores) -> torch.Tensor:
 
 
 def _mamba_case(rank, world):
-    from ds_mamba_spcp._upstream import mamba_module
-    from ds_mamba_spcp.inference.mamba_ssm import sequence_parallel_generate_mamba, sequence_parallel_prefill_mamba
+    from ds_mamba_spcp.integrations.mamba_ssm.generation import (
+        sequence_parallel_generate_mamba,
+        sequence_parallel_prefill_mamba,
+    )
+    from ds_mamba_spcp.ops.kernels.upstream import mamba_module
 
     generation = mamba_module("utils.generation")
     model = _mamba_model(torch.bfloat16)
@@ -149,7 +152,7 @@ def _hf_case(rank, world):
     from tests import hf_models
 
     hf_models.import_models()
-    from ds_mamba_spcp.inference import transformers as inference
+    from ds_mamba_spcp.integrations.transformers import generation as inference
 
     if inference.CacheLayerMixin is None:
         return {"skipped": "transformers without LinearAttentionLayer (< 5.24)"}

@@ -1,4 +1,4 @@
-"""Sequence-parallel prefill and generation of transformers models (ds_mamba_spcp.inference.transformers)
+"""Sequence-parallel prefill and generation of transformers models (ds_mamba_spcp.integrations.transformers.generation)
 against transformers in one process, on 2 and 4 gloo ranks.
 
 Oracle. transformers' own ``model.generate(prompt)`` in one process (its PyTorch path: its chunked SSD, its
@@ -145,7 +145,7 @@ def own_prefill(model, ids: torch.Tensor, attention: bool, **kw):
     """transformers' own prefill (``use_cache=True``) and its cache. The attention-free Nemotron-H's forward
     with a plain DynamicCache raises (the mask asks the cache for a length it cannot give); it gets a
     ``PrefilledCache``, which only answers that length, filled by the model's own forward."""
-    from ds_mamba_spcp.inference.transformers import PrefilledCache
+    from ds_mamba_spcp.integrations.transformers.generation import PrefilledCache
 
     extra = {} if attention else {"cache": PrefilledCache(model.config)}
     with torch.no_grad():
@@ -221,7 +221,8 @@ def _restart_states_at_borders(world):
     so that they decode alike) and the conv tail gathered over the group."""
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp.inference import prefill, transformers
+    from ds_mamba_spcp.inference import prefill
+    from ds_mamba_spcp.integrations.transformers import generation as transformers
 
     singles = [dist.new_group([r]) for r in range(world)]
     own = singles[dist.get_rank()]
@@ -676,7 +677,7 @@ def _started_by_torch(rank, world):
     import deepspeed.comm as dist
 
     from ds_mamba_spcp import comm
-    from ds_mamba_spcp.inference import transformers as inference
+    from ds_mamba_spcp.integrations.transformers import generation as inference
     from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate
 
     model = build("bamba", True, 8)

@@ -1,5 +1,5 @@
 """Sequence-parallel prefill of mamba-ssm's real ``MambaLMHeadModel`` (Mamba2 layers) into ``InferenceParams``
-(ds_mamba_spcp.inference.mamba_ssm), on CPU at 2 and 4 gloo ranks, fp64.
+(ds_mamba_spcp.integrations.mamba_ssm.generation), on CPU at 2 and 4 gloo ranks, fp64.
 
 The model imports without mamba-ssm's ``selective_scan_cuda`` through ``_upstream.mamba_lm_head_model`` (a
 placeholder for the Mamba-1 extension it never calls). CPU-runnable flags: ``rms_norm=False`` (nn.LayerNorm, not
@@ -50,7 +50,7 @@ GENERATE = {2: 27, 4: 26}  # remainders of 1 and 2 tokens go through the step
 
 def tiny_mamba_lm(seed: int, dtype=torch.float64):
     """mamba-ssm's MambaLMHeadModel with CPU-runnable flags and slow decays (A in [-0.1, -0.03], dt ~ 0.05)."""
-    from ds_mamba_spcp._upstream import mamba_lm_head_model
+    from ds_mamba_spcp.ops.kernels.upstream import mamba_lm_head_model
 
     model_cls, config_cls = mamba_lm_head_model()
     cfg = config_cls(
@@ -74,7 +74,7 @@ def tiny_mamba_lm(seed: int, dtype=torch.float64):
 @contextlib.contextmanager
 def cpu_step():
     """mamba-ssm's Mamba2.step on its plain-PyTorch path: its Triton selective_state_update set aside."""
-    from ds_mamba_spcp._upstream import mamba_module
+    from ds_mamba_spcp.ops.kernels.upstream import mamba_module
 
     mamba2 = mamba_module("modules.mamba2")
     saved, mamba2.selective_state_update = mamba2.selective_state_update, None
@@ -88,7 +88,7 @@ def step_only(model, ids: torch.Tensor, new: int = 0):
     """mamba-ssm's own step over every prompt token from the zero state, then ``new`` greedy tokens:
     (the per-layer (conv, ssm) states after the prompt, logits after the prompt, tokens (batch, seqlen + new),
     smallest top-2 margin of the new)."""
-    from ds_mamba_spcp._upstream import mamba_module
+    from ds_mamba_spcp.ops.kernels.upstream import mamba_module
 
     params = mamba_module("utils.generation").InferenceParams(max_seqlen=ids.shape[1] + new, max_batch_size=BATCH)
     params.seqlen_offset = 1  # every token through Mamba2.step (its zero states allocated on first use)
@@ -147,7 +147,7 @@ def _tensors(res: dict) -> dict:
 
 
 def _prefill(rank, world, seqlen, seed, bug=False):
-    from ds_mamba_spcp.inference import mamba_ssm
+    from ds_mamba_spcp.integrations.mamba_ssm.mixer import generation as mamba_ssm
 
     model = tiny_mamba_lm(seed)
     ids = prompt(seqlen, seed)
@@ -185,7 +185,7 @@ def _run_world(rank, world):
         out[seqlen] = _prefill(rank, world, seqlen, seed=seqlen)
         if world == 2:
             out[f"bug{seqlen}"] = _prefill(rank, world, seqlen, seed=seqlen, bug=True)
-    from ds_mamba_spcp.inference.mamba_ssm import sequence_parallel_generate_mamba
+    from ds_mamba_spcp.integrations.mamba_ssm.generation import sequence_parallel_generate_mamba
 
     seqlen = GENERATE[world]
     with cpu_step():
@@ -201,7 +201,7 @@ def _started_by_torch(rank, world):
     import deepspeed.comm as dist
 
     from ds_mamba_spcp import comm
-    from ds_mamba_spcp.inference import mamba_ssm
+    from ds_mamba_spcp.integrations.mamba_ssm.mixer import generation as mamba_ssm
 
     before, sizes, original = dist.is_initialized(), [], mamba_ssm.mixer_prefill
 
@@ -296,7 +296,10 @@ def test_inference_params_have_mamba_ssms_layout(one_process):
 
 
 def test_refuses_what_it_cannot_prefill():
-    from ds_mamba_spcp.inference.mamba_ssm import sequence_parallel_generate_mamba, sequence_parallel_prefill_mamba
+    from ds_mamba_spcp.integrations.mamba_ssm.generation import (
+        sequence_parallel_generate_mamba,
+        sequence_parallel_prefill_mamba,
+    )
 
     with pytest.raises(ValueError, match="no mamba-ssm Mamba2 mixer"):
         sequence_parallel_prefill_mamba(nn.Linear(2, 2), prompt(4, 0))
@@ -308,7 +311,7 @@ def test_refuses_what_it_cannot_prefill():
 def test_chunked_prefill_matches_the_whole_prompt(one_process, tile):
     """Tiles through the whole model, states and conv tails carried (tile 2 < d_conv - 1: the carried tail
     spans several tiles) against the whole prompt in one call, fp64."""
-    from ds_mamba_spcp.inference.mamba_ssm import chunked_prefill_mamba
+    from ds_mamba_spcp.integrations.mamba_ssm.generation import chunked_prefill_mamba
 
     seqlen = 26
     logits, params = chunked_prefill_mamba(tiny_mamba_lm(seqlen), prompt(seqlen, seqlen), tile, max_seqlen=30)
@@ -346,7 +349,7 @@ def test_selective_scan_placeholder_names_the_missing_build():
     """The real model imports without selective_scan_cuda; the placeholder is gone afterwards and raises clearly."""
     import sys
 
-    from ds_mamba_spcp import _upstream
+    from ds_mamba_spcp.ops.kernels import upstream as _upstream
 
     tiny_mamba_lm(0)
     assert _upstream.SELECTIVE_SCAN not in sys.modules and "mamba_ssm" not in sys.modules

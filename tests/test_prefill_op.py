@@ -113,7 +113,7 @@ def document_oracle(t, docs, initial_states):
 
 def crossing_documents(docs, world, seq_layout):
     """Indices of the documents whose tokens lie in more than one causal segment."""
-    from ds_mamba_spcp import layout
+    from ds_mamba_spcp.engine import layout
 
     seg = DOC_SEQLEN // layout.num_segments(world, seq_layout)
     found, d = [], 0
@@ -131,7 +131,7 @@ class Probe:
     fills (``tiles.segment_fwd``), the keep_y the backend is asked for, and the backend segments open at once."""
 
     def __init__(self):
-        from ds_mamba_spcp import state_passing
+        from ds_mamba_spcp.engine.strategies import state_passing
         from ds_mamba_spcp.ops import reference, tiles
 
         self.modules = (state_passing, tiles, reference)
@@ -181,7 +181,8 @@ class Probe:
 
 def compare_routes(t, opts, group, seq_layout, rank, world):
     """The training route under no_grad and the forward-only route on the same shard: bitwise, and the probes."""
-    from ds_mamba_spcp import layout, op
+    from ds_mamba_spcp import op
+    from ds_mamba_spcp.engine import layout
 
     params = [t[k] for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D")]
     local = layout.shard_sequence(t["zxbcdt"], rank, world, seq_layout)
@@ -201,7 +202,8 @@ def compare_routes(t, opts, group, seq_layout, rank, world):
 def _documents(rank, world, name, opts, bug=False):
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import layout, state_passing
+    from ds_mamba_spcp.engine import layout
+    from ds_mamba_spcp.engine.strategies import state_passing
     from ds_mamba_spcp.inference import forward
 
     opts = dict(opts)
@@ -247,7 +249,7 @@ def _documents(rank, world, name, opts, bug=False):
 def _run(rank, world):
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import layout
+    from ds_mamba_spcp.engine import layout
     from ds_mamba_spcp.inference import forward
     from ds_mamba_spcp.ops.reference import mamba_split_conv1d_scan_ref
 
@@ -377,7 +379,7 @@ def test_chunked_prefill_ignores_the_callers_autocast():
     bitwise what they give without it (the same computation), tile after tile with the state and conv tail carried;
     ``mixer_core_prefill`` on the whole row is checked the same way. Without the rule the tiles' matmuls ran in bf16
     (relative RMS ~6e-3 on the reference backend)."""
-    from ds_mamba_spcp.call import MixerCore
+    from ds_mamba_spcp.engine.call import MixerCore
     from ds_mamba_spcp.inference.forward import mixer_core_prefill, tile_forward
 
     t = {k: v.float() for k, v in _inputs(5).items()}

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_mamba_spcp import layout, mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp, scan
+from ds_mamba_spcp import mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp
+from ds_mamba_spcp.engine import layout, scan
 from ds_mamba_spcp.ops import reference as ref
 from ds_mamba_spcp.ops.segment import LocalExchange, drive_bwd, drive_fwd
 from ds_mamba_spcp.ops.spec import CoreSpec

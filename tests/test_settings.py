@@ -104,8 +104,8 @@ def _clipped(grads, clip):
 def _one_step(engine, model, rank, world, dtype, scale=None):
     from deepspeed.utils import safe_get_full_grad
 
-    from ds_mamba_spcp import layout
     from ds_mamba_spcp.data import grad_scale_for_engine
+    from ds_mamba_spcp.engine import layout
 
     x, target = _data()
     shard = lambda t: layout.shard_sequence(t, rank, world, "contiguous")  # noqa: E731

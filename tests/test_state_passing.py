@@ -61,7 +61,8 @@ def make_inputs(opts, seqlen, seed=0):
 
 
 def _run_case(rank, world, opts):
-    from ds_mamba_spcp import mamba_split_conv1d_scan_sp, scan
+    from ds_mamba_spcp import mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import scan
 
     lb = opts.get("lb", "none")
     opts = dict(opts, layout="zigzag" if lb == "virtual" else "contiguous")
@@ -109,9 +110,10 @@ def _run_errors(rank, world):
 
 def _run_traffic(rank, world):
     """Bytes the op actually posts (counted at comm.all_gather) vs the traffic model the demo prints."""
-    from ds_mamba_spcp import comm, mamba_split_conv1d_scan_sp, state_passing
-    from ds_mamba_spcp.layout import shard_sequence
-    from ds_mamba_spcp.traffic import state_passing_bytes
+    from ds_mamba_spcp import comm, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine.layout import shard_sequence
+    from ds_mamba_spcp.engine.strategies import state_passing
+    from ds_mamba_spcp.engine.traffic import state_passing_bytes
 
     counted = []
     real_all_gather = comm.all_gather

@@ -146,7 +146,7 @@ MODES = {
 
 
 def _sharded(rank, world):
-    from ds_mamba_spcp import layout
+    from ds_mamba_spcp.engine import layout
     from ds_mamba_spcp.op import mixer_core
 
     results = {}

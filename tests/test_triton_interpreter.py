@@ -167,7 +167,8 @@ def segments_main():
     from tests import triton_cpu_shims
 
     triton_backend = triton_cpu_shims.install()
-    from ds_mamba_spcp.ops import pass_states, reference
+    from ds_mamba_spcp.ops import reference
+    from ds_mamba_spcp.ops.kernels import pass_states
 
     torch.set_num_threads(1)
     results = {}
@@ -201,7 +202,7 @@ def segments_main():
 def _fold_chunks_vs_upstream(triton_backend):
     """The backend's own reduction kernel against the mamba-ssm outputs it replaces (largest abs diff),
     without and with packed-row labels (documents starting inside chunks 1 and 3 and on chunk 4's border)."""
-    from ds_mamba_spcp import _upstream
+    from ds_mamba_spcp.ops.kernels import upstream as _upstream
 
     sp = _upstream.mamba_module("ops.triton.ssd_state_passing")
     g = torch.Generator().manual_seed(3)
@@ -254,8 +255,8 @@ def _pass_states_vs_upstream():
     bf16 and fp32, the backward with and without dfinal_states and the states' conversion. Block 64: the block
     upstream's autotuner picks under the interpreter (deterministic mode, no cached autotuning), so that the ddA
     partial sums are summed over the same blocks. Negative control: on packed rows without the labels."""
-    from ds_mamba_spcp import _upstream
-    from ds_mamba_spcp.ops import pass_states as ps
+    from ds_mamba_spcp.ops.kernels import pass_states as ps
+    from ds_mamba_spcp.ops.kernels import upstream as _upstream
 
     sp = _upstream.mamba_module("ops.triton.ssd_state_passing")
     g = torch.Generator().manual_seed(5)
@@ -343,7 +344,7 @@ def _group_of_one_tiled(triton_backend):
 def test_state_passing_kernel_values(monkeypatch):
     """DS_MAMBA_SPCP_STATE_PASSING: ops/pass_states.py's kernels unless 'upstream'; empty is the default, as for the
     package's other variables (it raised); a typo is refused, not read as either."""
-    from ds_mamba_spcp.ops import pass_states
+    from ds_mamba_spcp.ops.kernels import pass_states
 
     monkeypatch.delenv(pass_states.ENV, raising=False)
     assert pass_states.enabled()
@@ -432,7 +433,8 @@ def test_negative_control_fails(segment_results):
 
 
 def _op_case(rank, world, opts):
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp import mamba_split_conv1d_scan_ref, mamba_split_conv1d_scan_sp
+    from ds_mamba_spcp.engine import layout
 
     lb = opts["lb"]
     seqlen = OP_PER_RANK * world
@@ -482,7 +484,8 @@ def _forward_only_case(rank, world):
     document's state against that document alone through the fp64 reference, and this rank's output."""
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp import layout, mamba_split_conv1d_scan_ref
+    from ds_mamba_spcp import mamba_split_conv1d_scan_ref
+    from ds_mamba_spcp.engine import layout
     from ds_mamba_spcp.inference.forward import mixer_core_prefill
 
     seqlen = OP_PER_RANK * world

@@ -128,7 +128,7 @@ def _device_properties(device=None):
 
 def install():
     """Interpreter mode, deterministic configs, CUDA shims and the conv stand-in; see the module docstring."""
-    from ds_mamba_spcp._upstream import mamba_modules_loaded
+    from ds_mamba_spcp.ops.kernels.upstream import mamba_modules_loaded
 
     early = mamba_modules_loaded("mamba_ssm.ops.triton") + [m for m in sys.modules if m == "ds_mamba_spcp.ops.triton"]
     if early:
@@ -138,7 +138,7 @@ def install():
     torch.cuda.device = _NoDevice
     torch.cuda.get_device_properties = _device_properties
 
-    from ds_mamba_spcp import _upstream
+    from ds_mamba_spcp.ops.kernels import upstream as _upstream
 
     _upstream.causal_conv1d_functions = lambda: (conv1d_fwd_function, conv1d_bwd_function)
     from ds_mamba_spcp.ops import triton as triton_backend

@@ -32,8 +32,8 @@ def child(seqlen: int) -> dict:
     import torch
 
     sys.path.insert(0, REPO)
-    from ds_mamba_spcp import _upstream
     from ds_mamba_spcp.ops import triton as triton_backend
+    from ds_mamba_spcp.ops.kernels import upstream as _upstream
     from tests.gpu_cases import BENCH, PARAMS, block_errors, chained_reference, make_inputs, rel, spec_of
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ds_mamba_spcp import _upstream  # noqa: E402
-from ds_mamba_spcp.ops import pass_states as ps  # noqa: E402
+from ds_mamba_spcp.ops.kernels import pass_states as ps  # noqa: E402
+from ds_mamba_spcp.ops.kernels import upstream as _upstream  # noqa: E402
 
 
 def _environment(commit):

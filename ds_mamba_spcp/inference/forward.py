@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ds_mamba_spcp import comm, documents, layout, modes, op
-from ds_mamba_spcp.call import cu_seqlens_to_seq_idx
+from ds_mamba_spcp import comm, op
+from ds_mamba_spcp.engine import documents, layout, modes
+from ds_mamba_spcp.engine.call import cu_seqlens_to_seq_idx
 
 
 def conv_tail(
@@ -159,7 +160,7 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
         tail = zxbcdt.new_zeros(batch, d_conv, conv_dim)
     else:
         state, tail = carry
-    # autocast off, as op.run turns it off around every strategy (mixer_core_prefill's path): the core computes as
+    # autocast off, as dispatch.run turns it off around every strategy (mixer_core_prefill's path): the core computes as
     # its inputs' dtypes say, so a chunked prefill gives what the whole prompt gives, under the caller's autocast too
     with torch.no_grad(), torch.autocast(device_type=zxbcdt.device.type, enabled=False):
         # known mode (ops/segment.py): the carried state is the tile's S_in, its S_out the next carry

@@ -20,9 +20,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ds_mamba_spcp import comm, modes
-from ds_mamba_spcp.call import MixerCore
+from ds_mamba_spcp import comm
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
+from ds_mamba_spcp.engine import modes
+from ds_mamba_spcp.engine.call import MixerCore
 from ds_mamba_spcp.inference.forward import conv_tail, mixer_core_prefill  # noqa: F401 - conv_tail re-exported
 
 

@@ -5,7 +5,7 @@
 An adapter (``integrations/mamba_ssm.py`` for mamba-ssm's ``Mamba2``, ``integrations/transformers_adapter.py`` for
 transformers' Mamba2-style mixers) reads its host's parameters into a ``MixerCore`` at every forward and calls
 ``mixer_forward`` with its own in_proj and out_proj; neither adapter owns this module, and it imports neither.
-The call goes through the one dispatcher (``op.run``) like every other entry point: the projections ride in
+The call goes through the one dispatcher (``engine.dispatch.run``) like every other entry point: the projections ride in
 the ``MixerCall``, so that a mode that moves activations between layouts moves hidden (d_model wide) rather
 than zxbcdt (several times wider). See docs/design.md, "Adapters".
 """
@@ -16,11 +16,20 @@ from collections.abc import Callable
 
 import torch
 
-from ds_mamba_spcp import op
-from ds_mamba_spcp.call import MixerCore, Options, Projections, prepare
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig
+from ds_mamba_spcp.engine import dispatch
+from ds_mamba_spcp.engine.call import MixerCore, Options, Projections, prepare
 
-__all__ = ["MixerCore", "mixer_forward", "options_of"]
+__all__ = ["SHARDED_ATTR", "MixerCore", "is_sharded", "mixer_forward", "options_of"]
+
+# set (True) on every mixer an adapter made sequence-parallel, so that one adapter can see another's without
+# importing it (docs/design.md, "Adapters")
+SHARDED_ATTR = "_ds_mamba_spcp_sharded"
+
+
+def is_sharded(module) -> bool:
+    """Whether ``module`` is a mixer an adapter made sequence-parallel (either adapter's)."""
+    return bool(getattr(module, SHARDED_ATTR, False))
 
 
 def options_of(config: MambaSequenceParallelConfig) -> Options:
@@ -54,7 +63,7 @@ def mixer_forward(
     hidden's last dim when given. Returns this rank's shard of the output, in the same layout.
 
     The call is validated before anything moves or is projected (one descriptor exchange with the other
-    ranks, see ``ds_mamba_spcp.call``), then run by ``op.run``.
+    ranks, see ``ds_mamba_spcp.engine.call``), then run by ``engine.dispatch.run``.
     """
     c = config
     problem = None
@@ -69,4 +78,4 @@ def mixer_forward(
         device=hidden.device, what=f"{SECTION} ({c.mode}, load_balancing {c.load_balancing})", problem=problem,
         projections=Projections(hidden, in_proj, out_proj),
     )  # fmt: skip
-    return op.run(call)
+    return dispatch.run(call)

@@ -49,11 +49,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds_mamba_spcp.autograd import first_order_only
 from ds_mamba_spcp.memory.recompute import autocast_state, rng_state
 from ds_mamba_spcp.ops import get_backend
-from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import run_bwd_known, run_fwd_known, zero_state
+from ds_mamba_spcp.ops.autograd import first_order_only
+from ds_mamba_spcp.ops.segment import canonical_seq_idx, run_bwd_known, run_fwd_known, zero_state
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 KEY = "mamba_sequence_parallel.block_tile_tokens"
@@ -249,7 +248,7 @@ def _check(mixer, params, tile_tokens, tokens_per_tile, backend, spec) -> None:
     if limit is not None and tokens_per_tile > limit:
         raise ValueError(
             f'"{KEY}" is {tile_tokens}: batch x tile = {tokens_per_tile} tokens per tile, more than one call of the '
-            f"{backend.__name__.rsplit('.', 1)[-1]} backend takes ({limit} at this shape, int32 offsets). Use at "
+            f"{backend.NAME} backend takes ({limit} at this shape, int32 offsets). Use at "
             f"most {limit // spec.chunk_size * spec.chunk_size} tokens per tile divided by the batch."
         )
 
@@ -282,7 +281,7 @@ def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None, preserve_rng_sta
     of floating-point sums (the tests: fp64, 1e-10). The call is its own activation checkpoint: use it in
     place of ``torch.utils.checkpoint`` / ``deepspeed.checkpointing.checkpoint`` around the block, not inside.
     """
-    from ds_mamba_spcp.integrations.mamba_ssm import DistributedMamba2
+    from ds_mamba_spcp.integrations.mamba_ssm.mixer import DistributedMamba2
 
     if not isinstance(mixer, DistributedMamba2):
         raise TypeError(

@@ -1,7 +1,8 @@
 """Backends of the mixer core: the plain-PyTorch reference and mamba-ssm's Triton kernels.
 
-Each backend module exposes ``segment_fwd`` / ``segment_bwd`` (one causal segment, its summary
-exchanged through an ``exchange`` object) and ``single_device_op`` (the whole op on one device).
+Each backend module exposes ``NAME``, ``segment_fwd`` / ``segment_bwd`` (one causal segment, the segment protocol
+of ``segment.py``), ``single_device_op`` (the whole op on one device) and ``max_tokens_per_call``. Production code
+picks one here (``get_backend``) and imports neither directly.
 """
 
 from __future__ import annotations

@@ -22,7 +22,10 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
+from ds_mamba_spcp.ops.segment import canonical_seq_idx
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
+
+NAME = "reference"
 
 # ---------------------------------------------------------------------------------------------
 # conv
@@ -63,19 +66,6 @@ def causal_conv1d_ref(x, weight, bias=None, initial_states=None, activation="sil
     elif activation is not None:
         raise NotImplementedError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     return out.to(x.dtype)
-
-
-def canonical_seq_idx(seq_idx):
-    """Document labels renumbered per row from 0 (the row's first document), +1 at each change.
-
-    seq_idx: (batch, seqlen) non-decreasing labels (any that grow at each document start). The
-    kernels compare labels for equality and apply initial states to label 0 only, so every call
-    into them takes this form. Returns int32 on the same device.
-    """
-    change = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
-    # the first label from seq_idx itself: change[:, :1] is empty for a one-token row
-    first = torch.zeros_like(seq_idx[:, :1], dtype=torch.int32)
-    return torch.cat([first, change.cumsum(dim=1, dtype=torch.int32)], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ chunk states, and the backward's separate L; dS_in = L + exp(log_a) dS_out comes
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -123,3 +125,58 @@ class LocalExchange:
         dS_out = torch.zeros_like(L) if self.dfinal_states is None else self.dfinal_states.to(L.dtype)
         self.dinitial_states = L + torch.exp(self._log_a)[:, :, None, None].to(L.dtype) * dS_out
         return Ready(dS_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# document labels of packed rows, as every segment sees them (docs/design.md, "Packed rows")
+# ---------------------------------------------------------------------------------------------
+
+
+def canonical_seq_idx(seq_idx):
+    """Document labels renumbered per row from 0 (the row's first document), +1 at each change.
+
+    seq_idx: (batch, seqlen) non-decreasing labels (any that grow at each document start). The
+    kernels compare labels for equality and apply initial states to label 0 only, so every call
+    into them takes this form. Returns int32 on the same device.
+    """
+    change = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
+    # the first label from seq_idx itself: change[:, :1] is empty for a one-token row
+    first = torch.zeros_like(seq_idx[:, :1], dtype=torch.int32)
+    return torch.cat([first, change.cumsum(dim=1, dtype=torch.int32)], dim=1)
+
+
+class Candidate(NamedTuple):
+    """A place where a document may end: ``row`` of the packed segment rows (batch*nlocal, see
+    ``layout.pack_segments``), ``batch`` and ``segment`` (global causal index) of that row, the end ``end``
+    (exclusive, in the segment's positions), the ``label`` of the document ending there, and whether ``end``
+    is the segment's own end (a real end only if the next segment of the row starts another document)."""
+
+    row: int
+    batch: int
+    segment: int
+    end: int
+    label: int
+    at_segment_end: bool
+
+
+def starts(labels: torch.Tensor) -> list[set[int]]:
+    """Per row of (rows, m) labels, the positions 0 < e < m where a new document starts (one host read)."""
+    found: list[set[int]] = [set() for _ in range(labels.shape[0])]
+    for row, pos in (labels[:, 1:] != labels[:, :-1]).nonzero().tolist():
+        found[row].add(pos + 1)
+    return found
+
+
+def candidates(labels: torch.Tensor, segment_ids: list[int]) -> list[Candidate]:
+    """The candidate ends of a rank's packed segment rows. labels: (batch*nlocal, m) raw labels (row
+    i*nlocal + k is batch i's local segment k, whose global causal index is ``segment_ids[k]``)."""
+    nlocal, m = len(segment_ids), labels.shape[1]
+    last = labels[:, -1].tolist()
+    found = []
+    for row, cuts in enumerate(starts(labels)):
+        batch, k = divmod(row, nlocal)
+        ends = sorted(cuts)
+        before = labels[row, [e - 1 for e in ends]].tolist() if ends else []
+        found += [Candidate(row, batch, segment_ids[k], e, int(lab), False) for e, lab in zip(ends, before)]
+        found.append(Candidate(row, batch, segment_ids[k], m, int(last[row]), True))
+    return found

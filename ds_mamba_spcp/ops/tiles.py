@@ -30,8 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import Ready, finish, run_bwd_known, run_fwd_known, state_dtype, zero_state
+from ds_mamba_spcp.ops.segment import (
+    Ready,
+    canonical_seq_idx,
+    finish,
+    run_bwd_known,
+    run_fwd_known,
+    state_dtype,
+    zero_state,
+)
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 
@@ -354,7 +361,7 @@ def forward_groups(nrows: int, seqlen: int, spec: CoreSpec, limit: int | None, t
         if tiles is None:
             return [(0, nrows, ((0, seqlen),))]
         return [(r0, r1, tiles.spans) for r0, r1 in tiles.rows]
-    from ds_mamba_spcp.documents import starts
+    from ds_mamba_spcp.ops.segment import starts
 
     per_row = plan(1, seqlen, spec, limit, tile_length)
     fixed = set() if per_row is None else {s for s, _ in per_row.spans[1:]}

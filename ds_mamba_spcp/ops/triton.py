@@ -54,9 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ds_mamba_spcp import _upstream
-from ds_mamba_spcp.autograd import first_order_only
-from ds_mamba_spcp.ops import pass_states
+from ds_mamba_spcp.ops.autograd import first_order_only
+from ds_mamba_spcp.ops.kernels import pass_states
+from ds_mamba_spcp.ops.kernels import upstream as _upstream
 from ds_mamba_spcp.ops.segment import Ready, run_bwd_known, run_fwd_known
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
@@ -69,6 +69,7 @@ _chunk_scan = _upstream.mamba_module("ops.triton.ssd_chunk_scan")
 _combined = _upstream.mamba_module("ops.triton.ssd_combined")
 _layernorm = _upstream.mamba_module("ops.triton.layernorm_gated")
 
+NAME = "triton"
 INT32_LIMIT = 2**31  # elements; offsets at or past it wrap in mamba-ssm 2.3.2's Triton kernels
 
 
@@ -673,7 +674,7 @@ def _first_order_only(*tensors):
 def single_device_op(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, **kwargs):
     """mamba-ssm's ``mamba_split_conv1d_scan_combined`` itself (after the int32 length guard), with
     the arguments of ``reference.mamba_split_conv1d_scan_ref`` (``kwargs``: its keyword arguments, passed
-    on as they are). seq_idx: canonical labels (``reference.canonical_seq_idx``; the kernels apply
+    on as they are). seq_idx: canonical labels (``segment.canonical_seq_idx``; the kernels apply
     initial_states to label 0 only) or None."""
     # the reference's default, which this package's ops share; mamba-ssm's own default is True (a caller that
     # left it out got another op: tests/test_gpu_tiles.py's upstream column was 0.42 off fp32 that way)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ds_mamba_spcp import documents, modes, state_passing
+from ds_mamba_spcp.engine import documents, modes
+from ds_mamba_spcp.engine.strategies import state_passing
 from ds_mamba_spcp.ops import tiles as tiling
 
 
@@ -31,7 +32,7 @@ def run(call):
 
 
 def run_forward_only(call):
-    """The forward-only route (``op.run`` with ``forward_only``) of a whole row on this rank: the backend's
+    """The forward-only route (``dispatch.run`` with ``forward_only``) of a whole row on this rank: the backend's
     segment from the known incoming state (initial_states or zeros), in tiles where ``needs_tiles`` or the
     documents of packed rows say, each tile run to its end before the next starts (``tiles.forward_known``).
     No autograd Function, nothing saved, no kept y.

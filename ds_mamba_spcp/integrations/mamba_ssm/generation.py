@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_mamba_spcp import comm, modes
-from ds_mamba_spcp._upstream import mamba2_class, mamba_module
+from ds_mamba_spcp import comm
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
+from ds_mamba_spcp.engine import modes
 from ds_mamba_spcp.inference.prefill import (
     Prefill,
     broadcast_from_last,
@@ -40,7 +40,8 @@ from ds_mamba_spcp.inference.prefill import (
     raise_alike,
     same_on_every_rank,
 )
-from ds_mamba_spcp.integrations.mamba_ssm import DistributedMamba2
+from ds_mamba_spcp.integrations.mamba_ssm.mixer import DistributedMamba2
+from ds_mamba_spcp.ops.kernels.upstream import mamba2_class, mamba_module
 
 
 def _mixers(model: nn.Module) -> list[nn.Module]:

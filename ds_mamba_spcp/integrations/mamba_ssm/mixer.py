@@ -4,7 +4,7 @@ DeepSpeed's ``DistributedAttention``.
 The wrapper runs the math of ``Mamba2.forward`` (its memory-efficient path: in_proj, the mixer core,
 out_proj) with the wrapped module's own parameters, through the adapter core both adapters share
 (``integrations/core.py``): the mixer core is the sequence-parallel op that the
-``"mamba_sequence_parallel"`` section's entry of the table of modes names (``ds_mamba_spcp.modes``).
+``"mamba_sequence_parallel"`` section's entry of the table of modes names (``ds_mamba_spcp.engine.modes``).
 
 The wrapper is transparent to checkpoints: it shares the wrapped module's parameter, buffer and
 submodule registries (the same dict objects), so ``state_dict()``, ``named_parameters()``,
@@ -21,11 +21,11 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from ds_mamba_spcp._upstream import mamba2_class
 from ds_mamba_spcp.config import SECTION, load_mamba_sp_config
 from ds_mamba_spcp.groups import group_size, resolve_sequence_process_group
 from ds_mamba_spcp.integrations.core import MixerCore, mixer_forward
-from ds_mamba_spcp.ops import get_backend, reference
+from ds_mamba_spcp.ops import get_backend
+from ds_mamba_spcp.ops.kernels.upstream import mamba2_class
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 # The registries of nn.Module that hold what state_dict / parameters / .to() walk.
@@ -90,6 +90,8 @@ class DistributedMamba2(nn.Module):
     tensor-parallel process_group, decoding with ``inference_params``, and shards of different lengths
     on different ranks.
     """
+
+    _ds_mamba_spcp_sharded = True  # integrations.core.SHARDED_ATTR
 
     def __init__(self, local_mixer: nn.Module, sequence_process_group: Any, config: Any) -> None:
         super().__init__()
@@ -193,7 +195,7 @@ class DistributedMamba2(nn.Module):
         _reject_call(inference_params)
         group = self._resolve_group()
         backend = get_backend(self.config.backend, u.device)
-        if self._group_size == 1 and backend is not reference and self._fits_one_call(backend, u):
+        if self._group_size == 1 and backend.NAME == "triton" and self._fits_one_call(backend, u):
             return self.local_mixer(u, seqlen=seqlen, seq_idx=seq_idx, cu_seqlens=cu_seqlens)  # the unwrapped module
         hidden = u if seqlen is None else rearrange(u, "(b l) d -> b l d", l=seqlen)
         out = mixer_forward(

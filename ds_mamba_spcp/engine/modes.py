@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_mamba_spcp.layout import LAYOUTS
+from ds_mamba_spcp.engine.layout import LAYOUTS
 
 STATE_PASSING, ULYSSES = "state_passing", "ulysses"
 NONE, VIRTUAL, PERMUTE_P2P, PERMUTE_A2A = "none", "virtual", "permute_p2p", "permute_a2a"
@@ -29,7 +29,7 @@ class Entry:
     """One way to run the mixer core over a sequence-parallel group.
 
     layouts: the input layouts it takes (the first is the default); strategy: the module that runs the
-    sharded core (``op.STRATEGIES``); chain: the layout of the causal segments the state-passing chain
+    sharded core (``dispatch.STRATEGIES``); chain: the layout of the causal segments the state-passing chain
     runs on (None for ulysses); move: "p2p" / "a2a" when the zigzag input moves to contiguous shards before
     the strategy and back after it (``permute.py``). Its traffic model (``traffic.py``) reads strategy,
     segments_per_rank and move.

@@ -35,11 +35,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_mamba_spcp import comm, documents, layout, modes, scan
-from ds_mamba_spcp.autograd import first_order_only
+from ds_mamba_spcp import comm
+from ds_mamba_spcp.engine import documents, layout, modes, scan
 from ds_mamba_spcp.ops import tiles as tiling
-from ds_mamba_spcp.ops.reference import canonical_seq_idx
-from ds_mamba_spcp.ops.segment import drive_bwd, drive_fwd, run_bwd_known, run_fwd_known, state_dtype, zero_state
+from ds_mamba_spcp.ops.autograd import first_order_only
+from ds_mamba_spcp.ops.segment import (
+    canonical_seq_idx,
+    drive_bwd,
+    drive_fwd,
+    run_bwd_known,
+    run_fwd_known,
+    state_dtype,
+    zero_state,
+)
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 
@@ -421,7 +429,7 @@ def run(call):
 
 
 def run_forward_only(call):
-    """The forward-only route (``op.run`` with ``forward_only``) of the state-passing strategy (cp > 1): the same
+    """The forward-only route (``dispatch.run`` with ``forward_only``) of the state-passing strategy (cp > 1): the same
     halo and summary exchanges around ``tiles.segment_fwd_only`` instead of the autograd Function. Nothing is
     saved for a backward (no S_in, decays, halo or inputs kept past the call; no per-tile lists; y not kept),
     and each tile's intermediates go as soon as it has finished.

@@ -52,8 +52,7 @@ if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release
 from ds_mamba_spcp import comm  # noqa: E402
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config  # noqa: E402
 from ds_mamba_spcp.groups import group_size, resolve_sequence_process_group  # noqa: E402
-from ds_mamba_spcp.integrations.core import MixerCore, mixer_forward  # noqa: E402
-from ds_mamba_spcp.integrations.mamba_ssm import DistributedMamba2, wrap_mamba_ssm_mixers  # noqa: E402
+from ds_mamba_spcp.integrations.core import SHARDED_ATTR, MixerCore, is_sharded, mixer_forward  # noqa: E402
 
 # The Mamba2-style mixer classes of transformers (class name -> modeling module).
 MIXER_CLASSES = {
@@ -350,6 +349,7 @@ def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config:
         if cfg.enabled and sequence_process_group is not None:
             adapter.sharding.group()  # an explicit group is checked at once
         m.__dict__[_MIXER_ATTR] = adapter
+        m.__dict__[SHARDED_ATTR] = True
         m.forward = types.MethodType(_mixer_forward, m)
         m._z3_leaf = True
         m.register_forward_pre_hook(_hidden_states_positional, with_kwargs=True, prepend=True)
@@ -571,6 +571,12 @@ def _reject_padding(mask: torch.Tensor, sharding: _Sharding) -> None:
         raise _padding_error(f"zeros in the attention_mask of rank(s) {ranks} of the sequence-parallel group")
 
 
+def _is_mamba_ssm_mamba2(module: nn.Module) -> bool:
+    """mamba-ssm's unwrapped ``Mamba2`` (by its class, without importing mamba-ssm here)."""
+    cls = type(module)
+    return cls.__name__ == "Mamba2" and cls.__module__.endswith("modules.mamba2")
+
+
 def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     """Shards a transformers Mamba2-style model over DeepSpeed's sequence-parallel group; call once, before
     ``deepspeed.initialize``.
@@ -629,9 +635,17 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     sharding.group()
 
     attention = [(m, _check_attention(m, cfg, cp)) for m in attention_modules(model)]
-    wrap_mamba_ssm_mixers(model, group, cfg)  # as ds_mamba_spcp.module.wrap_mamba2_mixers: both kinds
+    loose = [name for name, m in model.named_modules() if _is_mamba_ssm_mamba2(m)]
+    if loose:
+        raise ValueError(
+            f"{type(model).__qualname__} holds mamba-ssm Mamba2 mixers ({', '.join(loose[:3])}): "
+            "prepare_sequence_parallel shards transformers' mixers; make mamba-ssm's sequence-parallel first: "
+            "parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size), then "
+            "ds_mamba_spcp.wrap_mamba2_mixers(model, parallel_state_sp.get_sequence_parallel_group(), ds_config), "
+            "then this call."
+        )
     wrap_hf_mamba2_mixers(model, group, cfg)
-    if not any(_MIXER_ATTR in m.__dict__ or isinstance(m, DistributedMamba2) for m in model.modules()):
+    if not any(is_sharded(m) for m in model.modules()):
         raise ValueError(
             f"{type(model).__qualname__} holds no Mamba2 mixer this package can shard (transformers' "
             f"{', '.join(MIXER_CLASSES)}, or mamba-ssm's Mamba2); for an attention-only model use DeepSpeed's "

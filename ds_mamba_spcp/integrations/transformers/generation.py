@@ -74,8 +74,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_mamba_spcp import comm, modes
+from ds_mamba_spcp import comm
 from ds_mamba_spcp.config import MambaSequenceParallelConfig
+from ds_mamba_spcp.engine import modes
 from ds_mamba_spcp.groups import adopt_torch_distributed, generation_group
 from ds_mamba_spcp.inference.prefill import (
     Prefill,
@@ -86,7 +87,7 @@ from ds_mamba_spcp.inference.prefill import (
     raise_alike,
     same_on_every_rank,
 )
-from ds_mamba_spcp.integrations import transformers_adapter as hf
+from ds_mamba_spcp.integrations.transformers import adapter as hf
 
 try:
     from transformers.cache_utils import CacheLayerMixin, DummyLayer, DynamicCache, LinearAttentionCacheLayerMixin

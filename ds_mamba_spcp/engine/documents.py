@@ -15,48 +15,11 @@ conv tails), never anything that grows with the sequence.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from ds_mamba_spcp import comm, layout
-
-
-class Candidate(NamedTuple):
-    """A place where a document may end: ``row`` of the packed segment rows (batch*nlocal, see
-    ``layout.pack_segments``), ``batch`` and ``segment`` (global causal index) of that row, the end ``end``
-    (exclusive, in the segment's positions), the ``label`` of the document ending there, and whether ``end``
-    is the segment's own end (a real end only if the next segment of the row starts another document)."""
-
-    row: int
-    batch: int
-    segment: int
-    end: int
-    label: int
-    at_segment_end: bool
-
-
-def starts(labels: torch.Tensor) -> list[set[int]]:
-    """Per row of (rows, m) labels, the positions 0 < e < m where a new document starts (one host read)."""
-    found: list[set[int]] = [set() for _ in range(labels.shape[0])]
-    for row, pos in (labels[:, 1:] != labels[:, :-1]).nonzero().tolist():
-        found[row].add(pos + 1)
-    return found
-
-
-def candidates(labels: torch.Tensor, segment_ids: list[int]) -> list[Candidate]:
-    """The candidate ends of a rank's packed segment rows. labels: (batch*nlocal, m) raw labels (row
-    i*nlocal + k is batch i's local segment k, whose global causal index is ``segment_ids[k]``)."""
-    nlocal, m = len(segment_ids), labels.shape[1]
-    last = labels[:, -1].tolist()
-    found = []
-    for row, cuts in enumerate(starts(labels)):
-        batch, k = divmod(row, nlocal)
-        ends = sorted(cuts)
-        before = labels[row, [e - 1 for e in ends]].tolist() if ends else []
-        found += [Candidate(row, batch, segment_ids[k], e, int(lab), False) for e, lab in zip(ends, before)]
-        found.append(Candidate(row, batch, segment_ids[k], m, int(last[row]), True))
-    return found
+from ds_mamba_spcp import comm
+from ds_mamba_spcp.engine import layout
+from ds_mamba_spcp.ops.segment import Candidate, candidates, starts  # noqa: F401 - this module's callers use them
 
 
 def gather(values: list[torch.Tensor], found: list[Candidate], firsts: torch.Tensor, group, cp: int,

@@ -34,8 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_mamba_spcp import comm, group_of_one, layout, modes
-from ds_mamba_spcp.autograd import first_order_only
+from ds_mamba_spcp import comm
+from ds_mamba_spcp.engine import layout, modes
+from ds_mamba_spcp.engine.strategies import group_of_one
+from ds_mamba_spcp.ops.autograd import first_order_only
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +258,7 @@ def run(call):
 
 
 def run_forward_only(call):
-    """The forward-only route (``op.run`` with ``forward_only``): the same two all-to-alls as plain functions (no
+    """The forward-only route (``dispatch.run`` with ``forward_only``): the same two all-to-alls as plain functions (no
     autograd Function), the full-length scan by ``group_of_one.run_forward_only``, under no_grad. With
     return_final_states: the state after each document, every head gathered on every rank ((batch, ...)
     without seq_idx, (ndocs, ...) with it: the full rows' documents, ``documents.py``)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_mamba_spcp import modes
+from ds_mamba_spcp.engine import modes
 
 
 def _itemsize(dtype) -> int:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_mamba_spcp import comm, layout, modes
+from ds_mamba_spcp import comm
+from ds_mamba_spcp.engine import layout, modes
 
 METHODS = ("p2p", "a2a")
 

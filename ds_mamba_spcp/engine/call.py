@@ -2,7 +2,7 @@
 
 Every entry point (``mamba_split_conv1d_scan_sp``, ``mamba_split_conv1d_scan_ulysses``, ``mixer_core``, and the
 adapters through ``integrations.core.mixer_forward``) turns its arguments into a ``MixerCall`` with ``prepare``
-and hands it to the one dispatcher, ``op.run``, which picks the strategy the table of modes names
+and hands it to the one dispatcher, ``dispatch.run``, which picks the strategy the table of modes names
 (``modes.py``). Behind the public op signatures nothing takes mamba-ssm's long argument list: the mixer's
 parameters and static options travel as one ``MixerCore``, the run options as one ``Options``.
 
@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from ds_mamba_spcp import comm, layout, modes
+from ds_mamba_spcp import comm
+from ds_mamba_spcp.engine import layout, modes
 from ds_mamba_spcp.ops import BACKENDS, get_backend
-from ds_mamba_spcp.ops.reference import canonical_seq_idx
+from ds_mamba_spcp.ops.segment import canonical_seq_idx
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 _ERROR_CODES = {ValueError: 1, NotImplementedError: 2, TypeError: 3}
@@ -96,7 +97,7 @@ class Options:
     check_shapes: bool = True
     tile_length: int | None = None  # run each segment in tiles of this many tokens (None: only past the kernels' cap)
     cuda_graphs: bool = False  # a group of one on CUDA: replay forward and backward from CUDA graphs (graphs.py)
-    # inference: the entry's forward-only route (op.FORWARD_ONLY): no graph, nothing saved for a backward, and
+    # inference: the entry's forward-only route (dispatch.FORWARD_ONLY): no graph, nothing saved for a backward, and
     # final_states one per document ((ndocs, ...) for packed rows; documents.py). Not a ds_config key.
     forward_only: bool = False
 
