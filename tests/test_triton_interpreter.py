@@ -202,6 +202,8 @@ def segments_main():
 def _fold_chunks_vs_upstream(triton_backend):
     """The backend's own reduction kernel against the mamba-ssm outputs it replaces (largest abs diff),
     without and with packed-row labels (documents starting inside chunks 1 and 3 and on chunk 4's border)."""
+    from ds_mamba_spcp.ops.kernels import fold
+    from ds_mamba_spcp.ops.kernels import pass_states as ps
     from ds_mamba_spcp.ops.kernels import upstream as _upstream
 
     sp = _upstream.mamba_module("ops.triton.ssd_state_passing")
@@ -221,8 +223,8 @@ def _fold_chunks_vs_upstream(triton_backend):
         _, final = sp._state_passing_fwd(flat, dA_last, **extra)
         _, _, dinit = sp._state_passing_bwd(prev, dA_last, flat, has_initial_states=True,
                                             dstates_dtype=torch.float32, **extra)  # fmt: skip
-        fwd = triton_backend._fold_chunks(x, dA_last, reverse=False, **extra).reshape(b, h, p * n)
-        bwd = triton_backend._fold_chunks(x, dA_last, reverse=True, **extra).reshape(b, h, p * n)
+        fwd = fold.fold_chunks(x, dA_last, reverse=False, **extra).reshape(b, h, p * n)
+        bwd = fold.fold_chunks(x, dA_last, reverse=True, **extra).reshape(b, h, p * n)
         errs["S_ext" + tag] = (fwd - final).abs().max().item()
         errs["L" + tag] = (bwd - dinit).abs().max().item()
         # known mode: the fold started from a state (forward) or from dS_out (backward, dS_in = L + a dS_out)
@@ -230,13 +232,13 @@ def _fold_chunks_vs_upstream(triton_backend):
         _, final = sp._state_passing_fwd(flat, dA_last, initial_states=init.reshape(b, h, p * n), **extra)
         _, _, dinit = sp._state_passing_bwd(prev, dA_last, flat, dfinal_states=init.reshape(b, h, p * n),
                                             has_initial_states=True, dstates_dtype=torch.float32, **extra)  # fmt: skip
-        fwd = triton_backend._fold_chunks(x, dA_last, reverse=False, init=init, **extra).reshape(b, h, p * n)
-        bwd = triton_backend._fold_chunks(x, dA_last, reverse=True, init=init, **extra).reshape(b, h, p * n)
+        fwd = fold.fold_chunks(x, dA_last, reverse=False, init=init, **extra).reshape(b, h, p * n)
+        bwd = fold.fold_chunks(x, dA_last, reverse=True, init=init, **extra).reshape(b, h, p * n)
         errs["S_out" + tag] = (fwd - final).abs().max().item()
         errs["dS_in" + tag] = (bwd - dinit).abs().max().item()
         # what known mode takes as dS_in since the fold left it: the state passing's backward, its state
         # gradients in the compute dtype, its initial-state gradient stored in fp32
-        _, _, known, _ = triton_backend._state_passing_bwd_fp32_dinit(
+        _, _, known, _ = ps.state_passing_bwd_fp32_dinit(
             prev, dA_last, flat, init.reshape(b, h, p * n), seq, dstates_dtype=torch.bfloat16, states_dtype=None,
             chunk_size=chunk,
         )  # fmt: skip

@@ -52,22 +52,20 @@ import math
 
 import torch
 import triton
-import triton.language as tl
 
 from ds_mamba_spcp.ops.autograd import first_order_only
-from ds_mamba_spcp.ops.kernels import pass_states
-from ds_mamba_spcp.ops.kernels import upstream as _upstream
+from ds_mamba_spcp.ops.kernels import fold, pass_states, upstream
 from ds_mamba_spcp.ops.segment import Ready, run_bwd_known, run_fwd_known
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
-_upstream.check_pinned_versions()
-_conv_fwd_fn, _conv_bwd_fn = _upstream.causal_conv1d_functions()
-_bmm = _upstream.mamba_module("ops.triton.ssd_bmm")
-_chunk_state = _upstream.mamba_module("ops.triton.ssd_chunk_state")
-_state_passing = _upstream.mamba_module("ops.triton.ssd_state_passing")
-_chunk_scan = _upstream.mamba_module("ops.triton.ssd_chunk_scan")
-_combined = _upstream.mamba_module("ops.triton.ssd_combined")
-_layernorm = _upstream.mamba_module("ops.triton.layernorm_gated")
+upstream.check_pinned_versions()
+_conv_fwd_fn, _conv_bwd_fn = upstream.causal_conv1d_functions()
+_bmm = upstream.mamba_module("ops.triton.ssd_bmm")
+_chunk_state = upstream.mamba_module("ops.triton.ssd_chunk_state")
+_state_passing = upstream.mamba_module("ops.triton.ssd_state_passing")
+_chunk_scan = upstream.mamba_module("ops.triton.ssd_chunk_scan")
+_combined = upstream.mamba_module("ops.triton.ssd_combined")
+_layernorm = upstream.mamba_module("ops.triton.layernorm_gated")
 
 NAME = "triton"
 INT32_LIMIT = 2**31  # elements; offsets at or past it wrap in mamba-ssm 2.3.2's Triton kernels
@@ -200,166 +198,6 @@ def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None, seq_id
     return prev.unflatten(-1, (p, n)), final.unflatten(-1, (p, n))
 
 
-@triton.jit
-def _fold_chunks_kernel(
-    x_ptr, dA_ptr, out_ptr, seq_idx_ptr, log_a_ptr, init_ptr, nchunks, dim, seqlen, chunk_size,
-    stride_x_b, stride_x_c, stride_x_h, stride_x_d,
-    stride_dA_b, stride_dA_h, stride_dA_c,
-    stride_out_b, stride_out_h, stride_out_d,
-    stride_seq_b, stride_seq_l, stride_la_b, stride_la_h, stride_init_b, stride_init_h, stride_init_d,
-    REVERSE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, LOG_A: tl.constexpr, HAS_INIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_b, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs = pid_m * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < dim
-    x_ptr += pid_b * stride_x_b + pid_h * stride_x_h + offs * stride_x_d
-    dA_ptr += pid_b * stride_dA_b + pid_h * stride_dA_h
-    seq_idx_ptr += pid_b * stride_seq_b
-    if HAS_INIT:
-        init_ptrs = init_ptr + pid_b * stride_init_b + pid_h * stride_init_h + offs * stride_init_d
-        acc = tl.load(init_ptrs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    total = tl.zeros((1,), dtype=tl.float32)
-    for i in range(nchunks):
-        c = nchunks - 1 - i if REVERSE else i
-        log_decay = tl.load(dA_ptr + c * stride_dA_c).to(tl.float32)
-        total += log_decay
-        scale = tl.exp(log_decay)
-        if HAS_SEQ_IDX:
-            # the carry crosses chunk c only if its last token is in the document the carry belongs to
-            # (the one the previous chunk ended in; label 0 before the first chunk), as in mamba-ssm
-            last = tl.load(seq_idx_ptr + (tl.minimum((c + 1) * chunk_size, seqlen) - 1) * stride_seq_l)
-            prev = tl.load(seq_idx_ptr + (c * chunk_size - 1) * stride_seq_l, mask=c > 0, other=0)
-            scale = tl.where(last == prev, scale, 0.0)
-        acc = scale * acc + tl.load(x_ptr + c * stride_x_c, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pid_b * stride_out_b + pid_h * stride_out_h + offs * stride_out_d, acc, mask=mask)
-    if LOG_A:
-        # the segment's total log-decay, -inf where a document starts inside (canonical labels: the last
-        # token's label is not 0): the incoming state never reaches the end
-        if HAS_SEQ_IDX:
-            ends_inside = tl.load(seq_idx_ptr + (seqlen - 1) * stride_seq_l + tl.zeros((1,), dtype=tl.int32)) != 0
-            total = tl.where(ends_inside, float("-inf"), total)
-        one = tl.arange(0, 1)
-        tl.store(log_a_ptr + pid_b * stride_la_b + pid_h * stride_la_h + one, total, mask=(one + pid_m) == 0)
-
-
-def _fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, log_a=False, init=None):
-    """acc <- s_c * acc + x[c] over the chunks, from zero (or from init (b, h, p, n)); fp32 (b, h, p, n).
-
-    x: (b, c, h, p, n) per-chunk values; dA_last: (b, h, c) each chunk's total log-decay; s_c =
-    exp(dA_last[c]), zeroed for a chunk whose last token starts or lies in another document than the
-    previous chunk's last token (seq_idx: (b, seqlen) canonical labels, with chunk_size, or None).
-    Forward (chunk states): the state after the segment's last chunk when it starts from zero,
-    S_ext. reverse (gradients reaching the states entering each chunk): the gradient reaching the
-    state entering the segment when its end receives none, L. The same recurrences, in the same
-    order and precision, as mamba-ssm's _state_passing_fwd (final_states) and _state_passing_bwd
-    (dinitial_states), but the per-chunk outputs those write and we would throw away are never
-    stored: one read of x. log_a=True: also returns the segment's total log-decay (b, h) fp32 from
-    the same launch, the sum of dA_last over the chunks (-inf for a row whose labels end past 0).
-    init (reverse, known mode): dS_out, the gradient reaching the state after the segment; the fold then
-    returns dS_in = L + exp(log_a) dS_out, carried through the chunks as _state_passing_bwd carries
-    dfinal_states, in fp32 (its own dinitial_states would be in the compute dtype).
-    """
-    b, nchunks, h, p, n = x.shape
-    flat = x.reshape(b, nchunks, h, p * n)
-    out = torch.empty(b, h, p * n, device=x.device, dtype=torch.float32)
-    total = torch.empty(b, h, device=x.device, dtype=torch.float32) if log_a else out
-    block = min(512, triton.next_power_of_2(p * n))
-    grid = (triton.cdiv(p * n, block), b, h)
-    has_seq = seq_idx is not None
-    seq_strides = seq_idx.stride() if has_seq else (0, 0)
-    init_flat = None if init is None else init.reshape(b, h, p * n)
-    with torch.cuda.device(x.device.index):
-        _fold_chunks_kernel[grid](
-            flat, dA_last, out, seq_idx if has_seq else flat, total, flat if init is None else init_flat, nchunks,
-            p * n, seq_idx.shape[1] if has_seq else 0, chunk_size if has_seq else 0,
-            *flat.stride(), *dA_last.stride(), *out.stride(), *seq_strides, *(total.stride() if log_a else (0, 0)),
-            *(init_flat.stride() if init is not None else (0, 0, 0)),
-            REVERSE=reverse, HAS_SEQ_IDX=has_seq, LOG_A=log_a, HAS_INIT=init is not None, BLOCK=block, num_warps=4,
-        )  # fmt: skip
-    return (out.view(b, h, p, n), total) if log_a else out.view(b, h, p, n)
-
-
-def _state_passing_bwd_fp32_dinit(states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, *, dstates_dtype,
-                                  states_dtype, chunk_size):  # fmt: skip
-    """mamba-ssm's ``_state_passing_bwd`` (``has_initial_states``; ``ops/pass_states.py``'s kernel unless
-    DS_MAMBA_SPCP_STATE_PASSING=upstream) with the gradient of the initial states stored in fp32: the kernel
-    carries it in fp32 and stores it in its buffer's dtype, which upstream's wrapper makes the compute dtype.
-    Known mode takes it as the segment's dS_in (the gradient the tile before receives), which
-    ``_fold_chunks(..., init=dS_out)`` computed in a launch of its own: the same recurrence over the same values in
-    fp32. With ranks it is discarded (L, folded before dS_out arrived, went instead). -> (dstates,
-    ddA_chunk_cumsum, dinitial_states fp32 (b, h, dim), the states converted to ``states_dtype`` or None)."""
-    if pass_states.enabled():  # ops/pass_states.py's kernel: the same recurrence, its loads ahead
-        return pass_states.state_passing_bwd(
-            states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, has_initial_states=True,
-            dstates_dtype=dstates_dtype, states_dtype=states_dtype, dinit_dtype=torch.float32, chunk_size=chunk_size,
-        )  # fmt: skip
-    batch, nchunks, nheads, dim = states.shape
-    dstates, converted, dinit = pass_states.bwd_buffers(states, dout, dstates_dtype, states_dtype, torch.float32)
-    n_blocks = triton.cdiv(dim, 64)  # upstream's smallest BLOCK_SIZE: a partial sum per block of the config's
-    ddA_partial = torch.empty(batch, nheads, nchunks, n_blocks, dtype=torch.float32, device=dout.device)
-    seq_strides = (seq_idx.stride(0), seq_idx.stride(1)) if seq_idx is not None else (0, 0)
-    kernel = _state_passing._state_passing_bwd_kernel
-    with torch.cuda.device(dout.device.index):
-        kernel[lambda meta: (triton.cdiv(dim, meta["BLOCK_SIZE"]), batch, nheads)](
-            dout, states, dA_chunk_cumsum, dfinal_states, seq_idx, dstates, ddA_partial, dinit, converted,
-            dim, nchunks, seq_idx.shape[-1] if seq_idx is not None else 0, chunk_size if seq_idx is not None else 0,
-            *dout.stride(), *states.stride(),
-            dA_chunk_cumsum.stride(0), dA_chunk_cumsum.stride(2), dA_chunk_cumsum.stride(1),
-            *dfinal_states.stride(), *seq_strides, *dstates.stride(),
-            ddA_partial.stride(0), ddA_partial.stride(2), ddA_partial.stride(1), *dinit.stride(),
-            CONVERT_STATES=converted is not None, HAS_DFINAL_STATES=True, HAS_DINITSTATES=True,
-            HAS_SEQ_IDX=seq_idx is not None,
-        )  # fmt: skip
-    valid = triton.cdiv(dim, kernel.best_config.kwargs["BLOCK_SIZE"])
-    ddA_chunk_cumsum = ddA_partial[..., :valid].sum(dim=-1).to(dtype=dA_chunk_cumsum.dtype)
-    if states_dtype is not None and states_dtype == states.dtype:
-        converted = states
-    return dstates, ddA_chunk_cumsum, dinit, converted
-
-
-@triton.jit
-def _ddA_tail_kernel(
-    ddA_ptr, next_ptr, prev_ptr, chunk_ptr, chunk_size,
-    stride_b, stride_h, stride_c, stride_l,
-    stride_n_b, stride_n_h, stride_n_c, stride_n_l,
-    stride_p_b, stride_p_h, stride_p_c, stride_p_l,
-    stride_k_b, stride_k_h, stride_k_c,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    pid_b, pid_h, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < chunk_size
-    prev = tl.load(prev_ptr + pid_b * stride_p_b + pid_h * stride_p_h + pid_c * stride_p_c + offs * stride_p_l,
-                   mask=mask, other=0.0).to(tl.float32)  # fmt: skip
-    last = tl.load(chunk_ptr + pid_b * stride_k_b + pid_h * stride_k_h + pid_c * stride_k_c).to(tl.float32)
-    prev = tl.where(offs == chunk_size - 1, prev + last, prev)
-    tail = tl.cumsum(prev, axis=0, reverse=True)
-    nxt = tl.load(next_ptr + pid_b * stride_n_b + pid_h * stride_n_h + pid_c * stride_n_c + offs * stride_n_l,
-                  mask=mask, other=0.0).to(tl.float32)  # fmt: skip
-    ptrs = ddA_ptr + pid_b * stride_b + pid_h * stride_h + pid_c * stride_c + offs * stride_l
-    ddA = tl.load(ptrs, mask=mask, other=0.0)
-    tl.store(ptrs, ddA + (nxt + tail), mask=mask)
-
-
-def _ddA_tail(ddA, ddA_next, ddA_prev, ddA_chunk):
-    """ddA += ddA_next + reverse-cumsum(ddA_prev with ddA_chunk added at each chunk's last position), in place.
-
-    ddA, ddA_next, ddA_prev: (b, h, c, chunk_size) fp32, ddA_chunk: (b, h, c): the gradients of the cumulative
-    log-decays that upstream's backward sums with ``ddA_prev[..., -1] += ddA_chunk`` and
-    ``ddA += ddA_next + ddA_prev.flip(-1).cumsum(-1).flip(-1)``, in one launch (ddA_prev is not modified).
-    """
-    b, h, c, chunk_size = ddA.shape
-    with torch.cuda.device(ddA.device.index):
-        _ddA_tail_kernel[(b, h, c)](
-            ddA, ddA_next, ddA_prev, ddA_chunk, chunk_size, *ddA.stride(), *ddA_next.stride(), *ddA_prev.stride(),
-            *ddA_chunk.stride(), BLOCK=triton.next_power_of_2(chunk_size), num_warps=4,
-        )  # fmt: skip
-    return ddA
-
-
 def _flat_rows(t):
     """t (b, l, ...) as ((b l), ...) rows if that is a view, else None (writes must land in t itself)."""
     if t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1):
@@ -455,7 +293,7 @@ def _segment_fwd(
         CB = _bmm._bmm_chunk_fwd(C, B, spec.chunk_size, seq_idx=seq_idx, output_dtype=torch.float32)
     else:
         # S_ext and log_a (the segment's total decay, exp(log_a); -inf where a document starts inside): one launch
-        S_ext, log_a = _fold_chunks(
+        S_ext, log_a = fold.fold_chunks(
             chunk_states, dA_cumsum[:, :, :, -1], reverse=False, seq_idx=seq_idx, chunk_size=spec.chunk_size,
             log_a=True,
         )  # fmt: skip
@@ -575,7 +413,7 @@ def _segment_bwd(
     if known:  # dS_in comes from _state_passing_bwd below, in fp32 (it starts from dS_out)
         handle = Ready(dS_out)
     else:
-        handle = yield _fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk)
+        handle = yield fold.fold_chunks(dprev, dA_last, reverse=True, seq_idx=seq_idx, chunk_size=chunk)
 
     # needs no dS_out: overlaps the all-gather
     dCB = _chunk_scan._chunk_scan_bwd_dcb(x, dt, dA_cumsum, dy, seq_idx=seq_idx, ngroups=spec.ngroups).to(CB.dtype)
@@ -586,7 +424,7 @@ def _segment_bwd(
     # compute dtype in the same pass, where the recomputation did not need them
     states_dtype = x.dtype if prev_lowp is None else None
     if known or pass_states.enabled():  # (with ranks, this dS_in is not needed: L was folded above)
-        dstates, ddA_chunk_cumsum, dS_in, converted = _state_passing_bwd_fp32_dinit(
+        dstates, ddA_chunk_cumsum, dS_in, converted = pass_states.state_passing_bwd_fp32_dinit(
             prev_flat, dA_last, dprev_flat, dS_out, seq_idx, dstates_dtype=x.dtype, states_dtype=states_dtype,
             chunk_size=chunk,
         )  # fmt: skip
@@ -625,7 +463,7 @@ def _segment_bwd(
         dxBC_given.copy_(dxBC_done)
     yield None if dinit is None else dinit.transpose(1, 2)  # -> (batch, d_conv-1, conv_dim), on its way back
 
-    ddA = _ddA_tail(ddA, ddA_next, ddA_cumsum_prev, ddA_chunk_cumsum)  # upstream's six small ops in one launch
+    ddA = fold.ddA_tail(ddA, ddA_next, ddA_cumsum_prev, ddA_chunk_cumsum)  # upstream's six small ops in one launch
     _, dA, ddt_bias = _chunk_state._chunk_cumsum_bwd(
         ddA, ddt, dt_raw.clone(), A, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit, ddt=ddt_given
     )  # upstream clones dt here too (a Triton "invalid device context" workaround)

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ds_mamba_spcp.ops.kernels import upstream
+
 # "upstream": mamba-ssm's kernels instead (for A/B measurements). Read on every call
 ENV = "DS_MAMBA_SPCP_STATE_PASSING"
 BLOCK = 1024  # the best of 128-1024 x 2-8 warps for all three kernels at 64-1024 chunks (the probe above)
@@ -312,6 +314,44 @@ def state_passing_bwd(states, dA_last, dout, dfinal_states=None, seq_idx=None, *
             HAS_DINIT=dinit is not None, HAS_SEQ_IDX=has_seq, BLOCK=block, num_warps=num_warps,
         )  # fmt: skip
     ddA_chunk_cumsum = ddA_partial.sum(dim=-1).to(dtype=dA_last.dtype)
+    if states_dtype is not None and states_dtype == states.dtype:
+        converted = states
+    return dstates, ddA_chunk_cumsum, dinit, converted
+
+
+def state_passing_bwd_fp32_dinit(states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, *, dstates_dtype,
+                                  states_dtype, chunk_size):  # fmt: skip
+    """mamba-ssm's ``_state_passing_bwd`` (``has_initial_states``; ``ops/pass_states.py``'s kernel unless
+    DS_MAMBA_SPCP_STATE_PASSING=upstream) with the gradient of the initial states stored in fp32: the kernel
+    carries it in fp32 and stores it in its buffer's dtype, which upstream's wrapper makes the compute dtype.
+    Known mode takes it as the segment's dS_in (the gradient the tile before receives), which
+    ``_fold_chunks(..., init=dS_out)`` computed in a launch of its own: the same recurrence over the same values in
+    fp32. With ranks it is discarded (L, folded before dS_out arrived, went instead). -> (dstates,
+    ddA_chunk_cumsum, dinitial_states fp32 (b, h, dim), the states converted to ``states_dtype`` or None)."""
+    if enabled():  # this module's kernel: the same recurrence, its loads ahead
+        return state_passing_bwd(
+            states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, has_initial_states=True,
+            dstates_dtype=dstates_dtype, states_dtype=states_dtype, dinit_dtype=torch.float32, chunk_size=chunk_size,
+        )  # fmt: skip
+    batch, nchunks, nheads, dim = states.shape
+    dstates, converted, dinit = bwd_buffers(states, dout, dstates_dtype, states_dtype, torch.float32)
+    n_blocks = triton.cdiv(dim, 64)  # upstream's smallest BLOCK_SIZE: a partial sum per block of the config's
+    ddA_partial = torch.empty(batch, nheads, nchunks, n_blocks, dtype=torch.float32, device=dout.device)
+    seq_strides = (seq_idx.stride(0), seq_idx.stride(1)) if seq_idx is not None else (0, 0)
+    kernel = upstream.mamba_module("ops.triton.ssd_state_passing")._state_passing_bwd_kernel
+    with torch.cuda.device(dout.device.index):
+        kernel[lambda meta: (triton.cdiv(dim, meta["BLOCK_SIZE"]), batch, nheads)](
+            dout, states, dA_chunk_cumsum, dfinal_states, seq_idx, dstates, ddA_partial, dinit, converted,
+            dim, nchunks, seq_idx.shape[-1] if seq_idx is not None else 0, chunk_size if seq_idx is not None else 0,
+            *dout.stride(), *states.stride(),
+            dA_chunk_cumsum.stride(0), dA_chunk_cumsum.stride(2), dA_chunk_cumsum.stride(1),
+            *dfinal_states.stride(), *seq_strides, *dstates.stride(),
+            ddA_partial.stride(0), ddA_partial.stride(2), ddA_partial.stride(1), *dinit.stride(),
+            CONVERT_STATES=converted is not None, HAS_DFINAL_STATES=True, HAS_DINITSTATES=True,
+            HAS_SEQ_IDX=seq_idx is not None,
+        )  # fmt: skip
+    valid = triton.cdiv(dim, kernel.best_config.kwargs["BLOCK_SIZE"])
+    ddA_chunk_cumsum = ddA_partial[..., :valid].sum(dim=-1).to(dtype=dA_chunk_cumsum.dtype)
     if states_dtype is not None and states_dtype == states.dtype:
         converted = states
     return dstates, ddA_chunk_cumsum, dinit, converted
