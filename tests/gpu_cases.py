@@ -152,7 +152,7 @@ def chained_reference(inputs: dict, grads: dict, spec, *, piece: int):
     outs, S_ins, log_as = [], [], []
     for s, e in bounds:
         ex = _Fixed(state)
-        out, _ = drive_fwd(reference.segment_fwd(zx[:, s:e], halo_of(s), *params, spec=spec), ex.post)
+        out, _ = drive_fwd(reference.segment_fwd(zx[:, s:e], halo_of(s), params, spec=spec), ex.post)
         S_ext, log_a = ex.sent
         outs.append(out)
         S_ins.append(state)
@@ -167,7 +167,7 @@ def chained_reference(inputs: dict, grads: dict, spec, *, piece: int):
     for k in reversed(range(len(bounds))):
         s, e = bounds[k]
         ex = _Fixed(g)
-        gen = reference.segment_bwd(dout[:, s:e], zx[:, s:e], halo_of(s), *params, S_ins[k], spec=spec)
+        gen = reference.segment_bwd(dout[:, s:e], zx[:, s:e], halo_of(s), params, S_ins[k], spec=spec)
         (dz, *dp), dhalo = drive_bwd(gen, ex.post_grad)
         dzx[:, s:e] += dz
         if s > 0:

@@ -141,10 +141,10 @@ def test_segment_contract_matches_single_device_op():
     torch.autograd.backward([out, final], [dout, dfinal])
 
     ex = LocalExchange(extra["initial_states"], dfinal)
-    seg_out, _ = drive_fwd(ref.segment_fwd(t["zxbcdt"], None, *params, spec=spec), ex.post)
+    seg_out, _ = drive_fwd(ref.segment_fwd(t["zxbcdt"], None, params, spec=spec), ex.post)
     assert rel_err(seg_out, out) < TOL and rel_err(ex.final_states, final) < TOL
     S_in = extra["initial_states"]
-    grads, dhalo = drive_bwd(ref.segment_bwd(dout, t["zxbcdt"], None, *params, S_in, spec=spec), ex.post_grad)
+    grads, dhalo = drive_bwd(ref.segment_bwd(dout, t["zxbcdt"], None, params, S_in, spec=spec), ex.post_grad)
     assert dhalo is None
     ours = list(grads) + [ex.dinitial_states]
     for mine, leaf in zip(ours, leaves):

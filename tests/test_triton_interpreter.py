@@ -147,11 +147,11 @@ def _run_segment(backend, t, grads, spec, *, initial_states, backward=True, seq_
     ex = LocalExchange(initial_states, grads["final"])
     params = [t[k] for k in PARAMS]
     S_in = torch.zeros_like(t["initial_states"]) if initial_states is None else initial_states
-    gen = backend.segment_fwd(t["zxbcdt"], t["halo"], *params, spec=spec, seq_idx=seq_idx)
+    gen = backend.segment_fwd(t["zxbcdt"], t["halo"], params, spec=spec, seq_idx=seq_idx)
     out, _ = drive_fwd(gen, ex.post)
     res = dict(out=out, S_in=S_in, final_states=ex.final_states)
     if backward:
-        gen = backend.segment_bwd(grads["out"], t["zxbcdt"], t["halo"], *params, S_in, spec=spec, seq_idx=seq_idx)
+        gen = backend.segment_bwd(grads["out"], t["zxbcdt"], t["halo"], params, S_in, spec=spec, seq_idx=seq_idx)
         (dzx, *dparams), dhalo = drive_bwd(gen, ex.post_grad)
         res.update(dzxbcdt=dzx, dhalo=dhalo, dinitial_states=ex.dinitial_states)
         res.update({"d" + k: d for k, d in zip(PARAMS, dparams) if t[k] is not None})

@@ -160,12 +160,12 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
         tail = zxbcdt.new_zeros(batch, d_conv, conv_dim)
     else:
         state, tail = carry
-    # autocast off, as dispatch.run turns it off around every strategy (mixer_core_prefill's path): the core computes as
-    # its inputs' dtypes say, so a chunked prefill gives what the whole prompt gives, under the caller's autocast too
+    # autocast off, as dispatch.run turns it off around every strategy (mixer_core_prefill's path): the core computes
+    # as its inputs' dtypes say, so a chunked prefill gives what the whole prompt gives, under the caller's autocast too
     with torch.no_grad(), torch.autocast(device_type=zxbcdt.device.type, enabled=False):
         # known mode (ops/segment.py): the carried state is the tile's S_in, its S_out the next carry
         gen = get_backend(backend, zxbcdt.device).segment_fwd(
-            zxbcdt, tail[:, 1:], conv1d_weight, conv1d_bias, dt_bias, A, D, kwargs["rmsnorm_weight"], spec=spec,
+            zxbcdt, tail[:, 1:], (conv1d_weight, conv1d_bias, dt_bias, A, D, kwargs["rmsnorm_weight"]), spec=spec,
             S_in=state.to(state_dtype(zxbcdt)),
         )  # fmt: skip
         out, _, new_state = run_fwd_known(gen)

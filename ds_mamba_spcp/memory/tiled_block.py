@@ -81,7 +81,7 @@ class _TileCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, spec, labels, keep_y, zxbcdt, halo, *params_and_state):
         *params, S_in = params_and_state
-        gen = backend.segment_fwd(zxbcdt, halo, *params, spec=spec, seq_idx=labels, keep_y=keep_y, S_in=S_in)
+        gen = backend.segment_fwd(zxbcdt, halo, tuple(params), spec=spec, seq_idx=labels, keep_y=keep_y, S_in=S_in)
         out, y, S_out = run_fwd_known(gen)
         ctx.backend, ctx.spec, ctx.labels = backend, spec, labels
         ctx.kept = [y] if y is not None else None
@@ -96,7 +96,7 @@ class _TileCore(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros(*zxbcdt.shape[:2], ctx.spec.d_inner, dtype=zxbcdt.dtype, device=zxbcdt.device)
         dS_out = torch.zeros_like(S_in) if dS_out is None else dS_out.to(S_in.dtype)
-        gen = ctx.backend.segment_bwd(dout, zxbcdt, halo, *params, S_in, spec=ctx.spec, seq_idx=ctx.labels,
+        gen = ctx.backend.segment_bwd(dout, zxbcdt, halo, tuple(params), S_in, spec=ctx.spec, seq_idx=ctx.labels,
                                       kept=ctx.kept, dS_out=dS_out)  # fmt: skip
         (dzxbcdt, *dparams), dS_in, dhalo = run_bwd_known(gen)
         ctx.kept = None

@@ -238,14 +238,12 @@ def _ready(halo):
     return halo.wait() if hasattr(halo, "wait") else halo
 
 
-def segment_fwd(
-    zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False,
-    S_in=None,
-):  # fmt: skip
+def segment_fwd(zxbcdt, halo, params, *, spec, seq_idx=None, keep_y=False, S_in=None):
     """Forward of one causal segment (batch may hold several segments, see layout.py), a generator.
 
-    halo: (batch, d_conv-1, conv_dim) pre-conv xBC rows of the causally previous segment, or a handle
-    whose ``wait()`` gives them (None: zeros). seq_idx: (batch, seqlen) canonical document labels of
+    params: (conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight); halo: (batch, d_conv-1, conv_dim)
+    pre-conv xBC rows of the causally previous segment, or a handle whose ``wait()`` gives them (None: zeros).
+    seq_idx: (batch, seqlen) canonical document labels of
     the segment (``canonical_seq_idx``: its first fragment is 0) or None.
     Protocol (``ops/segment.py`` drives it): yields ``(S_ext, log_a)`` (fp32 or wider), the segment's
     summary from a zero state: S_ext its final state, log_a the log of the factor by which its
@@ -255,6 +253,7 @@ def segment_fwd(
     keep_y (this backend recomputes everything and keeps None). Known mode (``ops/segment.py``): S_in given,
     nothing is yielded and ``(out, y, S_out)`` is returned, S_out = exp(log_a) S_in + S_ext.
     """
+    conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight = params
     known = S_in is not None
     with torch.no_grad():
         pre = _segment_pre(zxbcdt, _ready(halo), conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx)
@@ -269,10 +268,7 @@ def segment_fwd(
     return out, None
 
 
-def segment_bwd(
-    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, seq_idx=None,
-    kept=None, dS_out=None,
-):  # fmt: skip
+def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=None, dS_out=None):
     """Backward of ``segment_fwd`` by recomputation under autograd, a generator.
 
     kept: the list holding what segment_fwd kept, or None. A backend pops what it uses (so that a
@@ -286,7 +282,7 @@ def segment_bwd(
     is returned after the others.
     """
     known = dS_out is not None
-    inputs = [zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight]
+    inputs = [zxbcdt, halo, *params]
     leaves = [t.detach().requires_grad_() if t is not None else None for t in inputs]
     S_in = S_in.detach().requires_grad_()
     with torch.enable_grad():

@@ -143,7 +143,7 @@ def _fold(chains, summaries, decay):
     return _cat(S_ext_rows), _cat(log_a_rows)
 
 
-def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec, seq_idx=None, keep_y=False,
+def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, params, *, spec, seq_idx=None, keep_y=False,
                 S_in=None):  # fmt: skip
     """``backend.segment_fwd`` over ``tiles`` (the protocol of ops/segment.py). ``saved`` receives the
     tiles' incoming states and decays exp(log_a) ("S_in", "decay": lists per row group; None in a row group of
@@ -158,7 +158,7 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec,
     for ch in chains:
         for k, (s, e) in enumerate(ch.spans):
             extra = dict(out=out[ch.r0 : ch.r1, s:e]) if into else {}
-            gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
+            gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], params, spec=spec, seq_idx=ch.labels[k],
                                       keep_y=keep_y, **extra)  # fmt: skip
             S_ext, log_a = next(gen)
             gens.append(gen)
@@ -195,7 +195,7 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, *params, spec,
     return out, (ys if keep_y else None)
 
 
-def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params, S_in, spec, seq_idx=None,
+def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, params, *, S_in, spec, seq_idx=None,
                 kept=None, dS_out=None):  # fmt: skip
     """``backend.segment_bwd`` over ``tiles``; ``saved`` as filled by ``segment_fwd``; ``kept``: a list
     holding the list of the tiles' kept y (or nothing). Known mode (dS_out given): ``_known_bwd``."""
@@ -213,7 +213,7 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, *params,
         for k, (s, e) in enumerate(ch.spans):
             tile_kept = [ys[i]] if ys is not None and ys[i] is not None else None
             extra = dict(dzxbcdt=dzxbcdt[ch.r0 : ch.r1, s:e]) if into else {}
-            gen = backend.segment_bwd(dout[ch.r0 : ch.r1, s:e], ch.zx[:, s:e], _halo_value(ch, k), *params,
+            gen = backend.segment_bwd(dout[ch.r0 : ch.r1, s:e], ch.zx[:, s:e], _halo_value(ch, k), params,
                                       saved["S_in"][c][k], spec=spec, seq_idx=ch.labels[k], kept=tile_kept,
                                       **extra)  # fmt: skip
             gens.append(gen)
@@ -271,7 +271,7 @@ def _known_tiles(backend, ch, params, spec, keep_y, state, out=None):
     for k, (s, e) in enumerate(ch.spans):
         extra = dict(out=out[ch.r0 : ch.r1, s:e]) if out is not None else {}
         tile_in = ch.keep(k, state)
-        gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
+        gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], params, spec=spec, seq_idx=ch.labels[k],
                                   keep_y=keep_y, S_in=tile_in, **extra)  # fmt: skip
         tile_out, y, state = run_fwd_known(gen)
         yield s, e, tile_in, tile_out, y, state
@@ -307,7 +307,7 @@ def _known_bwd(backend, chains, saved, dout, dzxbcdt, into, params, spec, ys, dS
             s, e = ch.spans[k]
             tile_kept = [ys[i + k]] if ys is not None and ys[i + k] is not None else None
             extra = dict(dzxbcdt=dzxbcdt[ch.r0 : ch.r1, s:e]) if into else {}
-            gen = backend.segment_bwd(dout[ch.r0 : ch.r1, s:e], ch.zx[:, s:e], _halo_value(ch, k), *params,
+            gen = backend.segment_bwd(dout[ch.r0 : ch.r1, s:e], ch.zx[:, s:e], _halo_value(ch, k), params,
                                       saved["S_in"][c][k], spec=spec, seq_idx=ch.labels[k], kept=tile_kept,
                                       dS_out=grad, **extra)  # fmt: skip
             tile_grads, dS_in, dhalo = run_bwd_known(gen)
@@ -392,7 +392,7 @@ def _chains_of(zxbcdt, halo, seq_idx, spec, groups):
     return [_Chain(zxbcdt, halo, seq_idx, spec, r0, r1, spans) for r0, r1, spans in groups]
 
 
-def forward_known(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None, initial_states=None):
+def forward_known(backend, groups, zxbcdt, halo, params, *, spec, seq_idx=None, initial_states=None):
     """A segment whose incoming state is known (a group of one: the initial state or zeros), forward only.
 
     groups: ``forward_groups``' chains. Each tile runs from its first kernel to its output before the next
@@ -412,7 +412,7 @@ def forward_known(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None, in
     return out.value, states
 
 
-def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None):
+def segment_fwd_only(backend, groups, zxbcdt, halo, params, *, spec, seq_idx=None):
     """A segment whose incoming state arrives from elsewhere (the ranks' exchange), forward only: a generator
     with the protocol of ``ops/segment.py``. groups: ``forward_groups``' chains.
 
@@ -427,7 +427,7 @@ def segment_fwd_only(backend, groups, zxbcdt, halo, *params, spec, seq_idx=None)
 
     def first_phase(ch, k):
         s, e = ch.spans[k]
-        gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], *params, spec=spec, seq_idx=ch.labels[k],
+        gen = backend.segment_fwd(ch.zx[:, s:e], ch.halos[k], params, spec=spec, seq_idx=ch.labels[k],
                                   keep_y=False)  # fmt: skip
         S_ext, log_a = next(gen)
         return gen, (S_ext, ch.log_a(k, log_a))

@@ -55,7 +55,7 @@ import triton
 
 from ds_mamba_spcp.ops.autograd import first_order_only
 from ds_mamba_spcp.ops.kernels import fold, pass_states, upstream
-from ds_mamba_spcp.ops.segment import Ready, run_bwd_known, run_fwd_known
+from ds_mamba_spcp.ops.segment import Ready
 from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 upstream.check_pinned_versions()
@@ -253,15 +253,13 @@ def _rms_args(y, z, spec: CoreSpec):
 WRITES_INTO = True  # segment_fwd takes out=, segment_bwd dzxbcdt=: buffers (views of the tiles' whole) to fill
 
 
-def segment_fwd(
-    zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False,
-    out=None, S_in=None,
-):  # fmt: skip
+def segment_fwd(zxbcdt, halo, params, *, spec, seq_idx=None, keep_y=False, out=None, S_in=None):
     """Forward of one causal segment (segments packed on the batch axis), a generator with the
     protocol of ``ops/reference.py``'s (see ``ops/segment.py``).
 
-    zxbcdt: (batch, seqlen, d_in_proj); halo: (batch, d_conv-1, conv_dim) pre-conv rows of the
-    previous segment in zxbcdt's dtype, or a handle to them (waited for after the dt processing);
+    zxbcdt: (batch, seqlen, d_in_proj); params: (conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight);
+    halo: (batch, d_conv-1, conv_dim) pre-conv rows of the previous segment in zxbcdt's dtype, or a handle to
+    them (waited for after the dt processing);
     seq_idx: (batch, seqlen) int32 canonical labels or None. Yields (S_ext, log_a) (fp32), is sent
     the handle to S_in (fp32), returns (out (batch, seqlen, nheads*headdim) in zxbcdt's dtype, y): y is
     the pre-gate output when keep_y (what upstream's op saves; the backward then skips one
@@ -270,18 +268,7 @@ def segment_fwd(
     Known mode (``ops/segment.py``): S_in (fp32) given, no fold and nothing yielded; returns (out, y, S_out),
     S_out the state passing's final state (as mamba-ssm's op carries it).
     """
-    if S_in is not None:
-        return run_fwd_known(_segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
-                                          spec=spec, seq_idx=seq_idx, keep_y=keep_y, out=out, S_in=S_in))  # fmt: skip
-    return (yield from _segment_fwd(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
-                                    spec=spec, seq_idx=seq_idx, keep_y=keep_y, out=out))  # fmt: skip
-
-
-def _segment_fwd(
-    zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, *, spec, seq_idx=None, keep_y=False,
-    out=None, S_in=None,
-):  # fmt: skip
-    """``segment_fwd``'s body (known mode: S_in given)."""
+    conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight = params
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)
     D = D.contiguous()
@@ -327,10 +314,7 @@ def _scan_out(CB, x, dt, dA_cumsum, C, prev_states, D, z, rmsnorm_weight, spec, 
     return (out if out_rows is not None else res.view(batch, seqlen, -1)), y
 
 
-def segment_bwd(
-    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, seq_idx=None,
-    kept=None, dzxbcdt=None, dS_out=None,
-):  # fmt: skip
+def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=None, dzxbcdt=None, dS_out=None):
     """Backward of ``segment_fwd`` by recomputation, a generator with the protocol of ``ops/reference.py``'s.
 
     Yields L (fp32), is sent the handle to dS_out (fp32), yields the halo's gradient (batch, d_conv-1,
@@ -341,24 +325,9 @@ def segment_bwd(
     dzxbcdt: a buffer shaped like zxbcdt (a view of a longer one) that receives the gradient of zxbcdt
     (returned as the first gradient) instead of a fresh tensor. Known mode (``ops/segment.py``): dS_out
     given, L is not yielded and not folded; dS_in (fp32) is the initial states' gradient of _state_passing_bwd,
-    which starts from dS_out (``_state_passing_bwd_fp32_dinit``), returned last.
+    which starts from dS_out (``pass_states.state_passing_bwd_fp32_dinit``), returned last.
     """
-    if dS_out is not None:
-        grads, dS_in, dhalo = run_bwd_known(_segment_bwd(
-            dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, spec=spec,
-            seq_idx=seq_idx, kept=kept, dzxbcdt=dzxbcdt, dS_out=dS_out,
-        ))  # fmt: skip
-        yield dhalo
-        return (*grads, dS_in)
-    return (yield from _segment_bwd(dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
-                                    S_in, spec=spec, seq_idx=seq_idx, kept=kept, dzxbcdt=dzxbcdt))  # fmt: skip
-
-
-def _segment_bwd(
-    dout, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in, *, spec, seq_idx=None,
-    kept=None, dzxbcdt=None, dS_out=None,
-):  # fmt: skip
-    """``segment_bwd``'s body (known mode: dS_out given)."""
+    conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight = params
     known = dS_out is not None
     batch, seqlen, _ = zxbcdt.shape
     check_lengths(batch, seqlen, spec, sharded=True)

@@ -44,7 +44,7 @@ def run_forward_only(call):
     limit = call.backend.max_tokens_per_call(spec)
     groups = tiling.forward_groups(batch, seqlen, spec, limit, o.tile_length, call.seq_idx)
     with torch.no_grad():
-        out, states = tiling.forward_known(call.backend, groups, call.zxbcdt, None, *call.params, spec=spec,
+        out, states = tiling.forward_known(call.backend, groups, call.zxbcdt, None, call.params, spec=spec,
                                            seq_idx=call.seq_idx, initial_states=call.initial_states)  # fmt: skip
         if not o.return_final_states:
             return out

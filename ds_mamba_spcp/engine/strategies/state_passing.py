@@ -312,12 +312,12 @@ def _forward(zxbcdt, params, initial_states, seq_idx, st: _Static):
         # a group of one: S_in is the initial state (or zeros), known before the segment starts, so the backend
         # runs it (and its tiles, one after the other) in known mode: no summary (ops/segment.py)
         S_in = zero_state(rows, spec) if initial_states is None else initial_states.to(state_dtype(rows))
-        gen = st.segment_fwd(tiles, saved, rows, halo, *params, spec=spec, seq_idx=local_ids, keep_y=keep_y,
+        gen = st.segment_fwd(tiles, saved, rows, halo, params, spec=spec, seq_idx=local_ids, keep_y=keep_y,
                              S_in=S_in)  # fmt: skip
         out, y, exchange.final_states = run_fwd_known(gen)
         exchange.S_in = S_in
         return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, exchange, saved
-    gen = st.segment_fwd(tiles, saved, rows, halo, *params, spec=spec, seq_idx=local_ids, keep_y=keep_y)
+    gen = st.segment_fwd(tiles, saved, rows, halo, params, spec=spec, seq_idx=local_ids, keep_y=keep_y)
     out, y = drive_fwd(gen, post)
     return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, exchange, saved
 
@@ -332,11 +332,11 @@ def _backward(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, local_ids, st
     post_halo_grad = lambda dh: _post_halo_grad(dh, mask, plan)  # noqa: E731
     if plan.alone:  # known mode, as the forward ran: dS_out is the final state's gradient (or zeros)
         dS_out = torch.zeros_like(S_in) if dfinal is None else dfinal.to(S_in.dtype)
-        gen = st.segment_bwd(st.tiles(rows), saved, dout, rows, halo, *params, S_in=S_in, spec=spec,
+        gen = st.segment_bwd(st.tiles(rows), saved, dout, rows, halo, params, S_in=S_in, spec=spec,
                              seq_idx=local_ids, kept=kept, dS_out=dS_out)  # fmt: skip
         (dzxbcdt, *dparams), exchange.dinitial_states, dtail = run_bwd_known(gen, post_halo_grad)
     else:
-        gen = st.segment_bwd(st.tiles(rows), saved, dout, rows, halo, *params, S_in=S_in, spec=spec,
+        gen = st.segment_bwd(st.tiles(rows), saved, dout, rows, halo, params, S_in=S_in, spec=spec,
                              seq_idx=local_ids, kept=kept)  # fmt: skip
         (dzxbcdt, *dparams), dtail = drive_bwd(gen, exchange.post_grad, post_halo_grad)
     if dtail is not None:
@@ -453,7 +453,7 @@ def run_forward_only(call):
 
         limit = call.backend.max_tokens_per_call(spec)
         groups = tiling.forward_groups(rows.shape[0], rows.shape[1], spec, limit, o.tile_length, labels)
-        gen = tiling.segment_fwd_only(call.backend, groups, rows, halo, *call.params, spec=spec, seq_idx=labels)
+        gen = tiling.segment_fwd_only(call.backend, groups, rows, halo, call.params, spec=spec, seq_idx=labels)
         out, states = drive_fwd(gen, post)
         out = layout.unpack_segments(out, plan.nlocal)
         if not o.return_final_states:
