@@ -21,6 +21,7 @@ wrapper sees the mixer and the process group.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -37,6 +38,7 @@ SECTION = "mamba_sequence_parallel"
 """Name of the ds_config section read by :func:`load_mamba_sp_config`."""
 
 _TOP_LEVEL_SP_SIZE = "sequence_parallel_size"
+_OP = {"op": True}  # a field that is also an option of the op: it becomes a field of ``Options`` (below)
 
 
 class MambaSequenceParallelConfig(DeepSpeedConfigModel):
@@ -55,20 +57,20 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     enabled: bool = False
     """Turn the Mamba2 sequence-parallel path on. When False the wrapper runs the plain local mixer."""
 
-    mode: Literal[modes.MODES] = modes.STATE_PASSING
+    mode: Literal[modes.MODES] = Field(default=modes.STATE_PASSING, json_schema_extra=_OP)
     """How ranks cooperate. ``"state_passing"`` keeps each rank's sequence shard in place and exchanges
     only the conv halo and an fp32 SSM state summary. ``"ulysses"`` re-shards with all-to-all
     (``[L/cp, heads] -> [L, heads/cp]``), runs the full-length scan on a head slice and re-shards back;
     it is the baseline the benchmarks compare to."""
 
-    load_balancing: Literal[modes.LOAD_BALANCING] = modes.NONE
+    load_balancing: Literal[modes.LOAD_BALANCING] = Field(default=modes.NONE, json_schema_extra=_OP)
     """How the causal chain is balanced across ranks (``"state_passing"`` mode only; ``"ulysses"``
     needs ``"none"``). ``"none"``: segments follow rank order (contiguous input). ``"virtual"``: each
     rank's two zigzag chunks become two causal segments packed on the batch dim, no activation moves.
     ``"permute_p2p"`` / ``"permute_a2a"``: zigzag input is permuted to contiguous and back with
     point-to-point sends or one all-to-all."""
 
-    input_layout: Literal[modes.LAYOUTS] = modes.CONTIGUOUS
+    input_layout: Literal[modes.LAYOUTS] = Field(default=modes.CONTIGUOUS, json_schema_extra=_OP)
     """Which tokens each rank holds. ``"contiguous"``: rank r holds tokens ``[r*L/cp, (r+1)*L/cp)``,
     what DeepSpeed-Ulysses and its data-loader adapter produce. ``"zigzag"``: the sequence is cut into
     ``2*cp`` chunks and rank r holds chunk r followed by chunk ``2*cp-1-r``."""
@@ -79,22 +81,22 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     :attr:`resolved_sequence_parallel_size` reads an unset size as 1. When set, the size of the process
     group handed to the wrapper must equal it."""
 
-    overlap_comm: bool = True
+    overlap_comm: bool = Field(default=True, json_schema_extra=_OP)
     """Issue the state-summary all-gather asynchronously and overlap it with the computation that needs
     no incoming state (the chunk products C·Bᵀ). ``"state_passing"`` mode only (``"ulysses"`` has nothing
     to overlap and refuses ``false``)."""
 
-    backend: Literal[BACKENDS] = "auto"
+    backend: Literal[BACKENDS] = Field(default="auto", json_schema_extra=_OP)
     """Compute backend. ``"auto"``: Triton (mamba-ssm kernels) for CUDA tensors, the plain-PyTorch
     reference otherwise. ``"reference"``: always the plain-PyTorch twin. ``"triton"``: always Triton."""
 
-    check_shapes: bool = True
+    check_shapes: bool = Field(default=True, json_schema_extra=_OP)
     """Compare every call across the ranks of the group (shapes, dtypes, options, the document labels of
     packed rows), so that a mismatch raises on every rank instead of hanging in a collective. Costs one
     small all-gather per call; on GPUs a host read only when this rank's call changed or for packed
     rows, otherwise a device-side comparison (see ``ds_mamba_spcp.engine.call``). ``false`` skips it."""
 
-    recompute_output: bool = False
+    recompute_output: bool = Field(default=False, json_schema_extra=_OP)
     """``"state_passing"`` mode only (``"ulysses"`` runs mamba-ssm's op, which keeps it, and refuses
     ``true``): ``False`` keeps the scan's pre-gate output from forward for the
     backward, as mamba-ssm's own op does (one ``(batch, local_seqlen, nheads*headdim)`` activation per
@@ -102,7 +104,7 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     it in backward instead: that activation is not held between forward and backward, at the cost of
     one more chunk-scan kernel per layer (about 8% slower at 128K tokens on 2 H200s)."""
 
-    tile_length: int | None = Field(default=None, ge=1, strict=True)
+    tile_length: int | None = Field(default=None, ge=1, strict=True, json_schema_extra=_OP)
     """Run every causal segment (a rank's shard, or half of it under ``"virtual"``; the whole row in a
     group of one; the gathered row under ``"ulysses"``) as consecutive tiles of this many tokens, the
     state and the conv halo carried from tile to tile. ``None`` (default): tile only where a segment
@@ -117,7 +119,7 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     the untiled ones). The wrapper does not act on it: a model's block calls ``tiled_block`` with it in place of
     its checkpoint function (``examples/model.py``). ``None`` (default): off. Needs a sequence-parallel group of
     one rank and ZeRO stage 0-2 (``tiled_block`` refuses the others, naming this key)."""
-    cuda_graphs: bool = False
+    cuda_graphs: bool = Field(default=False, json_schema_extra=_OP)
     """A group of one on CUDA only (refused for a group of several ranks and on CPU): replay the mixer core's
     forward and backward from CUDA graphs captured per shape on first use, which removes its host time (the
     launches of mamba-ssm's kernels). Each live call of a shape holds one captured instance with its own
@@ -148,6 +150,11 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
         return modes.entry(self.mode, self.load_balancing, self.input_layout, recompute_output=self.recompute_output,
                            overlap_comm=self.overlap_comm)  # fmt: skip
 
+    def options(self, **call) -> Options:
+        """The op options this section sets (its fields marked as op options), and ``call``'s (final states,
+        forward only)."""
+        return Options(**{name: getattr(self, name) for name in OPTION_KEYS}, **call)
+
     @property
     def resolved_sequence_parallel_size(self) -> int:
         """The configured ``sequence_parallel_size``, or 1 when it is unset."""
@@ -171,6 +178,36 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
                 "CUDA graphs on one device only (a group of one); set it to false for sequence parallelism."
             )
         modes.check_shapes(self.entry(), nheads=nheads, ngroups=ngroups, cp=cp)
+
+
+OPTION_KEYS = tuple(k for k, f in MambaSequenceParallelConfig.model_fields.items() if f.json_schema_extra == _OP)
+
+
+def _options_entry(self) -> modes.Entry:
+    """This call's entry of the table of modes (raises for a combination the table lacks)."""
+    return modes.entry(self.mode, self.load_balancing, self.input_layout, recompute_output=self.recompute_output,
+                       overlap_comm=self.overlap_comm)  # fmt: skip
+
+
+# How one call of the op is run (``engine.call.MixerCall.options``): every field of the section marked as an op option,
+# with its default, so that a new option is one field of the section and its use; and two of a call's own.
+Options = dataclasses.make_dataclass(
+    "Options",
+    [
+        (k, f.annotation, dataclasses.field(default=f.default))
+        for k, f in MambaSequenceParallelConfig.model_fields.items()
+        if k in OPTION_KEYS
+    ]
+    + [
+        ("return_final_states", bool, dataclasses.field(default=False)),
+        # inference: the entry's forward-only route (dispatch.FORWARD_ONLY): no graph, nothing saved for a
+        # backward, final_states one per document ((ndocs, ...) for packed rows). Not a ds_config key.
+        ("forward_only", bool, dataclasses.field(default=False)),
+    ],
+    frozen=True,
+    namespace={"entry": property(_options_entry), "__module__": __name__},
+)
+Options.__doc__ = "How a call of the op is run: the section's op options and a call's own (see ``OPTION_KEYS``)."
 
 
 def _check_keys(section: Mapping) -> None:

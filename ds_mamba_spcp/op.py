@@ -1,15 +1,40 @@
 """The public mixer-core ops: mamba-ssm's argument list in, one prepared call out to the dispatcher.
 
 mamba_split_conv1d_scan_sp / mamba_split_conv1d_scan_ulysses / mixer_core
-    -> engine.call.from_arguments   the arguments as one MixerCall, checked alike on every rank
+    -> from_arguments               the arguments as one MixerCall (engine.call.prepare: checked alike on every rank)
     -> engine.dispatch.run          the strategy the table of modes names (docs/design.md, "One dispatch path")
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from ds_mamba_spcp.config import Options
 from ds_mamba_spcp.engine import modes
-from ds_mamba_spcp.engine.call import from_arguments
+from ds_mamba_spcp.engine.call import MixerCall, MixerCore, prepare
 from ds_mamba_spcp.engine.dispatch import run
+
+_CORE_FIELDS = tuple(f.name for f in dataclasses.fields(MixerCore))
+_OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(Options))
+_FLAGS = tuple(f.name for f in dataclasses.fields(Options) if f.type in (bool, "bool"))
+_DATA = ("initial_states", "seq_idx", "cu_seqlens")
+
+
+def from_arguments(arguments: dict, *, what: str) -> MixerCall:
+    """A public op's arguments (its ``locals()``: mamba-ssm's names plus this package's options) as a
+    prepared ``MixerCall``. input_layout left unset (None or absent) is the one the table of modes gives."""
+    args = dict(arguments)
+    zxbcdt, group = args.pop("zxbcdt"), args.pop("process_group", None)
+    core = MixerCore(**{k: args.pop(k) for k in _CORE_FIELDS if k in args})
+    data = {k: args.pop(k) for k in _DATA if k in args}
+    unknown = [k for k in args if k not in _OPTION_FIELDS]
+    if unknown:
+        raise TypeError(f"{what} got unexpected keyword argument(s) {unknown}")
+    if args.get("input_layout") is None:
+        args["input_layout"] = modes.default_layout(args.get("mode", modes.STATE_PASSING),
+                                                    args.get("load_balancing", modes.NONE))  # fmt: skip
+    args.update({k: bool(args[k]) for k in _FLAGS if k in args})
+    return prepare(zxbcdt, core, process_group=group, options=Options(**args), what=what, **data)
 
 
 def mixer_core(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, *,

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from ds_mamba_spcp import mamba_split_conv1d_scan_sp
-from ds_mamba_spcp.config import MambaSequenceParallelConfig
-from ds_mamba_spcp.engine.call import Options, _check_options
-from ds_mamba_spcp.integrations.core import options_of
+from ds_mamba_spcp.config import MambaSequenceParallelConfig, Options
+from ds_mamba_spcp.engine.call import _check_options
 from ds_mamba_spcp.ops.spec import CoreSpec
 
 
@@ -37,7 +36,7 @@ def test_refused_for_a_group_of_several_ranks():
 
 def test_config_key():
     cfg = MambaSequenceParallelConfig(enabled=True, cuda_graphs=True)
-    assert options_of(cfg).cuda_graphs is True
+    assert cfg.options().cuda_graphs is True
     cfg.validate_for_mixer(nheads=4, ngroups=2, cp=1)
     with pytest.raises(ValueError, match=r'"mamba_sequence_parallel.cuda_graphs" is true .* 2 ranks'):
         cfg.validate_for_mixer(nheads=4, ngroups=2, cp=2)

@@ -19,6 +19,7 @@ warm-up call before the capture, which was checked. See docs/design.md, "Every r
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -84,31 +85,6 @@ class MixerCore:
 
 
 @dataclass(frozen=True)
-class Options:
-    """How a call is run (the ds_config section's op keys)."""
-
-    mode: str = modes.STATE_PASSING  # modes.MODES
-    load_balancing: str = modes.NONE  # modes.LOAD_BALANCING
-    input_layout: str = modes.CONTIGUOUS  # layout of zxbcdt and seq_idx: layout.LAYOUTS
-    return_final_states: bool = False
-    recompute_output: bool = False
-    overlap_comm: bool = True
-    backend: str = "auto"  # ops.BACKENDS
-    check_shapes: bool = True
-    tile_length: int | None = None  # run each segment in tiles of this many tokens (None: only past the kernels' cap)
-    cuda_graphs: bool = False  # a group of one on CUDA: replay forward and backward from CUDA graphs (graphs.py)
-    # inference: the entry's forward-only route (dispatch.FORWARD_ONLY): no graph, nothing saved for a backward, and
-    # final_states one per document ((ndocs, ...) for packed rows; documents.py). Not a ds_config key.
-    forward_only: bool = False
-
-    @property
-    def entry(self) -> modes.Entry:
-        """This call's entry of the table of modes (raises for a combination the table lacks)."""
-        return modes.entry(self.mode, self.load_balancing, self.input_layout, recompute_output=self.recompute_output,
-                           overlap_comm=self.overlap_comm)  # fmt: skip
-
-
-@dataclass(frozen=True)
 class Projections:
     """An adapter's projections around the core: ``zxbcdt = in_proj(hidden)``, ``out = out_proj(y)``.
 
@@ -142,7 +118,7 @@ class MixerCall:
     initial_states: torch.Tensor | None
     seq_idx: torch.Tensor | None
     spec: CoreSpec
-    options: Options
+    options: Any  # config.Options: the section's op options and the call's own
     group: Any
     rank: int
     cp: int
@@ -184,43 +160,12 @@ class MixerCall:
         return self.backend.single_device_op(self.zxbcdt, *params, self.spec.chunk_size, **kwargs)
 
 
-_CORE_FIELDS = tuple(f.name for f in dataclasses.fields(MixerCore))
-_OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(Options))
-_DATA = ("initial_states", "seq_idx", "cu_seqlens")
-
-
-def from_arguments(arguments: dict, *, what: str) -> MixerCall:
-    """A public op's arguments (its ``locals()``: mamba-ssm's names plus this package's options) as a
-    prepared ``MixerCall``. input_layout left unset (None or absent) is the one the table of modes gives."""
-    args = dict(arguments)
-    zxbcdt, group = args.pop("zxbcdt"), args.pop("process_group", None)
-    core = MixerCore(**{k: args.pop(k) for k in _CORE_FIELDS if k in args})
-    data = {k: args.pop(k) for k in _DATA if k in args}
-    unknown = [k for k in args if k not in _OPTION_FIELDS]
-    if unknown:
-        raise TypeError(f"{what} got unexpected keyword argument(s) {unknown}")
-    if args.get("input_layout") is None:
-        args["input_layout"] = modes.default_layout(args.get("mode", modes.STATE_PASSING),
-                                                    args.get("load_balancing", modes.NONE))  # fmt: skip
-    for key in (
-        "return_final_states",
-        "recompute_output",
-        "overlap_comm",
-        "check_shapes",
-        "cuda_graphs",
-        "forward_only",
-    ):
-        if key in args:
-            args[key] = bool(args[key])
-    return prepare(zxbcdt, core, process_group=group, options=Options(**args), what=what, **data)
-
-
 # ---------------------------------------------------------------------------------------------
 # local validation: every problem is recorded, none raised before the ranks have compared notes
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_options(options: Options, spec: CoreSpec, cp: int, local_seqlen: int) -> None:
+def _check_options(options, spec: CoreSpec, cp: int, local_seqlen: int) -> None:
     entry = options.entry  # mode, load balancing, layout and the flags that go with them (modes.py)
     if options.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {options.backend!r}")
@@ -321,7 +266,16 @@ def _float_code(value) -> int:
     return hash(value) & 0x3FFF_FFFF_FFFF
 
 
-def _descriptor(zxbcdt, core: MixerCore, options: Options, initial_states, seq_idx, cu_seqlens, problem):
+def _option_code(value) -> int:
+    """An option's value as an int equal on every rank for equal values (strings by CRC-32: str hashes are salted)."""
+    if value is None:
+        return -1
+    if isinstance(value, str):
+        return zlib.crc32(value.encode()) & 0x3FFF_FFFF
+    return int(value)
+
+
+def _descriptor(zxbcdt, core: MixerCore, options, initial_states, seq_idx, cu_seqlens, problem):
     def dims(t, n):
         shape = list(t.shape)[:n] if t.dim() <= n else [-2] * n
         return shape + [-1] * (n - len(shape))
@@ -342,23 +296,13 @@ def _descriptor(zxbcdt, core: MixerCore, options: Options, initial_states, seq_i
         ("headdim", -1 if core.headdim is None else int(core.headdim)),
         ("ngroups", int(core.ngroups)),
         ("initial_states", initial_states is not None),
-        ("return_final_states", options.return_final_states),
         ("rmsnorm_weight", core.rmsnorm_weight is not None),
         ("conv1d_bias", core.conv1d_bias is not None),
         ("norm_before_gate", bool(core.norm_before_gate)),
         ("activation", {None: 0, "silu": 1, "swish": 2}.get(core.activation, 9)),
         ("dt_limit", _float_code(tuple(float(v) for v in core.dt_limit))),
         ("rmsnorm_eps", _float_code(float(core.rmsnorm_eps))),
-        ("mode", modes.MODES.index(options.mode) if options.mode in modes.MODES else 9),
-        ("load_balancing", modes.LOAD_BALANCING.index(options.load_balancing)
-         if options.load_balancing in modes.LOAD_BALANCING else 9),
-        ("input_layout", layout.LAYOUTS.index(options.input_layout) if options.input_layout in layout.LAYOUTS else 9),
-        ("recompute_output", options.recompute_output),
-        ("overlap_comm", options.overlap_comm),
-        ("backend", BACKENDS.index(options.backend) if options.backend in BACKENDS else 9),
-        ("tile_length", -1 if not isinstance(options.tile_length, int) else options.tile_length),
-        ("cuda_graphs", bool(options.cuda_graphs)),
-        ("forward_only", options.forward_only),
+        *((f.name, _option_code(getattr(options, f.name))) for f in dataclasses.fields(options)),
         ("seq_idx", seq_idx is not None),
         ("cu_seqlens", cu_seqlens is not None),
         ("cu_seqlens.len", cu_len),
@@ -505,7 +449,7 @@ def _capturing(device) -> bool:
 
 
 def prepare(
-    zxbcdt, core: MixerCore, *, process_group, options: Options, initial_states=None, seq_idx=None, cu_seqlens=None,
+    zxbcdt, core: MixerCore, *, process_group, options, initial_states=None, seq_idx=None, cu_seqlens=None,
     what="mamba_split_conv1d_scan_sp", device=None, problem=None, projections: Projections | None = None,
 ) -> MixerCall:  # fmt: skip
     """Validates one call on every rank alike and returns it as a ``MixerCall``; see the module docstring.

@@ -18,9 +18,9 @@ import torch
 
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig
 from ds_mamba_spcp.engine import dispatch
-from ds_mamba_spcp.engine.call import MixerCore, Options, Projections, prepare
+from ds_mamba_spcp.engine.call import MixerCore, Projections, prepare
 
-__all__ = ["SHARDED_ATTR", "MixerCore", "is_sharded", "mixer_forward", "options_of"]
+__all__ = ["SHARDED_ATTR", "MixerCore", "is_sharded", "mixer_forward"]
 
 # set (True) on every mixer an adapter made sequence-parallel, so that one adapter can see another's without
 # importing it (docs/design.md, "Adapters")
@@ -30,16 +30,6 @@ SHARDED_ATTR = "_ds_mamba_spcp_sharded"
 def is_sharded(module) -> bool:
     """Whether ``module`` is a mixer an adapter made sequence-parallel (either adapter's)."""
     return bool(getattr(module, SHARDED_ATTR, False))
-
-
-def options_of(config: MambaSequenceParallelConfig) -> Options:
-    """The op options a ds_config section sets (final states are never returned to a host mixer)."""
-    c = config
-    return Options(
-        mode=c.mode, load_balancing=c.load_balancing, input_layout=c.input_layout,
-        recompute_output=c.recompute_output, overlap_comm=c.overlap_comm, backend=c.backend,
-        check_shapes=c.check_shapes, tile_length=c.tile_length, cuda_graphs=c.cuda_graphs,
-    )  # fmt: skip
 
 
 def mixer_forward(
@@ -74,7 +64,7 @@ def mixer_forward(
     shape = tuple(hidden.shape[:2]) if hidden.dim() == 3 else (1, 1)
     probe = torch.empty(*shape, core.d_in_proj, dtype=hidden.dtype, device="meta")  # in_proj's output, to come
     call = prepare(
-        probe, core, process_group=group, options=options_of(c), seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+        probe, core, process_group=group, options=c.options(), seq_idx=seq_idx, cu_seqlens=cu_seqlens,
         device=hidden.device, what=f"{SECTION} ({c.mode}, load_balancing {c.load_balancing})", problem=problem,
         projections=Projections(hidden, in_proj, out_proj),
     )  # fmt: skip
