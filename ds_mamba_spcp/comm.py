@@ -149,6 +149,49 @@ def batch_isend_irecv(sends, recvs, group):
     return dist.batch_isend_irecv(ops)
 
 
+class Received:
+    """Handle of ``post_p2p``: ``wait()`` returns the received tensors, in the order their receives were given."""
+
+    def __init__(self, works, buffers, sends, device):
+        self._works, self._buffers, self._sends, self._device = works, buffers, sends, device
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self._works:
+            work.wait()
+        self._works, self._sends = [], None  # the sends' buffers may go once they are done
+        if self._device is None:
+            return self._buffers
+        return [b.to(self._device) for b in self._buffers]
+
+
+def post_p2p(sends, receives, like: torch.Tensor, group) -> Received:
+    """Posts point-to-point sends [(tensor, group rank)] and receives [(shape, group rank)] of ``like``'s dtype
+    and device together (one ``batch_isend_irecv``). Between two ranks, messages match in the order each side
+    posts them. gloo's point-to-point takes CPU tensors only, so there CUDA tensors travel through the host (a
+    copy and a synchronisation each way; ranks sharing one GPU in tests); NCCL moves them directly."""
+    import torch.distributed as tdist
+
+    staged = like.is_cuda and tdist.get_backend(group) == "gloo"
+    where = torch.device("cpu") if staged else like.device
+    out = [(t.to(where).contiguous(), peer) for t, peer in sends]
+    buffers = [torch.empty(shape, dtype=like.dtype, device=where) for shape, _ in receives]
+    works = batch_isend_irecv(out, [(b, peer) for b, (_, peer) in zip(buffers, receives)], group)
+    return Received(works, buffers, out, like.device if staged else None)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
+    """Group rank ``src``'s ``tensor`` on every rank of ``group`` (in place; returned)."""
+    _dist().broadcast(tensor, global_rank(group, src), group=group)
+    return tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The sum over ``group`` of every rank's ``tensor`` (a new tensor)."""
+    out = tensor.contiguous().clone()
+    _dist().all_reduce(out, group=group)
+    return out
+
+
 def all_to_all_uneven(
     output: torch.Tensor, tensor: torch.Tensor, output_split_sizes, input_split_sizes, group, async_op: bool = False
 ):

@@ -1,0 +1,259 @@
+"""The summary exchange of the state-passing strategy: how every segment gets the state entering it (forward)
+and the gradient reaching its outgoing state (backward). Two methods, the ``summary_exchange`` option:
+
+    allgather   every rank all-gathers every segment's summary (S_ext, log_a), one collective, and scans them
+                locally (``scan.exclusive_scan``); per layer and direction a rank receives nseg summaries
+    scan        a log-depth exclusive scan of the affine summaries (Hillis-Steele): round k (k = 0, 1, ...,
+                ceil(log2 nseg) - 1), segment p sends its running aggregate of segments (p - 2^k, p] to segment
+                p + 2^k, which composes it in front of its own; after the last round every segment holds the
+                composition of all segments before it. A segment receives at most one summary per round:
+                ceil(log2 nseg) in all. The state after the last segment (final_states) is broadcast from its
+                rank when it is asked for.
+    auto        the cheaper of the two by the cost model (``traffic.summary_exchange_cost``)
+
+Backward is the mirror image in both: the L's (the gradient each segment sends to its incoming state when its
+outgoing one receives none) with the same decays, composed from the last segment down (a reverse scan); the
+gradients reaching the copies of final_states on the ranks are summed first (an all-reduce of one summary).
+
+The algebra (docs/design.md, "The algebra"): a summary is an affine map S_out = exp(a) S_in + S; two consecutive
+ones compose as (S1, a1) then (S2, a2) = (exp(a2) S1 + S2, a1 + a2), in fp32 (fp64 for fp64 input). a = -inf (a
+segment that holds or begins a document start) stays finite through exp and sums: the chain is cut there.
+
+``rounds`` is the schedule as a plain function (which segment sends to which in each round) and
+``simulate_exclusive_scan`` runs it in one process; the distributed ``ScanExchange`` follows the same schedule
+with point-to-point messages (``comm.post_p2p``: NCCL sends CUDA tensors directly; gloo moves CUDA tensors
+through the host, its point-to-point takes CPU tensors only). Nothing reads a tensor value on the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ds_mamba_spcp import comm
+from ds_mamba_spcp.engine import layout
+
+ALLGATHER, SCAN, AUTO = "allgather", "scan", "auto"
+SUMMARY_EXCHANGES = (ALLGATHER, SCAN, AUTO)
+
+
+# ---------------------------------------------------------------------------------------------
+# the schedule, and the scan it runs, in one process
+# ---------------------------------------------------------------------------------------------
+
+
+def rounds(nseg: int) -> list[list[tuple[int, int]]]:
+    """The log-depth scan's messages: round k is the list of (sender, receiver) segments, receiver = sender + 2^k,
+    for ceil(log2 nseg) rounds (none for a lone segment)."""
+    out, step = [], 1
+    while step < nseg:
+        out.append([(p, p + step) for p in range(nseg - step)])
+        step *= 2
+    return out
+
+
+_rounds = rounds
+
+
+def compose(early, late):
+    """The summary of two consecutive runs of segments: ``early`` then ``late``, each (S (..., h, p, n), a (..., h))."""
+    (S1, a1), (S2, a2) = early, late
+    return torch.exp(a2)[..., None, None] * S1 + S2, a1 + a2
+
+
+def simulate_exclusive_scan(S_ext, log_a, initial_states=None, rounds=None):
+    """The schedule (``rounds(nseg)``, or the one given) run in one process: (S_in (nseg, ...), final_states), what
+    ``scan.exclusive_scan`` returns, each segment holding only what its messages brought it (each round's
+    messages carry the senders' values from before the round). S_ext: (nseg, b, h, p, n); log_a: (nseg, b, h).
+    The zero summary (0, 0) is the identity of ``compose``."""
+    schedule = _rounds(S_ext.shape[0]) if rounds is None else rounds
+    running = [S_ext.clone(), log_a.clone()]  # segments (p - 2^k, p] after round k
+    before = [torch.zeros_like(S_ext), torch.zeros_like(log_a)]  # segments [0, p): every message p received
+    for messages in schedule:
+        src = torch.tensor([m[0] for m in messages], dtype=torch.long)
+        dst = torch.tensor([m[1] for m in messages], dtype=torch.long)
+        got = (running[0][src], running[1][src])
+        for acc in (running, before):
+            acc[0][dst], acc[1][dst] = compose(got, (acc[0][dst], acc[1][dst]))
+    init = torch.zeros_like(S_ext[0]) if initial_states is None else initial_states.to(S_ext.dtype)
+    return _enter(before, init), _enter((running[0][-1], running[1][-1]), init)
+
+
+def _enter(summary, state):
+    """The state after a run of segments, given the state before it."""
+    S, a = summary
+    return S + torch.exp(a)[..., None, None] * state
+
+
+# ---------------------------------------------------------------------------------------------
+# the distributed scan
+# ---------------------------------------------------------------------------------------------
+
+
+def _owners(cp: int, chain: str) -> dict[int, int]:
+    """Global segment index -> the group rank that holds it."""
+    return {s: r for r in range(cp) for s in layout.segment_ids(r, cp, chain)}
+
+
+class _Scan:
+    """One exclusive scan over the group's segments, from this rank's local ones: ``post`` sends round 0,
+    ``wait`` finishes the rounds. Elements are (S (b, h, p, n), a (b, h)) per local segment, in local order."""
+
+    def __init__(self, plan, elements, reverse: bool):
+        self.plan, self.reverse = plan, reverse
+        self.nseg = plan.cp * plan.nlocal
+        owners = _owners(plan.cp, plan.layout)
+        # positions along the scan: causal order, or reversed for the backward's scan
+        self.pos = {s: (self.nseg - 1 - s if reverse else s) for s in owners}
+        self.owner_of_pos = {self.pos[s]: r for s, r in owners.items()}
+        self.local = [self.pos[s] for s in plan.local_ids]  # this rank's positions, in local order
+        self.running = dict(zip(self.local, elements))
+        self.before = dict.fromkeys(self.local)
+        self.schedule = rounds(self.nseg)
+        self.shape = elements[0][0].shape  # (b, h, p, n)
+        self.sent = 0  # summaries this rank sent (for the traffic tests)
+        self.round, self.handle = 0, None
+        if self.schedule:
+            self.handle = self._post(0)
+
+    def _post(self, k):
+        mine = set(self.local)
+        sends, recvs, self.local_moves = {}, {}, []
+        for src, dst in self.schedule[k]:
+            if src in mine and dst in mine:
+                self.local_moves.append((src, dst))
+            elif src in mine:
+                sends.setdefault(self.owner_of_pos[dst], []).append(src)
+            elif dst in mine:
+                recvs.setdefault(self.owner_of_pos[src], []).append(dst)
+        payloads = [(self._pack([self.running[p] for p in ps]), peer) for peer, ps in sorted(sends.items())]
+        self.sent += sum(len(ps) for ps in sends.values())
+        self.expect = sorted(recvs.items())  # (peer, receiving positions, ascending: the senders' order too)
+        like = self._pack([self.running[self.local[0]]])[0]
+        shapes = [((len(ps), *like.shape), peer) for peer, ps in self.expect]
+        # the local sends' values are taken before any update of this round
+        self.local_values = [(dst, self.running[src]) for src, dst in self.local_moves]
+        return comm.post_p2p(payloads, shapes, like, self.plan.group)
+
+    def _pack(self, items):
+        return torch.stack([torch.cat([S.flatten(1), a], dim=1) for S, a in items])  # (n, b, h*p*n + h)
+
+    def _unpack(self, rows):
+        b, h = self.shape[:2]
+        return [(r[:, :-h].view(self.shape), r[:, -h:]) for r in rows]
+
+    def _receive(self, dst, got):
+        self.running[dst] = compose(got, self.running[dst])
+        self.before[dst] = got if self.before[dst] is None else compose(got, self.before[dst])
+
+    def wait(self):
+        """Finishes every round: (the composition of all segments before each local one (None for the first),
+        in local order; the composition of all segments up to the last position, on its rank, else None)."""
+        while self.handle is not None:
+            received = self.handle.wait()
+            for dst, got in self.local_values:
+                self._receive(dst, got)
+            for (_, positions), rows in zip(self.expect, received):
+                for dst, got in zip(positions, self._unpack(rows)):
+                    self._receive(dst, got)
+            self.round += 1
+            self.handle = self._post(self.round) if self.round < len(self.schedule) else None
+        last = self.running.get(self.nseg - 1)
+        return [self.before[p] for p in self.local], last
+
+    @property
+    def last_owner(self) -> int:
+        return self.owner_of_pos[self.nseg - 1]
+
+
+class ScanExchange:
+    """The ``scan`` method with the interface of the all-gather exchange (``state_passing._SummaryExchange``):
+    ``post(S_ext, log_a)`` -> handle to this rank's S_in rows, ``post_grad(L)`` -> handle to its dS_out rows,
+    and ``final_states`` / ``dinitial_states`` / ``log_a_all`` after them. ``log_a_all`` holds this rank's
+    segments' decays only ((nlocal, b, h), the -inf of document starts applied): the backward's scan carries
+    the others' in its messages."""
+
+    def __init__(self, plan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None, start0=None,
+                 need_final: bool = True):  # fmt: skip
+        self.plan, self.batch = plan, batch
+        self.initial_states, self.log_a_all, self.dfinal_states, self.start0 = (
+            initial_states,
+            log_a_all,
+            dfinal_states,
+            start0,
+        )
+        self.need_final = need_final
+        self.S_in = self.final_states = self.dinitial_states = None
+        self.scan = None  # the last _Scan (its ``sent`` count: the traffic tests)
+
+    def _keep(self, t):
+        return t if self.start0 is None else t * (~self.start0).to(t.dtype)[:, None, None, None]
+
+    def post(self, S_ext, log_a):
+        cdtype = torch.promote_types(S_ext.dtype, torch.float32)
+        S_ext, log_a = S_ext.to(cdtype), log_a.to(cdtype)
+        if self.start0 is not None:
+            log_a = torch.where(self.start0[:, None], float("-inf"), log_a)
+        S_local, a_local = self.plan.split(S_ext), self.plan.split(log_a)  # (nlocal, b, ...)
+        self.log_a_all = a_local
+        self.scan = _Scan(self.plan, list(zip(S_local, a_local)), reverse=False)
+        return _Deferred(lambda: self._finish_fwd(cdtype))
+
+    def _finish_fwd(self, cdtype):
+        before, last = self.scan.wait()
+        shape = self.scan.shape
+        init = torch.zeros(shape, dtype=cdtype, device=self.log_a_all.device)
+        if self.initial_states is not None:
+            init = self.initial_states.to(cdtype)
+        S_in = torch.stack([init if b is None else _enter(b, init) for b in before])  # (nlocal, b, h, p, n)
+        self.S_in = self._keep(layout.segments_to_rows(S_in))
+        if self.need_final:
+            final = _enter(last, init) if last is not None else torch.empty_like(init)
+            self.final_states = comm.broadcast(final, self.scan.last_owner, self.plan.group)
+        return self.S_in
+
+    def post_grad(self, L):
+        cdtype = torch.promote_types(L.dtype, torch.float32)
+        L = self.plan.split(self._keep(L.to(cdtype)))
+        self.dfinal = None
+        if self.dfinal_states is not None:  # final_states was returned on every rank: the gradients add up
+            self.dfinal = comm.all_reduce_sum(self.dfinal_states.to(cdtype), self.plan.group)
+        a = self.log_a_all.to(cdtype)
+        self.scan = _Scan(self.plan, list(zip(L, a)), reverse=True)
+        return _Deferred(self._finish_bwd)
+
+    def _finish_bwd(self):
+        after, total = self.scan.wait()  # the segments after each local one, composed; all of them (segment 0's rank)
+        zero = torch.zeros(self.scan.shape, dtype=self.log_a_all.dtype, device=self.log_a_all.device)
+        dfinal = zero if self.dfinal is None else self.dfinal
+        dS_out = torch.stack([dfinal if x is None else _enter(x, dfinal) for x in after])
+        self.dinitial_states = _enter(total, dfinal) if total is not None else torch.zeros_like(dfinal)
+        return layout.segments_to_rows(dS_out)
+
+
+class _Deferred:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def wait(self):
+        return self.fn()
+
+
+def received_per_direction(cp: int, chain: str, method: str) -> dict[int, int]:
+    """Summaries each group rank receives per layer and direction (the scan's messages, or the all-gather's rows
+    from the other ranks), from the schedule alone: {rank: count}."""
+    nlocal = len(layout.segment_ids(0, cp, chain))
+    if method == ALLGATHER:
+        return {r: (cp - 1) * nlocal for r in range(cp)}
+    owners = _owners(cp, chain)
+    got = dict.fromkeys(range(cp), 0)
+    for messages in rounds(cp * nlocal):
+        for src, dst in messages:
+            if owners[src] != owners[dst]:
+                got[owners[dst]] += 1
+    return got
+
+
+def rounds_needed(nseg: int) -> int:
+    return math.ceil(math.log2(nseg)) if nseg > 1 else 0
