@@ -31,7 +31,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, model_validator
 
-from ds_mamba_spcp.engine import modes
+from ds_mamba_spcp.engine import exchange, modes
 from ds_mamba_spcp.ops import BACKENDS
 
 SECTION = "mamba_sequence_parallel"
@@ -85,6 +85,13 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     """Issue the state-summary all-gather asynchronously and overlap it with the computation that needs
     no incoming state (the chunk products C·Bᵀ). ``"state_passing"`` mode only (``"ulysses"`` has nothing
     to overlap and refuses ``false``)."""
+
+    summary_exchange: Literal[exchange.SUMMARY_EXCHANGES] = Field(default=exchange.AUTO, json_schema_extra=_OP)
+    """How the segments' state summaries reach each other (``"state_passing"`` mode only). ``"allgather"``: every
+    rank all-gathers every segment's summary (one collective; per layer and direction a rank receives one per
+    segment). ``"scan"``: a log-depth scan of point-to-point messages, ceil(log2 segments) rounds of one summary,
+    for groups that span nodes. ``"auto"`` (default): the all-gather inside one node of 8 GPUs, past it the
+    cheaper of the two by the cost model (``ds_mamba_spcp.engine.traffic``; docs/design.md, "Past one node")."""
 
     backend: Literal[BACKENDS] = Field(default="auto", json_schema_extra=_OP)
     """Compute backend. ``"auto"``: Triton (mamba-ssm kernels) for CUDA tensors, the plain-PyTorch

@@ -74,6 +74,7 @@ def mamba_split_conv1d_scan_sp(
     recompute_output=False,
     tile_length=None,
     cuda_graphs=False,
+    summary_exchange="auto",
 ):
     """Mamba2 mixer core (conv1d + SSD + gating) on this rank's shard of a sequence, by state passing.
 
@@ -125,6 +126,9 @@ def mamba_split_conv1d_scan_sp(
     no shard length is refused; a group of one then runs the whole row in tiles.
     cuda_graphs: a group of one on CUDA only: the first call of a shape captures its forward and backward in
     CUDA graphs, later calls replay them (``ds_mamba_spcp.engine.graphs``: what it costs, what it refuses).
+    summary_exchange: "allgather" (every rank gathers every segment's summary), "scan" (a log-depth scan of
+    point-to-point messages: ceil(log2 segments) rounds of one summary each) or "auto" (the all-gather inside
+    one node of 8 GPUs, past it the cheaper by the cost model, ``ds_mamba_spcp.engine.traffic``).
     """
     return run(from_arguments(locals(), what="mamba_split_conv1d_scan_sp"))
 

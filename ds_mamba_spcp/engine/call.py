@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ds_mamba_spcp import comm
-from ds_mamba_spcp.engine import layout, modes
+from ds_mamba_spcp.engine import exchange, layout, modes
 from ds_mamba_spcp.ops import BACKENDS, get_backend
 from ds_mamba_spcp.ops.segment import canonical_seq_idx
 from ds_mamba_spcp.ops.spec import CoreSpec
@@ -169,6 +169,15 @@ def _check_options(options, spec: CoreSpec, cp: int, local_seqlen: int) -> None:
     entry = options.entry  # mode, load balancing, layout and the flags that go with them (modes.py)
     if options.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {options.backend!r}")
+    if options.summary_exchange not in exchange.SUMMARY_EXCHANGES:
+        raise ValueError(
+            f"summary_exchange must be one of {exchange.SUMMARY_EXCHANGES}, got {options.summary_exchange!r}"
+        )
+    if options.summary_exchange == exchange.SCAN and entry.strategy != modes.STATE_PASSING:
+        raise ValueError(
+            f'summary_exchange="scan" with mode "{options.mode}": that mode exchanges no state summaries (it '
+            'all-to-alls the tokens); use mode "state_passing" for the scan, or summary_exchange "auto".'
+        )
     if options.tile_length is not None and (
         isinstance(options.tile_length, bool) or not isinstance(options.tile_length, int)
         or options.tile_length < max(spec.d_conv - 1, 1)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_mamba_spcp import comm
-from ds_mamba_spcp.engine import documents, layout, modes, scan
+from ds_mamba_spcp.engine import documents, exchange, layout, modes, scan, traffic
 from ds_mamba_spcp.ops import tiles as tiling
 from ds_mamba_spcp.ops.autograd import first_order_only
 from ds_mamba_spcp.ops.segment import (
@@ -274,6 +274,13 @@ class _Static:
     return_final_states: bool
     recompute_output: bool
     tile_length: int | None = None
+    summary_exchange: str = exchange.ALLGATHER  # "allgather" or "scan" (engine/exchange.py), "auto" resolved
+
+    def exchange(self, batch: int, **kwargs):
+        """The summary exchange of this call (``summary_exchange``): the all-gather's or the scan's."""
+        if self.summary_exchange == exchange.SCAN:
+            return exchange.ScanExchange(self.plan, batch, need_final=self.return_final_states, **kwargs)
+        return _SummaryExchange(self.plan, batch, **kwargs)
 
     def tiles(self, rows: torch.Tensor):
         """The tiles of the (b*nlocal, m, d) segment rows, or None (one call of the backend)."""
@@ -299,12 +306,12 @@ def _forward(zxbcdt, params, initial_states, seq_idx, st: _Static):
     _, xBC, _ = split_zxbcdt(rows, spec)
     halo = _HaloExchange(xBC, spec.d_conv, plan, labels)
     local_ids = None if labels is None else canonical_seq_idx(labels)
-    exchange = _SummaryExchange(plan, batch, initial_states)
+    summaries = st.exchange(batch, initial_states=initial_states)
 
     def post(S_ext, log_a):
         halo.wait()  # the backend has waited for it already: start0 is known
-        exchange.start0 = halo.start0
-        return exchange.post(S_ext, log_a)
+        summaries.start0 = halo.start0
+        return summaries.post(S_ext, log_a)
 
     tiles, saved = st.tiles(rows), {}
     keep_y = not st.recompute_output
@@ -314,12 +321,12 @@ def _forward(zxbcdt, params, initial_states, seq_idx, st: _Static):
         S_in = zero_state(rows, spec) if initial_states is None else initial_states.to(state_dtype(rows))
         gen = st.segment_fwd(tiles, saved, rows, halo, params, spec=spec, seq_idx=local_ids, keep_y=keep_y,
                              S_in=S_in)  # fmt: skip
-        out, y, exchange.final_states = run_fwd_known(gen)
-        exchange.S_in = S_in
-        return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, exchange, saved
+        out, y, summaries.final_states = run_fwd_known(gen)
+        summaries.S_in = S_in
+        return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, summaries, saved
     gen = st.segment_fwd(tiles, saved, rows, halo, params, spec=spec, seq_idx=local_ids, keep_y=keep_y)
     out, y = drive_fwd(gen, post)
-    return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, exchange, saved
+    return layout.unpack_segments(out, plan.nlocal), y, halo, local_ids, summaries, saved
 
 
 def _backward(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, local_ids, start0, mask, kept, saved,
@@ -328,22 +335,22 @@ def _backward(dout, zxbcdt, halo, params, S_in, log_a_all, dfinal, local_ids, st
     batch = zxbcdt.shape[0]
     rows = layout.pack_segments(zxbcdt, plan.nlocal)
     dout = layout.pack_segments(dout, plan.nlocal)
-    exchange = _SummaryExchange(plan, batch, log_a_all=log_a_all, dfinal_states=dfinal, start0=start0)
+    summaries = st.exchange(batch, log_a_all=log_a_all, dfinal_states=dfinal, start0=start0)
     post_halo_grad = lambda dh: _post_halo_grad(dh, mask, plan)  # noqa: E731
     if plan.alone:  # known mode, as the forward ran: dS_out is the final state's gradient (or zeros)
         dS_out = torch.zeros_like(S_in) if dfinal is None else dfinal.to(S_in.dtype)
         gen = st.segment_bwd(st.tiles(rows), saved, dout, rows, halo, params, S_in=S_in, spec=spec,
                              seq_idx=local_ids, kept=kept, dS_out=dS_out)  # fmt: skip
-        (dzxbcdt, *dparams), exchange.dinitial_states, dtail = run_bwd_known(gen, post_halo_grad)
+        (dzxbcdt, *dparams), summaries.dinitial_states, dtail = run_bwd_known(gen, post_halo_grad)
     else:
         gen = st.segment_bwd(st.tiles(rows), saved, dout, rows, halo, params, S_in=S_in, spec=spec,
                              seq_idx=local_ids, kept=kept)  # fmt: skip
-        (dzxbcdt, *dparams), dtail = drive_bwd(gen, exchange.post_grad, post_halo_grad)
+        (dzxbcdt, *dparams), dtail = drive_bwd(gen, summaries.post_grad, post_halo_grad)
     if dtail is not None:
         dtail = dtail.wait()
         start = spec.d_inner  # xBC's channels inside zxbcdt; dzxbcdt is the backend's own fresh buffer
         dzxbcdt[:, -dtail.shape[1] :, start : start + spec.conv_dim] += dtail.to(dzxbcdt.dtype)
-    return layout.unpack_segments(dzxbcdt, plan.nlocal), dparams, exchange.dinitial_states
+    return layout.unpack_segments(dzxbcdt, plan.nlocal), dparams, summaries.dinitial_states
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -363,8 +370,8 @@ class _StatePassingFn(torch.autograd.Function):
                 st):  # fmt: skip
         params = (conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight)
         with _no_autocast(zxbcdt.device):
-            out, y, halo, local_ids, exchange, saved = _forward(zxbcdt, params, initial_states, seq_idx, st)
-        to_save = [zxbcdt, halo.value, exchange.S_in, exchange.log_a_all, local_ids, halo.start0, halo.mask, *params]
+            out, y, halo, local_ids, summaries, saved = _forward(zxbcdt, params, initial_states, seq_idx, st)
+        to_save = [zxbcdt, halo.value, summaries.S_in, summaries.log_a_all, local_ids, halo.start0, halo.mask, *params]
         # tiles: their incoming states and decays (fp32, (rows, heads, ...) each: small), flattened
         ctx.tile_counts = [len(states) for states in saved.get("S_in", [])]
         to_save += [t for states in saved.get("S_in", []) for t in states]
@@ -382,7 +389,7 @@ class _StatePassingFn(torch.autograd.Function):
         ctx.st = st
         ctx.initial_dtype = None if initial_states is None else initial_states.dtype
         if st.return_final_states:
-            return out, exchange.final_states
+            return out, summaries.final_states
         return out
 
     @staticmethod
@@ -416,6 +423,18 @@ class _StatePassingFn(torch.autograd.Function):
         return (dzxbcdt, *dparams, dinitial, None, None)
 
 
+def summary_exchange_of(call) -> str:
+    """The summary exchange a call runs: its option, "auto" resolved by the cost model from the group size and the
+    summary's bytes (``traffic.choose_summary_exchange``; sizes only, so the same on every rank)."""
+    method = call.options.summary_exchange
+    if method != exchange.AUTO or call.cp == 1:
+        return exchange.ALLGATHER if method == exchange.AUTO else method
+    spec = call.spec
+    summary = traffic.summary_bytes(batch=call.zxbcdt.shape[0], nheads=spec.nheads, headdim=spec.headdim,
+                                    dstate=spec.dstate)  # fmt: skip
+    return traffic.choose_summary_exchange(cp=call.cp, summary=summary, chain=call.entry.chain)[0]
+
+
 def run(call):
     """The state-passing strategy on a prepared ``MixerCall``: the causal chain of the call's entry of the table
     of modes (one contiguous segment per rank, or two zigzag segments per rank under "virtual"). A call with
@@ -424,7 +443,7 @@ def run(call):
     chain = call.entry.chain if call.cp > 1 else modes.CONTIGUOUS
     plan = SegmentPlan(call.group if call.cp > 1 else None, call.rank, call.cp, chain, async_op=o.overlap_comm)
     st = _Static(call.spec, plan, call.backend, bool(o.return_final_states), bool(o.recompute_output),
-                 o.tile_length)  # fmt: skip
+                 o.tile_length, summary_exchange_of(call))  # fmt: skip
     return _StatePassingFn.apply(call.zxbcdt, *call.params, call.initial_states, call.seq_idx, st)
 
 
@@ -439,17 +458,19 @@ def run_forward_only(call):
     (each document's last span's state, gathered: ``documents.gather``)."""
     o, spec = call.options, call.spec
     plan = SegmentPlan(call.group, call.rank, call.cp, call.entry.chain, async_op=o.overlap_comm)
+    need_final = bool(o.return_final_states) and call.seq_idx is None
+    st = _Static(spec, plan, call.backend, need_final, False, o.tile_length, summary_exchange_of(call))
     with torch.no_grad(), _no_autocast(call.zxbcdt.device):
         rows = layout.pack_segments(call.zxbcdt, plan.nlocal)
         labels = None if call.seq_idx is None else layout.pack_segments(call.seq_idx, plan.nlocal)
         _, xBC, _ = split_zxbcdt(rows, spec)
         halo = _HaloExchange(xBC, spec.d_conv, plan, labels)
-        exchange = _SummaryExchange(plan, call.zxbcdt.shape[0], call.initial_states)
+        summaries = st.exchange(call.zxbcdt.shape[0], initial_states=call.initial_states)
 
         def post(S_ext, log_a):
             halo.wait()
-            exchange.start0 = halo.start0
-            return exchange.post(S_ext, log_a)
+            summaries.start0 = halo.start0
+            return summaries.post(S_ext, log_a)
 
         limit = call.backend.max_tokens_per_call(spec)
         groups = tiling.forward_groups(rows.shape[0], rows.shape[1], spec, limit, o.tile_length, labels)
@@ -459,7 +480,7 @@ def run_forward_only(call):
         if not o.return_final_states:
             return out
         if labels is None:
-            return out, exchange.final_states
+            return out, summaries.final_states
         found = documents.candidates(labels, plan.local_ids)
         values = tiling.states_at(groups, states, found)
         return out, documents.gather([values], found, labels[:, 0], plan.group, plan.cp, plan.layout)[0]
