@@ -137,6 +137,7 @@ class Context:
     recompute_output: bool = False  # the sp op's recompute_output (--recompute-output: True)
     check_shapes: bool = True  # the ops' cross-rank call check (--no-check-shapes: False)
     tile_length: int | None = None  # the sp op's tile_length (--tile-length)
+    summary_exchange: str = "auto"  # the sp op's summary_exchange (--summary-exchange)
 
     @property
     def cuda(self) -> bool:
@@ -263,6 +264,7 @@ def build_step(mode: str, cell: Cell, ctx: Context):
                 check_shapes=ctx.check_shapes,
                 seq_idx=labels,
                 tile_length=cell.tile or ctx.tile_length,
+                summary_exchange=ctx.summary_exchange,
                 **(dict(cuda_graphs=True) if graphed else {}),
                 **inp.kwargs(),
             )
@@ -672,6 +674,8 @@ def parse_args(argv=None):
         action="store_true",
         help="every rank on cuda:0 through gloo: kernel lists and correctness only, timings mean nothing",
     )
+    p.add_argument("--summary-exchange", choices=("auto", "allgather", "scan"), default="auto",
+                   help="sp modes: how the segments' state summaries travel (the op's summary_exchange)")  # fmt: skip
     p.add_argument("--recompute-output", action="store_true",
                    help="sp modes recompute the pre-gate output in backward (recompute_output=True)")  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES),
@@ -764,6 +768,7 @@ def init(args) -> Context:
         recompute_output=args.recompute_output,
         check_shapes=args.check_shapes,
         tile_length=args.tile_length,
+        summary_exchange=args.summary_exchange,
     )
     torch.manual_seed(ctx.seed + ctx.rank)
     return ctx
@@ -788,6 +793,7 @@ def main(argv=None):
             recompute_output=ctx.recompute_output,
             check_shapes=ctx.check_shapes,
             tile_length=ctx.tile_length,
+            summary_exchange=ctx.summary_exchange,
             docs_per_row=sorted({c.docs for c in args.cells}),
             shared_gpu=args.shared_gpu,
         ),
