@@ -12,10 +12,9 @@
 
 and otherwise raises a ValueError that says how to build a group and pass it.
 
-The generation entries (``inference.transformers``, ``inference.mamba_ssm``) resolve theirs with
-``generation_group``: the group given, else DeepSpeed's sequence-parallel group, else the world; a process
-started with ``torch.distributed.init_process_group`` alone gets ``deepspeed.comm`` over that same world
-first (``adopt_torch_distributed``), so that its world is not mistaken for a group of one.
+The generation entries resolve theirs with ``generation_group``: the group given, else DeepSpeed's
+sequence-parallel group, else the world (a world of ``torch.distributed.init_process_group`` alone included:
+``adopt_torch_distributed``).
 """
 
 from __future__ import annotations
@@ -53,11 +52,9 @@ def deepspeed_sequence_parallel_group():
 
 
 def adopt_torch_distributed() -> bool:
-    """Initialises ``deepspeed.comm`` over an existing ``torch.distributed`` world (started with
-    ``torch.distributed.init_process_group``, without DeepSpeed); True when it did. No new rendezvous:
-    ``deepspeed.init_distributed`` wraps the process group torch already has (its documented path for an
-    initialised torch.distributed). Every collective of this package goes through ``deepspeed.comm``, which
-    would otherwise report no distributed backend, and the ranks would each run alone."""
+    """Initialises ``deepspeed.comm`` over an existing ``torch.distributed`` world (no new rendezvous); True
+    when it did. Else ``deepspeed.comm``, which every collective here goes through, would report no backend and
+    the ranks would each run alone."""
     import torch.distributed as tdist
 
     dist = _dist()
@@ -94,12 +91,10 @@ def group_size(group) -> int:
 def resolve_sequence_process_group(sequence_process_group: Any, config: Any):
     """The process group that shards the sequence.
 
-    ``sequence_process_group``: a group (returned as is) or None (looked up, see the module
-    docstring). ``config``: anything :func:`~ds_mamba_spcp.config.load_mamba_sp_config` accepts.
-    Returns a group handle for ``deepspeed.comm``, or None in a process where deepspeed.comm is not
-    initialized (a group of one). Raises ValueError when no group fits the configured size.
-    The size of the result is *not* compared with the config here; the wrapper does that with the
-    mixer's sizes through :meth:`MambaSequenceParallelConfig.validate_for_mixer`.
+    ``sequence_process_group``: a group (returned as is) or None (looked up, see the module docstring).
+    ``config``: anything :func:`~ds_mamba_spcp.config.load_mamba_sp_config` accepts. Returns a group handle
+    for ``deepspeed.comm``, or None where deepspeed.comm is not initialized (a group of one). Raises ValueError
+    when no group fits the configured size (the result's size is checked by ``validate_for_mixer``).
     """
     cfg = config if isinstance(config, MambaSequenceParallelConfig) else load_mamba_sp_config(config)
     want = cfg.resolved_sequence_parallel_size

@@ -3,16 +3,13 @@ decode state out (the state after each document and its conv tail), in every mod
 
     mixer_core_prefill(zxbcdt, ..., mode, load_balancing, input_layout, seq_idx, tile_length)
         -> op.mixer_core(..., return_final_states=True, forward_only=True): the dispatcher's forward-only route
-           of the entry the options name (state passing none / virtual / permute_*, ulysses, a group of one;
-           tiles): no autograd Function, no per-tile states or decays kept for a backward, no kept pre-gate
-           output, each tile's intermediates freed when it has finished (docs/design.md, "Forward only")
-        -> the conv tails: the last d_conv pre-conv columns of each document, from whichever ranks and
-           segments hold them (``conv_tail`` for unpacked rows: contiguous, the last ranks; zigzag, the second
-           halves of ranks 0, 1, ..., which hold the last chunks; ``document_tails`` for packed rows, the
-           columns before a document's start zero, as mamba-ssm's varlen conv states are)
+           of the entry the options name: nothing kept for a backward, each tile's intermediates freed when it
+           has finished (docs/design.md, "Forward only")
+        -> the conv tails: the last d_conv pre-conv columns of each document, from whichever ranks hold them
+           (``conv_tail`` for unpacked rows, ``document_tails`` for packed rows)
 
-Packed rows (``seq_idx``): every document of every row gets its own final state and conv tail, on every rank,
-in document order (row by row, then along the row: ``documents.py``), whichever rank its end lies on.
+Packed rows (``seq_idx``): every document gets its own final state and conv tail, on every rank, in document
+order (``documents.py``), whichever rank its end lies on.
 """
 
 from __future__ import annotations
@@ -58,8 +55,7 @@ def document_tails(xBC: torch.Tensor, seq_idx: torch.Tensor, d_conv: int, group,
 
     xBC: (batch, local_seqlen, conv_dim), this rank's shard of the pre-conv columns in ``input_layout``; seq_idx:
     (batch, local_seqlen) its labels. One all-gather of every segment's last min(d_conv, segment) columns and
-    labels (a window that reaches before a segment's start finds its columns there, from as many earlier
-    segments as it needs), then ``documents.gather`` of the per-document windows."""
+    labels, then ``documents.gather`` of the per-document windows."""
     rank, cp = comm.group_rank_size(group)
     nlocal = layout.num_segments(cp, input_layout) // cp if cp > 1 else 1
     ids = layout.segment_ids(rank, cp, input_layout) if cp > 1 else [0]
@@ -139,9 +135,8 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
     carry: None (the sequence starts here) or (state (batch, nheads, headdim, dstate) fp32, tail (batch,
     d_conv, conv_dim)): the state after the previous tokens and their last d_conv pre-conv columns (zeros
     where there were fewer). Returns (out (batch, tile, nheads*headdim), the carry after this tile): the
-    state S_out = exp(log_a) * S_in + S_ext (the algebra the ranks use, docs/design.md "The algebra", here from
-    one tile to the next) and the new tail; ``carry[1].transpose(1, 2)`` is the decode conv state. Autocast is
-    off inside, as in ``mixer_core_prefill`` (docs/design.md, "One dispatch path")."""
+    state S_out = exp(log_a) * S_in + S_ext and the new tail; ``carry[1].transpose(1, 2)`` is the decode conv
+    state. Autocast is off inside, as in ``mixer_core_prefill``."""
     from ds_mamba_spcp.ops import get_backend
     from ds_mamba_spcp.ops.segment import run_fwd_known, state_dtype, zero_state
     from ds_mamba_spcp.ops.spec import CoreSpec

@@ -7,11 +7,9 @@ A Mamba2 layer's decode cache is two tensors (mamba-ssm's ``allocate_inference_c
                                                    (zeros on the left of a prompt shorter than d_conv)
     SSM state   (batch, nheads, headdim, dstate)   the state after the prompt's last token
 
-The op returns the second (``return_final_states``: the state after the whole global sequence,
-identical on every rank, fp32). The first is a gather (``inference/forward.py``): each rank sends its last min(d_conv,
-local_seqlen) columns, and the last d_conv of the concatenation are the prompt's. A short last
-shard (local_seqlen < d_conv) takes columns from the ranks before it. The gather moves
-cp * batch * d_conv * conv_dim elements: nothing next to the prompt.
+The op returns the second (``return_final_states``, fp32, identical on every rank). The first is a gather
+(``inference/forward.py``) of every rank's last min(d_conv, local_seqlen) columns, whose last d_conv are the
+prompt's (cp * batch * d_conv * conv_dim elements).
 """
 
 from __future__ import annotations
