@@ -5,12 +5,10 @@ document). Documents are numbered row by row and, within a row, in causal order:
 the d-th (row, run) pair, so a batch of B unpacked rows has B documents in row order. In a sharded row a
 document may span segments and ranks; its last token lies in exactly one causal segment.
 
-A segment knows the documents that end inside it (a label change at its position e: the document before e
-ends at e - 1) and that one may end at its own end: whether it does depends on the next segment's first
-label. ``candidates`` lists both kinds for a rank's segments; ``gather`` sends every rank's values for its
-candidates to every rank, keeps the real ends (a segment end is one unless the next segment of that row
-starts with the same label) and sorts them in document order. It moves per-document tensors (states,
-conv tails), never anything that grows with the sequence.
+A segment knows the documents that end inside it, and that one may end at its own end (unless the next
+segment of the row starts with the same label). ``candidates`` lists both kinds; ``gather`` sends every rank's
+values for its candidates to every rank, keeps the real ends and sorts them in document order. It moves
+per-document tensors (states, conv tails), never anything that grows with the sequence.
 """
 
 from __future__ import annotations

@@ -9,15 +9,9 @@ its owner in one layout to its owner in the other; chunks that stay on a rank ar
   together, so no two messages share a (peer, tag) pair);
 - "a2a": one all_to_all_single with uneven splits (0, 1 or 2 chunks per peer, 0 for itself).
 
-Both read from one flat contiguous send buffer and write into one flat contiguous receive buffer,
-sized and split with Python ints derived from the local shape alone, and both wait for the
-transfer before the buffers go out of scope. The Megatron seed reported illegal memory accesses in
-its permute_a2a at large payloads; strided or non-contiguous views handed to a collective, views
-of freed temporaries and split sizes that disagree between peers are the usual causes, and none of
-them can occur here.
-
-The backward of a conversion is the inverse conversion of the gradient. Only bytes move, so both
-directions are exact.
+Both use one flat contiguous send and one receive buffer, split with Python ints from the local shape alone,
+and wait for the transfer before the buffers go out of scope (no strided views, freed temporaries or
+disagreeing splits reach a collective). The backward is the inverse conversion of the gradient; both exact.
 """
 
 from __future__ import annotations

@@ -4,27 +4,16 @@
     conv1d + SSD scan + gate (+ norm) over the full sequence: the backend's single-device op
     y [b, L, d_inner/cp] --all-to-all--> [b, L/cp, d_inner]
 
-Forward and backward each run exactly two all-to-alls over the sequence-parallel group (plus one
-small collective for final_states / initial_states when they are used). The send buffer of the
-first one is (cp, batch, local_seqlen, width): the destination rank on dim 0 (all_to_all_single's
-split axis), and inside each destination's slot the channels already in the order z, x, B, C, dt of
-a zxbcdt with nheads/cp heads and ngroups/cp groups (or the one group a rank's heads read when
-cp > ngroups). What arrives is thus a valid zxbcdt for the single-device op once its cp sequence
-pieces are in causal order; filling the buffer costs one strided copy per piece (one pass over the
-data), and the causal reorder is a view for contiguous input with batch 1, else one copy. The way
-back mirrors it: for contiguous input with batch 1 the full-length output already is the send
-buffer (rank j's tokens are its j-th block), and one copy per piece puts the channels in place.
+Forward and backward each run two all-to-alls (plus one small collective for final_states / initial_states
+when used). The first send buffer is (cp, batch, local_seqlen, width), the destination rank on dim 0 and each
+slot's channels already in the order z, x, B, C, dt of a zxbcdt with nheads/cp heads and ngroups/cp groups
+(or the one group a rank's heads read when cp > ngroups): what arrives is a valid zxbcdt once its pieces are in
+causal order (a view for contiguous input with batch 1, else one copy). The way back mirrors it.
 
-Parameters are replicated: each rank slices its heads' rows out of conv1d_weight/bias, dt_bias, A,
-D and the norm weight under autograd, so their gradients arrive full-size with the rank's rows
-filled (and B/C rows shared by the ranks that replicate a group): the sum over the group is the
-full gradient, the same contract as the state-passing op.
-
-The gated RMSNorm normalises groups of d_inner/ngroups channels. With ngroups % cp == 0 whole norm
-groups live on each rank and the single-device op applies the norm; with cp > ngroups a norm group
-spans ranks, so the op returns y * silu(z) and the norm runs after the second all-to-all, where every
-rank holds all channels of its tokens (plain PyTorch there; norm_before_gate=True is rejected in
-that case, since y alone never leaves the op).
+Parameters are replicated: each rank slices its heads' rows under autograd, so their gradients arrive
+full-size with the rank's rows filled; the sum over the group is the full gradient. With cp > ngroups a norm
+group spans ranks: the op returns y * silu(z) and the gated RMSNorm runs after the second all-to-all
+(norm_before_gate=True is then rejected: y alone never leaves the op).
 """
 
 from __future__ import annotations
