@@ -12,13 +12,9 @@ Every rank calls each of these, in this order::
         ...
         save_checkpoint(engine, save_dir, client_state={"next_step": step + 1, ...})
 
-On disk (DeepSpeed's own files plus three of ours)::
-
-    <save_dir>/latest                     tag of the newest complete checkpoint; written last, atomically
-    <save_dir>/<tag>/                     engine.save_checkpoint: model states, ZeRO partitions (one per rank)
-    <save_dir>/<tag>/rng_state_rank<r>.pt rank r's generators: python, numpy, torch CPU, CUDA
-    <save_dir>/<tag>/ds_mamba_spcp.json   the manifest: topology, client state, RNG digests (marks it complete)
-    <save_dir>/<tag>_universal/           DeepSpeed's universal checkpoint, made by the first resume needing it
+On disk (docs/checkpointing.md, "On disk"): DeepSpeed's own files under ``<save_dir>/<tag>/``, plus
+``rng_state_rank<r>.pt`` per rank and the manifest ``MANIFEST`` (written last: it marks the checkpoint
+complete), ``<save_dir>/latest`` (written last, atomically) and ``<tag>_universal/`` when a resume needs it.
 
 The module state is replicated across a sequence-parallel group and the sharding is a function of the
 ds_config, so only ZeRO's partitions (over every rank of the world) depend on the topology: same world size
@@ -65,9 +61,7 @@ def _dist():
     return dist
 
 
-# ------------------------------------------------------------------------------------------------
-# topology
-# ------------------------------------------------------------------------------------------------
+# -- topology ------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,20 +96,15 @@ def _zero_stage(ds_config: dict) -> int:
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
 
 
-# ------------------------------------------------------------------------------------------------
-# DeepSpeed's parallel_state_sp as an mpu, during checkpoint I/O
-# ------------------------------------------------------------------------------------------------
+# -- DeepSpeed's parallel_state_sp as an mpu, during checkpoint I/O ------------------------------
 
 
 @contextlib.contextmanager
 def _mpu_without_tensor_parallelism():
-    """Inside: ``parallel_state_sp`` answers tensor-parallel size 1 and rank 0, which is the truth.
-
-    ``parallel_state_sp`` aliases ``get_model_parallel_*`` to the sequence-parallel group and lacks
-    ``get_tensor_model_parallel_*``, so DeepSpeed's checkpoint code records ``tp_degree =
-    sequence_parallel_size`` (which ``ds_to_universal`` refuses) and its ZeRO 1-2 universal loader raises
-    AttributeError. Training is left as DeepSpeed has it: the functions exist only inside this block.
-    """
+    """Inside: ``parallel_state_sp`` answers tensor-parallel size 1 and rank 0, which is the truth (it aliases
+    ``get_model_parallel_*`` to the sequence-parallel group and lacks ``get_tensor_model_parallel_*``, so DeepSpeed
+    records ``tp_degree = sequence_parallel_size``, which ``ds_to_universal`` refuses, and its ZeRO 1-2 universal
+    loader raises AttributeError). Training is untouched: the functions exist only inside this block."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
 
     added = []
@@ -130,9 +119,7 @@ def _mpu_without_tensor_parallelism():
             delattr(mpu, name)
 
 
-# ------------------------------------------------------------------------------------------------
-# random number generators
-# ------------------------------------------------------------------------------------------------
+# -- random number generators --------------------------------------------------------------------
 
 
 def _rng_state() -> dict:
@@ -208,9 +195,7 @@ def _rng_sources(saved: Topology, digests: list[str], current: Topology) -> list
     return [(r // current.sequence_parallel_size) * sp for r in range(current.world_size)]
 
 
-# ------------------------------------------------------------------------------------------------
-# save
-# ------------------------------------------------------------------------------------------------
+# -- save ----------------------------------------------------------------------------------------
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -224,11 +209,8 @@ def _write_atomically(path: str, text: str) -> None:
 
 def save_checkpoint(engine, save_dir: str, *, client_state: dict | None = None, tag: str | None = None) -> str:
     """Saves ``engine`` (every rank calls it; all block until the checkpoint is complete); returns the tag.
-
-    ``client_state``: the caller's JSON-serialisable training state (data position and the like), stored in
-    DeepSpeed's checkpoint and the manifest and returned by :func:`load_checkpoint`. ``tag`` defaults to
-    ``global_step<N>``. ``<save_dir>/latest`` moves only after every rank's files are written.
-    """
+    ``client_state``: the caller's JSON-serialisable training state, stored in DeepSpeed's checkpoint and the
+    manifest and returned by :func:`load_checkpoint`. ``tag`` defaults to ``global_step<N>``."""
     dist = _dist()
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
@@ -272,9 +254,7 @@ def save_checkpoint(engine, save_dir: str, *, client_state: dict | None = None, 
     return tag
 
 
-# ------------------------------------------------------------------------------------------------
-# resume
-# ------------------------------------------------------------------------------------------------
+# -- resume --------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,11 +331,11 @@ class ResumePlan:
 def plan_resume(checkpoint: Checkpoint, ds_config: dict, *, sequence_parallel_size: int, rng: str = "restore"):
     """Decides how this run loads ``checkpoint``; converts it to the universal format when needed.
 
-    Every rank calls it after ``deepspeed.init_distributed`` and before ``deepspeed.initialize``, with the
-    ds_config it is about to use; raises the same error on every rank, before any state is touched, when the
-    checkpoint cannot be resharded onto this run. ``rng``: ``"restore"`` or ``"skip"`` (keep the current
-    generators). Rank 0 converts ``<tag>`` to ``<tag>_universal`` when needed (others wait; convert ahead with
-    ``python -m ds_mamba_spcp.checkpoint DIR`` when that would outlast the process-group timeout).
+    Every rank calls it between ``deepspeed.init_distributed`` and ``deepspeed.initialize``, with the ds_config
+    it is about to use; raises alike on every rank, before any state is touched, when the checkpoint cannot be
+    resharded onto this run. ``rng``: ``"restore"`` or ``"skip"`` (keep the current generators). Rank 0 converts
+    ``<tag>`` to ``<tag>_universal`` when needed (convert ahead, ``python -m ds_mamba_spcp.checkpoint DIR``, when
+    that would outlast the process-group timeout).
     """
     if rng not in ("restore", "skip"):
         raise ValueError(f"rng must be 'restore' or 'skip', got {rng!r}")
@@ -458,9 +438,7 @@ def load_checkpoint(engine, plan: ResumePlan, *, load_optimizer_states: bool = T
     return client[_CLIENT_KEY]
 
 
-# ------------------------------------------------------------------------------------------------
-# faults
-# ------------------------------------------------------------------------------------------------
+# -- faults --------------------------------------------------------------------------------------
 
 
 def set_process_group_timeout(timeout: timedelta) -> int:

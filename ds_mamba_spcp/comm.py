@@ -97,11 +97,8 @@ class GatheredMany:
 
 
 def all_gather_many(tensors, group, world: int, async_op: bool = True) -> GatheredMany:
-    """Posts one all-gather of several tensors of any dtypes (their bytes packed in one buffer).
-
-    Each part starts at a multiple of 8 bytes of a rank's block, so the gathered parts are
-    reinterpreted in place (no copy on the way out). Every rank passes the same shapes and dtypes.
-    """
+    """Posts one all-gather of several tensors of any dtypes (their bytes packed in one buffer, each part at a
+    multiple of 8 bytes, so that it is reinterpreted in place). Every rank passes the same shapes and dtypes."""
     chunks, parts, offset = [], [], 0
     for t in tensors:
         raw = t.contiguous().view(-1).view(torch.uint8)
@@ -144,11 +141,8 @@ def all_to_all_uneven(
     output: torch.Tensor, tensor: torch.Tensor, output_split_sizes, input_split_sizes, group, async_op: bool = False
 ):
     """deepspeed.comm.all_to_all_single with explicit splits along dim 0; a work to wait on when async.
-
-    ``input_split_sizes[j]`` rows of ``tensor`` go to group rank j and ``output_split_sizes[i]``
-    rows of ``output`` come from group rank i; both are lists of Python ints (a rank's input split
-    for j must equal j's output split for it). Both tensors must be contiguous.
-    """
+    ``input_split_sizes[j]`` rows of ``tensor`` go to group rank j, ``output_split_sizes[i]`` rows of ``output``
+    come from group rank i (Python ints, matching across ranks). Both tensors must be contiguous."""
     if not (output.is_contiguous() and tensor.is_contiguous()):
         raise ValueError("all_to_all_uneven needs contiguous input and output buffers")
     if sum(input_split_sizes) != tensor.shape[0] or sum(output_split_sizes) != output.shape[0]:

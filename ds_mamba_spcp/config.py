@@ -1,17 +1,6 @@
-"""The ``"mamba_sequence_parallel"`` section of a DeepSpeed ds_config.
-
-Example ds_config::
-
-    {
-      "train_micro_batch_size_per_gpu": 1,
-      "sequence_parallel_size": 2,
-      "mamba_sequence_parallel": {
-        "enabled": true,
-        "mode": "state_passing",
-        "load_balancing": "virtual",
-        "input_layout": "zigzag"
-      }
-    }
+"""The ``"mamba_sequence_parallel"`` section of a DeepSpeed ds_config (next to the top-level
+``"sequence_parallel_size"``), e.g. ``{"enabled": true, "mode": "state_passing", "load_balancing": "virtual",
+"input_layout": "zigzag"}``.
 
 DeepSpeed ignores the section; :func:`load_mamba_sp_config` reads and validates it once, and what depends on
 the model (head and group counts) is checked by :meth:`MambaSequenceParallelConfig.validate_for_mixer`. The
@@ -44,8 +33,7 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     """Sequence parallelism for Mamba2 mixers, read from ``ds_config["mamba_sequence_parallel"]``; fields and
     cross-field rules are checked when it is built, the model's shapes in :meth:`validate_for_mixer`."""
 
-    # Field docstrings are the JSON-schema descriptions. Frozen: validated once and shared by every layer (a
-    # variant: MambaSequenceParallelConfig(**{**cfg.model_dump(), "mode": "ulysses"})).
+    # field docstrings are the JSON-schema descriptions; frozen: validated once, shared by every layer
     model_config = ConfigDict(use_attribute_docstrings=True, frozen=True)
 
     enabled: bool = False
@@ -179,8 +167,7 @@ Options = dataclasses.make_dataclass(
     ]
     + [
         ("return_final_states", bool, dataclasses.field(default=False)),
-        # inference: the entry's forward-only route (dispatch.FORWARD_ONLY): no graph, nothing saved for a
-        # backward, final_states one per document ((ndocs, ...) for packed rows). Not a ds_config key.
+        # inference: the forward-only route (final_states one per document). Not a ds_config key.
         ("forward_only", bool, dataclasses.field(default=False)),
     ],
     frozen=True,
@@ -221,8 +208,7 @@ def ds_config_dict(config: Any) -> Mapping:
         return loaded
     if isinstance(config, DeepSpeedConfig):
         return config._param_dict
-    # A DeepSpeedEngine keeps the parsed DeepSpeedConfig in `_config` and the ds_config dict it was
-    # initialized with in `config` (deepspeed.initialize loads paths into a dict before building it).
+    # a DeepSpeedEngine: the parsed DeepSpeedConfig in `_config`, the ds_config dict in `config`
     parsed = getattr(config, "_config", None)
     if isinstance(parsed, DeepSpeedConfig):
         return parsed._param_dict
@@ -251,11 +237,8 @@ def load_mamba_sp_config(config: Any) -> MambaSequenceParallelConfig:
     ``config``: a ds_config dict, a path to a JSON ds_config file, a ``DeepSpeedConfig``, a DeepSpeed engine,
     or a :class:`MambaSequenceParallelConfig` (returned as is). A missing section gives the defaults
     (``enabled=False``). An unset ``sequence_parallel_size`` is filled from the top-level key (both set: they
-    must agree; neither: ``None``).
-
-    Raises TypeError for an unsupported ``config`` type or a section that is not an object,
-    FileNotFoundError for a missing file, and ValueError (pydantic's ValidationError is one) for
-    invalid contents.
+    must agree; neither: ``None``). Raises TypeError for an unsupported ``config`` or a section that is not an
+    object, FileNotFoundError for a missing file, ValueError (pydantic's ValidationError too) for bad contents.
     """
     if isinstance(config, MambaSequenceParallelConfig):
         return config

@@ -30,12 +30,9 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 
 
 def seq_idx_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document labels of packed rows from positions that restart at 0 at each document.
-
-    position_ids: (batch, seqlen), Hugging Face's padding-free convention (``DataCollatorWithFlattening``):
-    0, 1, ..., n0-1, 0, 1, ..., n1-1, ... Returns int32 (batch, seqlen) labels 0, 0, ..., 1, 1, ...: +1 at
-    every restart after the first token (a row that begins mid-document is labelled 0 there too).
-    """
+    """Document labels of packed rows from positions that restart at 0 at each document. position_ids: (batch,
+    seqlen), 0, 1, ..., n0-1, 0, 1, ... (``DataCollatorWithFlattening``). Returns int32 (batch, seqlen) labels
+    0, 0, ..., 1, 1, ...: +1 at every restart after the first token."""
     restarts = (position_ids[..., 1:] == 0).to(torch.int32)
     return torch.cat([torch.zeros_like(restarts[..., :1]), restarts.cumsum(dim=-1, dtype=torch.int32)], dim=-1)
 

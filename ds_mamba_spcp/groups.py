@@ -2,12 +2,10 @@
 
 ``resolve_sequence_process_group(None, config)`` looks, in order, for
 
-1. DeepSpeed's sequence-parallel group: ``deepspeed.utils.groups._get_sequence_parallel_group()``,
-   which answers from the ``mpu`` handed to ``deepspeed.initialize`` (anything with
-   ``get_sequence_parallel_group``) or from the device mesh that ``deepspeed.initialize`` builds when
-   the ds_config sets both ``data_parallel_size`` and ``sequence_parallel_size`` (or ``mesh_param``
-   is passed); failing that, the group that DeepSpeed's
-   ``deepspeed.runtime.sequence_parallel.parallel_state_sp.initialize_sequence_parallel`` created;
+1. DeepSpeed's sequence-parallel group (``deepspeed.utils.groups._get_sequence_parallel_group()``: the
+   ``mpu`` handed to ``deepspeed.initialize``, or the device mesh it builds when the ds_config sets both
+   ``data_parallel_size`` and ``sequence_parallel_size`` or ``mesh_param`` is passed), else the one
+   ``parallel_state_sp.initialize_sequence_parallel`` created;
 2. the world group, when its size equals the configured ``sequence_parallel_size``;
 
 and otherwise raises a ValueError that says how to build a group and pass it.
@@ -45,8 +43,7 @@ def deepspeed_sequence_parallel_group():
         group = None
     if group is not None:
         return group
-    # initialize_sequence_parallel() was called but its module was not handed to deepspeed.initialize
-    # as the mpu (or initialize has not run yet): read the group it made.
+    # initialize_sequence_parallel() ran but its module is not (yet) deepspeed.initialize's mpu: its group
     parallel_state_sp = sys.modules.get(_PARALLEL_STATE_SP)
     return getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None)
 
@@ -66,9 +63,8 @@ def adopt_torch_distributed() -> bool:
 
 def generation_group(group=None):
     """The group a sharded prefill or generation runs over: ``group`` when given; else DeepSpeed's
-    sequence-parallel group (``deepspeed_sequence_parallel_group``); else the world. None (a group of one) in
-    a process without a distributed backend. A world started with ``torch.distributed.init_process_group``
-    alone is adopted first (``adopt_torch_distributed``): its ranks share the prompt as DeepSpeed's would."""
+    sequence-parallel group; else the world (adopted first: ``adopt_torch_distributed``). None (a group of one)
+    without a distributed backend."""
     adopt_torch_distributed()
     dist = _dist()
     if group is None and dist.is_initialized():

@@ -88,11 +88,9 @@ class Projections:
 
 @dataclass(frozen=True)
 class MixerCall:
-    """The tensors of one mixer-core call on this rank, with its sizes, options and group.
-
-    zxbcdt: (batch, local_seqlen, d_in_proj), this rank's shard in ``options.input_layout``; seq_idx: (batch,
-    local_seqlen) int32 document labels as the caller numbered them, or None. cp: the group's size.
-    """
+    """The tensors of one mixer-core call on this rank, with its sizes, options and group. zxbcdt: (batch,
+    local_seqlen, d_in_proj), this rank's shard in ``options.input_layout``; seq_idx: (batch, local_seqlen) int32
+    document labels as the caller numbered them, or None. cp: the group's size."""
 
     zxbcdt: torch.Tensor
     conv1d_weight: torch.Tensor
@@ -143,9 +141,7 @@ class MixerCall:
         return self.backend.single_device_op(self.zxbcdt, *params, self.spec.chunk_size, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------
-# local validation: every problem is recorded, none raised before the ranks have compared notes
-# ---------------------------------------------------------------------------------------------
+# -- local validation: every problem is recorded, none raised before the ranks have compared notes --
 
 
 def _check_options(options, spec: CoreSpec, cp: int, local_seqlen: int) -> None:

@@ -22,12 +22,9 @@ from ds_mamba_spcp.ops.segment import Candidate, candidates, starts  # noqa: F40
 
 def gather(values: list[torch.Tensor], found: list[Candidate], firsts: torch.Tensor, group, cp: int,
            seg_layout: str) -> list[torch.Tensor]:  # fmt: skip
-    """Every document's values on every rank, in document order.
-
-    values: tensors (len(found), ...), one row per candidate of this rank; firsts: (batch*nlocal,) the first
-    label of each packed segment row. Returns each tensor as (ndocs, ...). Two small all-gathers (the
-    candidates' count with the first labels, then the padded values) and their host reads; none for cp == 1.
-    """
+    """Every document's values on every rank, in document order. values: tensors (len(found), ...), one row per
+    candidate of this rank; firsts: (batch*nlocal,) the first label of each packed segment row. Returns each
+    tensor as (ndocs, ...). Two small all-gathers and their host reads; none for cp == 1."""
     device = firsts.device
     meta = torch.tensor([[c.batch, c.segment, c.end, c.label, int(c.at_segment_end)] for c in found],
                         dtype=torch.int64).reshape(-1, 5).to(device)  # fmt: skip

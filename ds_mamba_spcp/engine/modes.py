@@ -22,14 +22,10 @@ LOAD_BALANCING = (NONE, PERMUTE_P2P, PERMUTE_A2A, VIRTUAL)
 
 @dataclass(frozen=True)
 class Entry:
-    """One way to run the mixer core over a sequence-parallel group.
-
-    layouts: the input layouts it takes (the first is the default); strategy: the module that runs the
-    sharded core (``dispatch.STRATEGIES``); chain: the layout of the causal segments the state-passing chain
-    runs on (None for ulysses); move: "p2p" / "a2a" when the zigzag input moves to contiguous shards before
-    the strategy and back after it (``permute.py``). Its traffic model (``traffic.py``) reads strategy,
-    segments_per_rank and move.
-    """
+    """One way to run the mixer core over a sequence-parallel group. layouts: the input layouts it takes (the
+    first is the default); strategy: the module that runs it (``dispatch.STRATEGIES``); chain: the layout of the
+    state-passing chain's causal segments (None for ulysses); move: "p2p" / "a2a" when zigzag input moves to
+    contiguous shards and back around the strategy (``permute.py``)."""
 
     mode: str
     load_balancing: str

@@ -20,8 +20,7 @@ from ds_mamba_spcp.engine.call import MixerCore, Projections, prepare
 
 __all__ = ["SHARDED_ATTR", "MixerCore", "is_sharded", "mixer_forward"]
 
-# set (True) on every mixer an adapter made sequence-parallel, so that one adapter can see another's without
-# importing it (docs/design.md, "Adapters")
+# set on every mixer an adapter made sequence-parallel: one adapter sees another's without importing it
 SHARDED_ATTR = "_ds_mamba_spcp_sharded"
 
 
@@ -43,12 +42,11 @@ def mixer_forward(
 ) -> torch.Tensor:
     """in_proj -> the sequence-parallel mixer core chosen by ``config`` -> out_proj, on this rank's shard.
 
-    hidden: (batch, local_seqlen, d_model), this rank's shard in ``config.input_layout``; in_proj maps it
-    to zxbcdt (batch, local_seqlen, 2*d_inner + 2*ngroups*dstate + nheads) and out_proj maps the core's
-    (batch, local_seqlen, d_inner) output back (any host-specific scaling goes inside these callables).
-    seq_idx: (batch, local_seqlen) int32 document labels (packed rows), or cu_seqlens: the row's cumulative
-    document lengths (batch 1); or neither. d_model: checked against hidden's last dim when given. Returns this
-    rank's shard of the output, in the same layout; validated on every rank before anything moves.
+    hidden: (batch, local_seqlen, d_model), this rank's shard in ``config.input_layout``; in_proj maps it to
+    zxbcdt (batch, local_seqlen, 2*d_inner + 2*ngroups*dstate + nheads), out_proj maps the core's (batch,
+    local_seqlen, d_inner) output back (host-specific scaling goes inside them). seq_idx (batch, local_seqlen)
+    int32 labels, or cu_seqlens (batch 1), or neither. d_model: checked against hidden's last dim when given.
+    Returns this rank's shard of the output, in the same layout; validated on every rank before anything moves.
     """
     c = config
     problem = None

@@ -46,9 +46,7 @@ class HostMemoryError(RuntimeError):
     """The host cannot hold the offloaded checkpoints: raised before the run (or by the pool)."""
 
 
-# ------------------------------------------------------------------------------------------------
-# planning: which checkpoints stay on the GPU, what the host must hold
-# ------------------------------------------------------------------------------------------------
+# -- planning: which checkpoints stay on the GPU, what the host must hold ------------------------
 
 
 def block_checkpoint_bytes(tokens: int, d_model: int, n_layers: int, itemsize: int, batch: int = 1) -> list[int]:
@@ -112,9 +110,7 @@ def plan_offload(checkpoint_bytes: Sequence[int], gpu_budget_bytes: int = 0) -> 
     return OffloadPlan(sizes, int(gpu_budget_bytes), tuple(on_gpu), tuple(offloaded), newest)
 
 
-# ------------------------------------------------------------------------------------------------
-# the host's memory, and the check before the run
-# ------------------------------------------------------------------------------------------------
+# -- the host's memory, and the check before the run ---------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -241,10 +237,9 @@ def check_host_memory(
     memory: HostMemory | None = None,
     process_group=None,
 ) -> HostCheck:
-    """Raises ``HostMemoryError`` unless this host can hold ``plan`` for each of its ranks (plus the headroom).
-
-    The ranks of ``process_group`` (all when torch.distributed is initialised and no group is given) agree on
-    the largest need and the smallest availability, so all raise or none does. Returns the verdict."""
+    """Raises ``HostMemoryError`` unless this host can hold ``plan`` for each of its ranks (plus the headroom);
+    the ranks of ``process_group`` (default: all) agree on the largest need and the smallest availability, so
+    all raise or none does. Returns the verdict."""
     local_ranks = ranks_per_host() if local_ranks is None else local_ranks
     memory = host_memory() if memory is None else memory
     needed = plan.host_bytes * local_ranks + headroom_bytes
@@ -273,9 +268,7 @@ def _agree(needed: int, available: int, process_group) -> tuple[int, int]:
     return int(both[0]), -int(both[1])
 
 
-# ------------------------------------------------------------------------------------------------
-# the pinned pool
-# ------------------------------------------------------------------------------------------------
+# -- the pinned pool -----------------------------------------------------------------------------
 
 
 def _register(nbytes: int) -> torch.Tensor:
@@ -374,17 +367,13 @@ class PinnedPool:
         self._drop([b for slots in self._free.values() for b in slots])
 
 
-# ------------------------------------------------------------------------------------------------
-# the offloader: one per model, driven by OffloadedCheckpoint
-# ------------------------------------------------------------------------------------------------
+# -- the offloader: one per model, driven by OffloadedCheckpoint ---------------------------------
 
 
 class _Saved:
-    """One checkpoint: on the GPU (kept or pending), in a pool slot on the host, or fetched back.
-
-    Like a tensor autograd saves, it must not be modified in place before backward: its version counter is read
-    at the save, when the copy to the host is issued and at the restore (through the caller's tensor, held
-    weakly once the device copy is gone), and any change raises."""
+    """One checkpoint: on the GPU (kept or pending), in a pool slot on the host, or fetched back. Like a tensor
+    autograd saves, it must not be modified in place before backward: its version counter is read at the save,
+    when the copy to the host is issued and at the restore, and any change raises."""
 
     __slots__ = ("__weakref__", "index", "nbytes", "shape", "dtype", "device", "where", "gpu", "slot",
                  "fetched", "owner", "generation", "version", "source", "copied_version")  # fmt: skip
@@ -547,10 +536,9 @@ class CheckpointOffloader:
         return x
 
     def _fetch(self, saved: _Saved) -> None:
-        """H2D of a host checkpoint into a fresh device tensor (on the copy stream on GPU); the slot goes back to
-        the pool (the next write into it is ordered after this copy on the same stream). The tensor is allocated
-        on the compute stream (its memory returns to that stream's pool); the copy waits for the compute work
-        queued so far, so it runs while the block about to be recomputed runs."""
+        """H2D of a host checkpoint into a fresh device tensor (on the copy stream on GPU); the slot goes back to the
+        pool (the next write into it is ordered after this copy). The tensor is allocated on the compute stream; the
+        copy waits for the compute work queued so far, so it runs while the block about to be recomputed runs."""
         x = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
         host = saved.slot.view(saved.dtype).view(saved.shape)
         if self.cuda:
@@ -573,16 +561,12 @@ class CheckpointOffloader:
         saved.where = "done"
 
 
-# ------------------------------------------------------------------------------------------------
-# the checkpoint function
-# ------------------------------------------------------------------------------------------------
+# -- the checkpoint function ---------------------------------------------------------------------
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):
-    """fn(x, *rest) run without grad; x kept by the offloader; recomputed with grad in backward.
-
-    ``dummy`` (an empty tensor that requires grad) makes the output require grad also when ``x`` does not (a
-    frozen embedding), so that the block's parameters get their gradients."""
+    """fn(x, *rest) run without grad; x kept by the offloader; recomputed with grad in backward. ``dummy`` (an
+    empty tensor that requires grad) makes the output require grad also when ``x`` does not (a frozen embedding)."""
 
     @staticmethod
     def forward(ctx, fn, offloader, preserve_rng, dummy, x, *rest):

@@ -51,9 +51,7 @@ def tile_spans(seqlen: int, tile_tokens: int) -> tuple:
     return tuple((s, min(s + tile_tokens, seqlen)) for s in range(0, seqlen, tile_tokens))
 
 
-# ---------------------------------------------------------------------------------------------
-# the core of one tile: the backend's segment with a halo and an incoming state, both differentiable
-# ---------------------------------------------------------------------------------------------
+# -- the core of one tile: the backend's segment with a halo and an incoming state, both differentiable --
 
 
 class _TileCore(torch.autograd.Function):
@@ -86,9 +84,7 @@ class _TileCore(torch.autograd.Function):
         return None, None, None, None, dzxbcdt, dhalo, *dparams, dS_in.to(S_in.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# one tile of the block
-# ---------------------------------------------------------------------------------------------
+# -- one tile of the block --------------------------------------------------------------------
 
 
 @dataclass
@@ -154,8 +150,7 @@ class _TiledBlockFn(torch.autograd.Function):
                     rngs.append(rng_state(x.device))
                 out_k, S_in = block.tile(k, x[:, s - block.halo_rows(k) : e], S_in)
                 out[:, s:e] = out_k
-        # the tiles run in reverse in backward: each replays the generators' state its forward began with
-        # (nothing drew, the usual case: nothing to replay)
+        # backward runs the tiles in reverse: each replays its forward's generator state (if anything drew)
         ctx.rngs = None if not rngs or rngs[0].same_as(rng_state(x.device)) else rngs
         ctx.autocast = autocast_state(x.device)  # re-entered around each recompute (memory/recompute.py)
         ctx.block = block
@@ -196,9 +191,7 @@ class _TiledBlockFn(torch.autograd.Function):
         return None, dx, *dparams
 
 
-# ---------------------------------------------------------------------------------------------
-# the public function
-# ---------------------------------------------------------------------------------------------
+# -- the public function ----------------------------------------------------------------------
 
 
 def _block_params(norm, mixer) -> list:
@@ -253,12 +246,11 @@ def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None, preserve_rng_sta
     """``x + mixer(norm(x))`` of a pre-norm Mamba2 block, recomputed in backward tile by tile.
 
     x: (batch, seqlen, d_model), the whole sequence on this rank (a group of one); norm: a per-token module
-    (RMSNorm, LayerNorm: each token's output reads that token only); mixer: a ``DistributedMamba2``;
-    tile_tokens: tokens per tile (the last tile may be shorter); seq_idx: (batch, seqlen) non-decreasing
-    document labels of packed rows, or None; preserve_rng_state: as ``torch.utils.checkpoint``'s (a tile draws
-    for its halo rows too, so with dropout it is not the untiled block draw for draw).
-    Returns (batch, seqlen, d_model), the untiled block's up to the order of floating-point sums, gradients
-    too. The call is its own activation checkpoint: use it in place of one around the block, not inside.
+    (RMSNorm, LayerNorm); mixer: a ``DistributedMamba2``; tile_tokens: tokens per tile (the last may be shorter);
+    seq_idx: (batch, seqlen) non-decreasing document labels, or None; preserve_rng_state: as
+    ``torch.utils.checkpoint``'s (a tile draws for its halo rows too: with dropout not the untiled block's draws).
+    Returns (batch, seqlen, d_model), the untiled block's up to the order of sums, gradients too. The call is its
+    own activation checkpoint: use it in place of one around the block, not inside.
     """
     from ds_mamba_spcp.integrations.mamba_ssm.mixer import DistributedMamba2
 

@@ -26,9 +26,7 @@ from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 NAME = "reference"
 
-# ---------------------------------------------------------------------------------------------
-# conv
-# ---------------------------------------------------------------------------------------------
+# -- conv -------------------------------------------------------------------------------------
 
 
 def causal_conv1d_ref(x, weight, bias=None, initial_states=None, activation="silu", seq_idx=None):
@@ -66,9 +64,7 @@ def causal_conv1d_ref(x, weight, bias=None, initial_states=None, activation="sil
     return out.to(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# dt
-# ---------------------------------------------------------------------------------------------
+# -- dt ---------------------------------------------------------------------------------------
 
 
 def process_dt(dt, dt_bias=None, dt_limit=(0.0, float("inf"))):
@@ -82,9 +78,7 @@ def process_dt(dt, dt_bias=None, dt_limit=(0.0, float("inf"))):
     return dt
 
 
-# ---------------------------------------------------------------------------------------------
-# SSD
-# ---------------------------------------------------------------------------------------------
+# -- SSD --------------------------------------------------------------------------------------
 
 
 def _heads_from_groups(t, nheads):
@@ -196,9 +190,7 @@ def gated_rmsnorm_ref(y, z, weight, eps=1e-6, group_size=None, norm_before_gate=
     return out.to(dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# the segment contract shared with the Triton backend
-# ---------------------------------------------------------------------------------------------
+# -- the segment contract shared with the Triton backend --------------------------------------
 
 
 def _segment_pre(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec, seq_idx=None):
@@ -306,9 +298,7 @@ def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=No
     return (grads[0], *grads[2:])
 
 
-# ---------------------------------------------------------------------------------------------
-# the single-device op on the full sequence (ground truth of the distributed tests)
-# ---------------------------------------------------------------------------------------------
+# -- the single-device op on the full sequence (ground truth of the distributed tests) --------
 
 
 def mamba_split_conv1d_scan_ref(

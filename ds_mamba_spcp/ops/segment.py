@@ -121,9 +121,7 @@ class LocalExchange:
         return Ready(dS_out)
 
 
-# ---------------------------------------------------------------------------------------------
-# document labels of packed rows, as every segment sees them (docs/design.md, "Packed rows")
-# ---------------------------------------------------------------------------------------------
+# -- document labels of packed rows, as every segment sees them (docs/design.md, "Packed rows") --
 
 
 def canonical_seq_idx(seq_idx):

@@ -156,8 +156,7 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, params, *, spe
             S_ext, log_a = next(gen)
             gens.append(gen)
             summaries.append((S_ext, ch.log_a(k, log_a)))
-    # each tile's decay exp(log_a), once: the summary fold (tiles 1..n-1 of a row group), the chain of S_in (tiles
-    # 0..n-2) and the backward (all of them) use it; a row group of one tile needs none
+    # each tile's decay exp(log_a), once, for the summary fold, the chain of S_in and the backward
     decays = [None] * len(summaries)
 
     def decay(i):
@@ -251,9 +250,7 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, params, 
     return (dzxbcdt, *dparams)
 
 
-# ---------------------------------------------------------------------------------------------
-# known mode (ops/segment.py): each tile whole before the next, one tile's intermediates alive at a time
-# ---------------------------------------------------------------------------------------------
+# -- known mode (ops/segment.py): each tile whole before the next, one tile's intermediates alive at a time --
 
 
 def _known_tiles(backend, ch, params, spec, keep_y, state, out=None):
@@ -335,9 +332,7 @@ def _put(view, value):
         view.copy_(value)
 
 
-# ---------------------------------------------------------------------------------------------
-# forward only (inference): nothing saved for a backward, no kept y, a tile's intermediates freed when it ends
-# ---------------------------------------------------------------------------------------------
+# -- forward only (inference): nothing saved for a backward, no kept y, a tile's intermediates freed when it ends --
 
 
 def forward_groups(nrows: int, seqlen: int, spec: CoreSpec, limit: int | None, tile_length: int | None,

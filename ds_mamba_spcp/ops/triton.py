@@ -60,9 +60,7 @@ NAME = "triton"
 INT32_LIMIT = 2**31  # elements; offsets at or past it wrap in mamba-ssm 2.3.2's Triton kernels
 
 
-# ---------------------------------------------------------------------------------------------
-# the int32 offset guard
-# ---------------------------------------------------------------------------------------------
+# -- the int32 offset guard -------------------------------------------------------------------
 
 
 def largest_numel(rows: int, seqlen: int, spec: CoreSpec) -> int:
@@ -107,9 +105,7 @@ def check_lengths(rows: int, seqlen: int, spec: CoreSpec, *, sharded: bool) -> N
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# shared pieces
-# ---------------------------------------------------------------------------------------------
+# -- shared pieces ----------------------------------------------------------------------------
 
 
 def _silu(spec: CoreSpec) -> bool:
@@ -169,7 +165,7 @@ def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None, seq_id
     """States entering every chunk (out_dtype) and the state after the last one (fp32)."""
     flat = chunk_states.flatten(-2)
     init = None if initial_states is None else initial_states.flatten(-2)
-    if pass_states.enabled():  # the same recurrence, with the next chunks' loads in flight (ops/pass_states.py)
+    if pass_states.enabled():  # the same recurrence, with the next chunks' loads in flight (ops/kernels/pass_states.py)
         prev, final = pass_states.state_passing_fwd(
             flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
             out_dtype=out_dtype,
@@ -230,9 +226,7 @@ def _rms_args(y, z, spec: CoreSpec):
     return y.reshape(-1, spec.d_inner), z.reshape(-1, spec.d_inner)
 
 
-# ---------------------------------------------------------------------------------------------
-# the segment contract
-# ---------------------------------------------------------------------------------------------
+# -- the segment contract ---------------------------------------------------------------------
 
 WRITES_INTO = True  # segment_fwd takes out=, segment_bwd dzxbcdt=: buffers (views of the tiles' whole) to fill
 
@@ -364,8 +358,7 @@ def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=No
     ddA = _chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)  # CB is masked across documents
 
     dS_out = handle.wait().flatten(-2)
-    # with the gradient the later segments send, and (as upstream) the states rounded to the
-    # compute dtype in the same pass, where the recomputation did not need them
+    # with the later segments' gradient, and (as upstream) the states rounded to the compute dtype in the same pass
     states_dtype = x.dtype if prev_lowp is None else None
     if known or pass_states.enabled():  # (with ranks, this dS_in is not needed: L was folded above)
         dstates, ddA_chunk_cumsum, dS_in, converted = pass_states.state_passing_bwd_fp32_dinit(
@@ -423,9 +416,7 @@ def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=No
     return (*grads, dS_in) if known else grads
 
 
-# ---------------------------------------------------------------------------------------------
-# the single-device op
-# ---------------------------------------------------------------------------------------------
+# -- the single-device op ---------------------------------------------------------------------
 
 
 class _FirstOrderOnly(torch.autograd.Function):

@@ -1,6 +1,6 @@
 """State-passing sequence parallelism for the Mamba2 mixer core: the strategy of the table's state-passing
 entries (``modes.py``), whose chain is contiguous (one causal segment per rank) or zigzag (two causal
-segments per rank packed on the batch axis). See docs/design.md, "The algebra" and "State passing".
+segments per rank packed on the batch axis). See docs/design.md, "The algebra".
 
 Each rank keeps its shard of the sequence. Forward, per layer:
 
@@ -15,8 +15,7 @@ posted before the backend's last kernels. Nothing that scales with the sequence 
 
 Memory held between forward and backward: zxbcdt, the halo (segments x batch x (d_conv-1) x conv_dim), S_in
 (fp32), every segment's decays (segments x batch x nheads), the packed-row masks, and, unless
-``recompute_output``, the pre-gate output y (batch x local_seqlen x d_inner), freed once the gate's backward
-has used it (a saved tensor where saved-tensor hooks are active, so that they see it).
+``recompute_output``, the pre-gate output y (batch x local_seqlen x d_inner), freed after the gate's backward.
 
 Packed rows (docs/design.md, "Packed rows"): each segment runs on canonical labels; the labels of the
 previous segment's last d_conv-1 tokens travel with the halo, halo rows of another document are zeroed (their
@@ -92,9 +91,7 @@ class _Reordered:
         return layout.take(rows.reshape(-1, *rows.shape[2:]), self.order)
 
 
-# ---------------------------------------------------------------------------------------------
-# the conv halo
-# ---------------------------------------------------------------------------------------------
+# -- the conv halo ----------------------------------------------------------------------------
 
 
 class _HaloExchange:
@@ -139,8 +136,7 @@ class _HaloExchange:
             self.value = self.plan.local(prev)
         if self.labels is not None:
             ids_all = got[-1]  # [nseg, b, 1 + tail]
-            # segment 0 has no predecessor: give it its own first label, so that it starts no document
-            # and its (zero) halo counts as its own
+            # segment 0 has no predecessor: its own first label, so that it starts no document
             first0 = ids_all[:1, :, :1].expand_as(ids_all[:1, :, 1:])
             prev_ids = self.plan.local(torch.cat([first0, ids_all[:-1, :, 1:]]))  # [b*nlocal, tail]
             first = self.labels[:, :1]
@@ -176,18 +172,13 @@ class _HaloGrad:
         return self.plan.local(nxt)
 
 
-# ---------------------------------------------------------------------------------------------
-# the summary exchange
-# ---------------------------------------------------------------------------------------------
+# -- the summary exchange ---------------------------------------------------------------------
 
 
 class _SummaryExchange:
-    """Where the backend's summaries go: post the local ones, wait for S_in (and the mirror in backward).
-    With ranks only: the lone segment of a group of one runs in known mode (``_forward``) and posts nothing.
-
-    Local segments sit on the batch axis: row i*nlocal + k is batch element i's local segment k
-    (layout.pack_segments). start0: (b*nlocal,) bool, the segments that begin a document, or None.
-    """
+    """Where the backend's summaries go: post the local ones, wait for S_in (and the mirror in backward); with
+    ranks only (a group of one runs in known mode). Row i*nlocal + k is batch element i's local segment k
+    (layout.pack_segments). start0: (b*nlocal,) bool, the segments that begin a document, or None."""
 
     def __init__(self, plan: SegmentPlan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None,
                  start0=None):  # fmt: skip
@@ -253,9 +244,7 @@ class _Deferred:
         return self.fn()
 
 
-# ---------------------------------------------------------------------------------------------
-# forward and backward of the sharded core
-# ---------------------------------------------------------------------------------------------
+# -- forward and backward of the sharded core -------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -301,8 +290,7 @@ def _forward(zxbcdt, params, initial_states, seq_idx, st: _Static):
     tiles, saved = st.tiles(rows), {}
     keep_y = not st.recompute_output
     if plan.alone:
-        # a group of one: S_in is the initial state (or zeros), known before the segment starts, so the backend
-        # runs it (and its tiles, one after the other) in known mode: no summary (ops/segment.py)
+        # a group of one: S_in (the initial state or zeros) is known, so the backend runs in known mode
         S_in = zero_state(rows, spec) if initial_states is None else initial_states.to(state_dtype(rows))
         gen = st.segment_fwd(tiles, saved, rows, halo, params, spec=spec, seq_idx=local_ids, keep_y=keep_y,
                              S_in=S_in)  # fmt: skip

@@ -29,9 +29,7 @@ from ds_mamba_spcp.engine.strategies import group_of_one
 from ds_mamba_spcp.ops.autograd import first_order_only
 from ds_mamba_spcp.ops.spec import CoreSpec
 
-# ---------------------------------------------------------------------------------------------
-# how channels and sequence pieces are laid out in the all-to-all buffers
-# ---------------------------------------------------------------------------------------------
+# -- how channels and sequence pieces are laid out in the all-to-all buffers ------------------
 
 
 @dataclass(frozen=True)
@@ -168,10 +166,8 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 class _GatherHeads(torch.autograd.Function):
-    """final_states: this rank's heads (b, h/cp, p, n) -> every head (b, h, p, n) on every rank.
-
-    Backward: the copies on the ranks each receive a gradient and they add up, so each rank's
-    heads get the sum over ranks of their rows (one all-to-all, summed in a fixed order)."""
+    """final_states: this rank's heads (b, h/cp, p, n) -> every head (b, h, p, n) on every rank. Backward: each
+    rank's heads get the sum over ranks of their rows' gradients (one all-to-all, summed in a fixed order)."""
 
     @staticmethod
     def forward(ctx, t, plan):
@@ -216,9 +212,7 @@ def _group_rmsnorm(y: torch.Tensor, weight: torch.Tensor, eps: float, group_size
     return (yg.flatten(-2) * weight.to(cdtype)).to(y.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# the strategy (the public op is ``op.mamba_split_conv1d_scan_ulysses``)
-# ---------------------------------------------------------------------------------------------
+# -- the strategy (the public op is ``op.mamba_split_conv1d_scan_ulysses``) -------------------
 
 
 def _shardings(spec: CoreSpec, h_loc: int, g_loc: int, nrep: int):
@@ -247,10 +241,9 @@ def run(call):
 
 
 def run_forward_only(call):
-    """The forward-only route (``dispatch.run`` with ``forward_only``): the same two all-to-alls as plain functions (no
-    autograd Function), the full-length scan by ``group_of_one.run_forward_only``, under no_grad. With
-    return_final_states: the state after each document, every head gathered on every rank ((batch, ...)
-    without seq_idx, (ndocs, ...) with it: the full rows' documents, ``documents.py``)."""
+    """The forward-only route: the same two all-to-alls as plain functions, the full-length scan by
+    ``group_of_one.run_forward_only``, under no_grad. With return_final_states: the state after each document,
+    every head gathered on every rank ((batch, ...) without seq_idx, (ndocs, ...) with it)."""
     with torch.no_grad():
         return _run(call, forward_only=True)
 

@@ -58,20 +58,16 @@ class DistributedMamba2(nn.Module):
     """mamba-ssm's ``Mamba2`` mixer run on this rank's shard of the sequence.
 
     Arguments:
-        local_mixer: a ``mamba_ssm.modules.mamba2.Mamba2``; its parameters are used (and stay its
-            own): the wrapper adds none.
+        local_mixer: a ``mamba_ssm.modules.mamba2.Mamba2``; its parameters are used (the wrapper adds none).
         sequence_process_group: the ranks that share one sequence, or None to look it up at the first
             forward (:mod:`ds_mamba_spcp.groups`; the wrapper may then precede ``deepspeed.initialize``).
         config: anything :func:`load_mamba_sp_config` reads.
 
-    ``forward(u)``: u (batch, local_seqlen, d_model), this rank's shard in the configured
-    ``input_layout``, or (batch*local_seqlen, d_model) with ``seqlen=local_seqlen`` as in Mamba2.
-    Returns the shard of the output in the same layout and shape.
-
-    With ``enabled`` false ``forward`` is the mixer's own. In a group of one it is the mixer's own forward on
-    Triton, the same math on the reference op otherwise. Parameter gradients are each rank's local
-    contribution (DeepSpeed's reduction adds them). Packed rows: ``seq_idx`` or ``cu_seqlens``, as
-    ``Mamba2.forward`` takes them. Not supported (NotImplementedError): d_ssm < d_inner, Mamba2's own
+    ``forward(u)``: u (batch, local_seqlen, d_model), this rank's shard in the configured ``input_layout``, or
+    (batch*local_seqlen, d_model) with ``seqlen=local_seqlen``; returns the output's shard, same layout and shape.
+    With ``enabled`` false ``forward`` is the mixer's own; in a group of one, the mixer's own on Triton, the same
+    math on the reference op otherwise. Parameter gradients are each rank's local contribution. Packed rows:
+    ``seq_idx`` or ``cu_seqlens``. Not supported (NotImplementedError): d_ssm < d_inner, Mamba2's own
     tensor-parallel process_group, ``inference_params``, shards of different lengths.
     """
 
@@ -87,9 +83,8 @@ class DistributedMamba2(nn.Module):
         self.config = load_mamba_sp_config(config)
         if self.config.enabled:
             _check_mixer_supported(local_mixer)
-        # share the mixer's registries instead of registering it as a child: the unwrapped parameter names (no
-        # "local_mixer." prefix), and a parameter swap through either module is seen by both (ZeRO-3's own
-        # _parameters dict holds the same Parameters; forward reads them through the wrapper)
+        # share the mixer's registries instead of registering it as a child: the unwrapped parameter names, and a
+        # parameter swap through either module is seen by both (forward reads them through the wrapper)
         for name in _SHARED_REGISTRIES:
             self.__dict__[name] = local_mixer.__dict__[name]
         self.__dict__["local_mixer"] = local_mixer  # a plain attribute, not a child
@@ -133,8 +128,7 @@ class DistributedMamba2(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            # Drop-in: public attributes and methods of the mixer (d_model, layer_idx,
-            # allocate_inference_cache, ...) read through; private ones and DeepSpeed's ds_* markers do not.
+            # drop-in: the mixer's public attributes read through; private ones and DeepSpeed's ds_* markers do not
             mixer = self.__dict__.get("local_mixer")
             if mixer is None or name.startswith(("_", "ds_")):
                 raise
@@ -206,12 +200,8 @@ class DistributedMamba2(nn.Module):
 
 
 def wrap_mamba_ssm_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
-    """Replaces every mamba-ssm ``Mamba2`` submodule of ``model`` with a :class:`DistributedMamba2`, in place.
-
-    A mixer registered at several places is wrapped once; mixers already wrapped are left alone. Returns the
-    number wrapped. State_dict keys do not change (before or after loading a checkpoint or
-    ``deepspeed.initialize``).
-    """
+    """Replaces every mamba-ssm ``Mamba2`` submodule of ``model`` with a :class:`DistributedMamba2`, in place (one
+    wrapper per mixer, wrapped ones left alone); returns the number wrapped. State_dict keys do not change."""
     mamba2 = mamba2_class()
     if isinstance(model, mamba2):
         raise ValueError(

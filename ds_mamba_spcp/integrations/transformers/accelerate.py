@@ -10,25 +10,19 @@ Mamba2 families and trains Falcon-H1 wrong. A script adds one call before it bui
                       parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)), ...)
     trainer.train()
 
-``enable()`` puts this package in at the six places where accelerate and the Trainer decide something about
-sequence parallelism; for a model that holds none of transformers' Mamba2 mixers (or a ds_config whose
-``"mamba_sequence_parallel"`` section says ``"enabled": false``) each of them does what it did before::
+``enable()`` replaces six hooks of accelerate and the Trainer; for a model without transformers' Mamba2 mixers
+(or with ``"enabled": false``) each does what it did before::
 
     accelerate  Accelerator._prepare_deepspeed
       _refuse_recurrent_layers_under_sequence_parallelism(model)  ──> lets the model pass
-      UlyssesSPAttentionHF.register_with_transformers(model, ...)  ──> prepare_sequence_parallel(model, section):
-            DeepSpeed's sequence-parallel group (the mpu handed to deepspeed.initialize); DeepSpeed's Ulysses
-            attention in front of each attention module of this model, once (not also through a process-wide
-            registration: one Ulysses exchange per attention layer); this package's Mamba2 mixers. A model
-            prepared again (a second Trainer) keeps all of it, hooks included
+      UlyssesSPAttentionHF.register_with_transformers(model, ...)  ──> prepare_sequence_parallel(model, section),
+            once per model (its group is the mpu handed to deepspeed.initialize)
       UlyssesSPDataLoaderAdapter(loader)  ──> for the model just prepared: the same, gathering rows of different
             lengths on any backend, checked on every rank (``_adapter_class``); DeepSpeed's own for any other model
     transformers  Trainer
       deepspeed_sp_compute_loss  ──> the same global mean, its gradient scaled for the ZeRO stage
-      skip_first_batches (resume mid-epoch)  ──> the adapter skips its own micro-batches (accelerate's would
-            rebuild a plain DataLoader without it)
-      Trainer._set_signature_columns_if_needed  ──> keeps the dataset's position_ids column, which
-            ``remove_unused_columns`` dropped for Mamba2ForCausalLM (its forward takes them in ``**kwargs`` only)
+      skip_first_batches (resume mid-epoch)  ──> the adapter skips its own micro-batches
+      Trainer._set_signature_columns_if_needed  ──> keeps the dataset's position_ids column
 
 The prepared model gets two more forward hooks: calls in ``eval()`` mode run unsharded, and a training call
 whose ``position_ids`` restart inside a row gets the matching ``seq_idx`` (``packed_seq_idx``). The loss gives
@@ -60,20 +54,16 @@ from ds_mamba_spcp.integrations.transformers.adapter import (
 TESTED = {"accelerate": "1.15.0", "transformers": "5.24", "trl": "1.16.0", "deepspeed": "0.19.8"}
 _INSTALL = "pip install 'ds_mamba_spcp[hf]'"
 
-# keys of a packed row that describe the whole row: no shard can use them (the adapter cannot even cut the 1-D
-# ones); the document structure travels in position_ids, from which DeepSpeed's attention and seq_idx are derived
+# keys describing a whole packed row, which no shard can use: the documents travel in position_ids
 _WHOLE_ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 _STATE_ATTR = "_ds_mamba_spcp_accelerate"  # a prepared model's _Covered, in its __dict__
 
 _patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) of what enable() replaced, in order
-# whether the model accelerate prepared last is one this package shards: the data-loader adapter built next is
-# then this package's, else DeepSpeed's own
+# whether this package shards the model accelerate prepared last (then the next data-loader adapter is ours)
 _adapter_is_ours = False
 
 
-# ---------------------------------------------------------------------------------------------------
-# enable / disable
-# ---------------------------------------------------------------------------------------------------
+# -- enable / disable -------------------------------------------------------------------------------
 
 
 def enable() -> None:
@@ -134,9 +124,7 @@ def _original(attr: str):
     )
 
 
-# ---------------------------------------------------------------------------------------------------
-# which models, which settings
-# ---------------------------------------------------------------------------------------------------
+# -- which models, which settings -------------------------------------------------------------------
 
 
 def _ds_config() -> dict:
@@ -219,9 +207,7 @@ def _covered_state(model: nn.Module) -> _Covered | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------
-# the replacements
-# ---------------------------------------------------------------------------------------------------
+# -- the replacements -------------------------------------------------------------------------------
 
 
 def _refuse_unless_covered(model: nn.Module) -> None:
@@ -431,9 +417,7 @@ def _compute_loss(accelerator, model, inputs, return_outputs, pc):
     return (loss, outputs) if return_outputs else loss
 
 
-# ---------------------------------------------------------------------------------------------------
-# the data: DeepSpeed's adapter, with rows of any length on any backend, checked on every rank
-# ---------------------------------------------------------------------------------------------------
+# -- the data: DeepSpeed's adapter, with rows of any length on any backend, checked on every rank ---
 
 
 def _adapter_class(base: type) -> type:

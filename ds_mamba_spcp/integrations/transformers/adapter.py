@@ -79,9 +79,7 @@ def mixer_classes() -> tuple[type, ...]:
     return tuple(found)
 
 
-# ---------------------------------------------------------------------------------------------------
-# when a call is sharded
-# ---------------------------------------------------------------------------------------------------
+# -- when a call is sharded -------------------------------------------------------------------------
 
 
 class _Sharding:
@@ -119,10 +117,9 @@ class _Sharding:
 
 @contextlib.contextmanager
 def sequence_parallel_disabled(model: nn.Module) -> Iterator[nn.Module]:
-    """Inside the block, ``model`` runs as if it were not wrapped: every mixer and attention layer wrapped
-    by this module runs its own forward, with no collective and no check. For ``model.generate`` or an
-    evaluation on whole (unsharded) sequences, on one rank or on every rank alike. Blocks nest.
-    (mamba-ssm ``Mamba2`` mixers wrapped in ``DistributedMamba2`` are not affected.)"""
+    """Inside the block, ``model`` runs as if it were not wrapped (every mixer and attention layer wrapped by this
+    module runs its own forward, no collective, no check): for ``generate`` or evaluation on whole sequences.
+    Blocks nest. (mamba-ssm's ``DistributedMamba2`` is not affected.)"""
     switches = {}
     for module in model.modules():
         for key in (_MIXER_ATTR, _ATTN_ATTR, _MODEL_ATTR):
@@ -158,9 +155,7 @@ def _padding_error(where: str) -> NotImplementedError:
     )
 
 
-# ---------------------------------------------------------------------------------------------------
-# the mixers
-# ---------------------------------------------------------------------------------------------------
+# -- the mixers -------------------------------------------------------------------------------------
 
 
 def _norm_group_size(norm: nn.Module, d_inner: int) -> int | None:
@@ -236,8 +231,7 @@ class _MixerAdapter:
             raise _padding_error(f"an attention_mask with zeros reached {name}")
         seq_idx = rest.get("seq_idx")
         if seq_idx is None and self.model_state is not None:
-            # transformers' Mamba2ForCausalLM does not pass its **kwargs (seq_idx) on to its backbone: take the
-            # prepared model's call's (the same forward, or its recomputation under gradient checkpointing)
+            # Mamba2ForCausalLM does not pass its **kwargs (seq_idx) to its backbone: take the model call's
             seq_idx = self.model_state.seq_idx
         if seq_idx is not None and tuple(seq_idx.shape) != tuple(hidden_states.shape[:2]):
             raise ValueError(
@@ -318,13 +312,12 @@ def _hidden_states_positional(mixer: nn.Module, args: tuple, kwargs: dict):
 
 def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
     """Makes every transformers Mamba2-style mixer in ``model`` (``MIXER_CLASSES``, the model itself included)
-    sequence-parallel, in place; returns how many it wrapped (mixers already wrapped are left alone).
+    sequence-parallel, in place; returns how many it wrapped (wrapped ones are left alone).
 
-    ``sequence_process_group``: the group sharing each sequence, or None to resolve it at the first forward
-    (:mod:`ds_mamba_spcp.groups`); ``config``: a ds_config or a ``MambaSequenceParallelConfig``. The wrapped mixer
-    keeps transformers' forward signature (``hidden_states`` (batch, local_seqlen, hidden_size), this rank's shard
-    in ``config.input_layout``; ``seq_idx`` (batch, local_seqlen) int32 in ``**kwargs`` for packed rows) and
-    returns its shard of the output.
+    ``sequence_process_group``: the group sharing each sequence, or None to resolve it at the first forward;
+    ``config``: a ds_config or a ``MambaSequenceParallelConfig``. The wrapped mixer keeps transformers' forward
+    signature (``hidden_states`` (batch, local_seqlen, hidden_size), this rank's shard in ``config.input_layout``;
+    ``seq_idx`` (batch, local_seqlen) int32 in ``**kwargs``) and returns its shard of the output.
     """
     classes = mixer_classes()
     if not classes:
@@ -346,9 +339,7 @@ def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config:
     return len(todo)
 
 
-# ---------------------------------------------------------------------------------------------------
-# the attention layers: DeepSpeed's Ulysses attention, per module
-# ---------------------------------------------------------------------------------------------------
+# -- the attention layers: DeepSpeed's Ulysses attention, per module --------------------------------
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -380,8 +371,7 @@ class _UlyssesAttention:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         if kwargs.get("position_ids") is None:
-            # DeepSpeed's attention all-gathers position_ids (flash attention finds packed documents in them);
-            # GraniteMoeHybrid (no rotary embedding) does not pass them down: take the model call's.
+            # DeepSpeed's attention all-gathers position_ids; GraniteMoeHybrid (no rotary) does not pass them down
             kwargs["position_ids"] = self.model_state.position_ids
         batch = query.shape[0]
         uattn = self._by_batch.get(batch)
@@ -476,9 +466,7 @@ def _check_attention(module: nn.Module, config: MambaSequenceParallelConfig, cp:
     return implementation
 
 
-# ---------------------------------------------------------------------------------------------------
-# the whole model
-# ---------------------------------------------------------------------------------------------------
+# -- the whole model --------------------------------------------------------------------------------
 
 
 class _PreparedModel:

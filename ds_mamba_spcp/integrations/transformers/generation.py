@@ -2,13 +2,11 @@
 
     sequence_parallel_generate(model, input_ids, group)      every rank: the same whole prompt
         -> checks, raised alike on every rank (prompt, mask, kwargs, model; the same random state to sample)
-        -> the padding mask generate runs with: the attention_mask given, or the one it derives from
-           pad_token_id (transformers' own _prepare_attention_mask_for_generation); left padding only
+        -> the padding mask generate runs with (given, or derived from pad_token_id); left padding only
         -> sequence_parallel_prefill(model, this rank's shard of prompt[:, :n*cp] and of the mask, group),
            n = (seqlen - 2) // cp
-        -> model.generate(input_ids, cache=<the whole prompt's cache but its last 2..cp+1 tokens>,
-           use_cache=True): transformers' own generate feeds the tokens the cache lacks (at least two, see
-           ``_FED``) and decodes, on every rank alike
+        -> model.generate(input_ids, cache=<the prompt's cache but its last 2..cp+1 tokens (``_FED``)>,
+           use_cache=True): transformers feeds the tokens the cache lacks and decodes, on every rank alike
         -> the same tokens on every rank (checked), those of model.generate(input_ids) in one process
 
     sequence_parallel_prefill(model, input_ids_shard, group, attention_mask_shard)  every rank: its shard
@@ -93,9 +91,7 @@ class PrefilledCache(DynamicCache):
         return super().get_mask_sizes(query_length, layer_idx)
 
 
-# ---------------------------------------------------------------------------------------------------
-# checks, on every rank alike
-# ---------------------------------------------------------------------------------------------------
+# -- checks, on every rank alike --------------------------------------------------------------------
 
 
 def _resolve_group(model: nn.Module, group):
@@ -176,9 +172,7 @@ def _check_shards(ids: torch.Tensor, group, device) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------------
-# the sharded forward
-# ---------------------------------------------------------------------------------------------------
+# -- the sharded forward ----------------------------------------------------------------------------
 
 
 def _mixer_forward(adapter, group, cfg, padding, *args, **kwargs):
@@ -333,9 +327,7 @@ def _forward_kwargs(model: nn.Module, **values) -> dict:
     return {k: v for k, v in values.items() if k in names and v is not None}
 
 
-# ---------------------------------------------------------------------------------------------------
-# the public functions
-# ---------------------------------------------------------------------------------------------------
+# -- the public functions ---------------------------------------------------------------------------
 
 
 def _mask_problem(mask: Any, ids: torch.Tensor, what: str) -> Exception | None:
@@ -440,9 +432,8 @@ def sequence_parallel_prefill(model: nn.Module, input_ids_shard: torch.Tensor, g
     return Prefill(broadcast_from_last(logits, group), cache)
 
 
-# The prompt tokens left to generate after the sharded prefill: at least two, so that its first forward takes the
-# model's chunked form, as one process's generate does (Zamba2's and Nemotron-H's decode step does not floor dt at
-# time_step_min; docs/huggingface.md, "Generation").
+# prompt tokens left to generate: at least two, so that its first forward takes the model's chunked form, as one
+# process's does (Zamba2's and Nemotron-H's decode step does not floor dt; docs/huggingface.md, "Generation")
 _FED = 2
 
 _REFUSED = {
@@ -559,8 +550,7 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
         return out
     shard = slice(rank * n, (rank + 1) * n)
     cache = sequence_parallel_prefill(model, input_ids[:, shard], group, None if mask is None else mask[:, shard]).cache
-    # use_cache=False would feed the whole sequence again on top of the cache; a mask generate derives from pad
-    # ids it derives again (the same call as _generation_mask)
+    # use_cache=False would feed the whole sequence again on top of the cache
     kwargs = {**generate_kwargs, "use_cache": True, _cache_key(model): cache}
     hook = None
     if cache.attention_free:

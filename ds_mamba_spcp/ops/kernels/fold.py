@@ -117,12 +117,9 @@ def _ddA_tail_kernel(
 
 
 def ddA_tail(ddA, ddA_next, ddA_prev, ddA_chunk):
-    """ddA += ddA_next + reverse-cumsum(ddA_prev with ddA_chunk added at each chunk's last position), in place.
-
-    ddA, ddA_next, ddA_prev: (b, h, c, chunk_size) fp32, ddA_chunk: (b, h, c): the gradients of the cumulative
-    log-decays that upstream's backward sums with ``ddA_prev[..., -1] += ddA_chunk`` and
-    ``ddA += ddA_next + ddA_prev.flip(-1).cumsum(-1).flip(-1)``, in one launch (ddA_prev is not modified).
-    """
+    """ddA += ddA_next + reverse-cumsum(ddA_prev with ddA_chunk added at each chunk's last position), in place, in
+    one launch (ddA_prev unmodified). ddA, ddA_next, ddA_prev: (b, h, c, chunk_size) fp32, ddA_chunk: (b, h, c):
+    the cumulative log-decays' gradients upstream's backward sums in six small ops."""
     b, h, c, chunk_size = ddA.shape
     with torch.cuda.device(ddA.device.index):
         _ddA_tail_kernel[(b, h, c)](

@@ -311,13 +311,11 @@ def state_passing_bwd(states, dA_last, dout, dfinal_states=None, seq_idx=None, *
 
 def state_passing_bwd_fp32_dinit(states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, *, dstates_dtype,
                                   states_dtype, chunk_size):  # fmt: skip
-    """mamba-ssm's ``_state_passing_bwd`` (``has_initial_states``; ``ops/pass_states.py``'s kernel unless
-    DS_MAMBA_SPCP_STATE_PASSING=upstream) with the gradient of the initial states stored in fp32: the kernel
-    carries it in fp32 and stores it in its buffer's dtype, which upstream's wrapper makes the compute dtype.
-    Known mode takes it as the segment's dS_in (the gradient the tile before receives), which
-    ``_fold_chunks(..., init=dS_out)`` computed in a launch of its own: the same recurrence over the same values in
-    fp32. With ranks it is discarded (L, folded before dS_out arrived, went instead). -> (dstates,
-    ddA_chunk_cumsum, dinitial_states fp32 (b, h, dim), the states converted to ``states_dtype`` or None)."""
+    """mamba-ssm's ``_state_passing_bwd`` (``has_initial_states``; this module's kernel unless
+    DS_MAMBA_SPCP_STATE_PASSING=upstream) with the initial states' gradient stored in fp32 (upstream's wrapper
+    stores it in the compute dtype): known mode's dS_in, the recurrence ``fold.fold_chunks(..., init=dS_out)``
+    computes too; with ranks it is discarded. -> (dstates, ddA_chunk_cumsum, dinitial_states fp32 (b, h, dim),
+    the states converted to ``states_dtype`` or None)."""
     if enabled():  # this module's kernel: the same recurrence, its loads ahead
         return state_passing_bwd(
             states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, has_initial_states=True,
