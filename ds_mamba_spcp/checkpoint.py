@@ -12,45 +12,19 @@ Every rank calls each of these, in this order::
         ...
         save_checkpoint(engine, save_dir, client_state={"next_step": step + 1, ...})
 
-On disk (DeepSpeed's own files plus three of ours)::
+On disk (docs/checkpointing.md, "On disk"): DeepSpeed's own files under ``<save_dir>/<tag>/``, plus
+``rng_state_rank<r>.pt`` per rank and the manifest ``MANIFEST`` (written last: it marks the checkpoint
+complete), ``<save_dir>/latest`` (written last, atomically) and ``<tag>_universal/`` when a resume needs it.
 
-    <save_dir>/latest                     tag of the newest complete checkpoint; written last, atomically
-    <save_dir>/<tag>/                     engine.save_checkpoint: model states, ZeRO partitions (one per rank)
-    <save_dir>/<tag>/rng_state_rank<r>.pt rank r's generators: python, numpy, torch CPU, CUDA
-    <save_dir>/<tag>/ds_mamba_spcp.json   the manifest: topology, client state, RNG digests (marks it complete)
-    <save_dir>/<tag>_universal/           DeepSpeed's universal checkpoint, made by the first resume needing it
-
-What a change of the sequence-parallel size changes. The model's tensors are replicated across the
-ranks of a sequence-parallel group (each rank holds every parameter and computes its share of every
-gradient), so the module state is the same at any size; the mixers' and the data's sharding is a
-function of the ds_config, not of the checkpoint, and carries no state. What is partitioned is ZeRO's:
-with ``mpu=parallel_state_sp`` DeepSpeed partitions the optimizer state (ZeRO 1-2; the parameters too
-at ZeRO 3) over every rank of the world (sequence x data parallel), one file per rank. Hence:
-
-- same world size and ZeRO stage: DeepSpeed's own load, file by file;
-- another world size (ZeRO 1-3): the checkpoint goes through DeepSpeed's universal format
-  (``deepspeed.checkpoint.ds_to_universal``, one file per parameter and state), converted once by rank 0,
-  and is loaded with ``"checkpoint": {"load_universal": true}``, which re-partitions it; ZeRO 0 keeps
-  the optimizer state whole and loads natively at any size;
-- RNG states are per rank: they are restored rank by rank when the topology is unchanged, and otherwise
-  only when the ranks that shared a sequence held identical states (every new rank of a data-parallel
-  replica then takes its replica's state);
-- refused before anything is loaded, with the reason: another ZeRO stage (stage 3 names and splits its
-  files differently, and DeepSpeed's universal loader finds no model-state file across that change),
-  RNG states that differed within a sequence-parallel group when the size changes, a warm start
-  (``load_optimizer_states=False``) from a universal checkpoint at ZeRO 1-2 (DeepSpeed would restore
-  the optimizer state anyway).
-
-Two DeepSpeed 0.19.8 defects are worked around inside :func:`save_checkpoint` and :func:`load_checkpoint`
-(see :func:`_mpu_without_tensor_parallelism`): ``parallel_state_sp`` aliases model parallelism to sequence
-parallelism, so a checkpoint records ``tp_degree = sequence_parallel_size`` (which ``ds_to_universal``
-rejects), and the ZeRO 1-2 universal loader calls ``mpu.get_tensor_model_parallel_world_size``, which
-``parallel_state_sp`` lacks.
-
-Faults: :func:`set_process_group_timeout` gives every process group of the rank the same timeout.
-``deepspeed.init_distributed(timeout=...)`` sets it for the world group only; groups made later with
-``new_group`` (the sequence-parallel groups, any that DeepSpeed makes) keep torch's default of
-30 minutes (gloo) or 10 minutes (NCCL), so a hung peer would stall a collective on them that long.
+The module state is replicated across a sequence-parallel group and the sharding is a function of the
+ds_config, so only ZeRO's partitions (over every rank of the world) depend on the topology: same world size
+and stage, DeepSpeed's own load; another world size at ZeRO 1-3, DeepSpeed's universal format (converted once
+by rank 0, loaded with ``"checkpoint": {"load_universal": true}``). RNG states are per rank (``_rng_sources``).
+Another ZeRO stage, RNG states that differed within a sequence when the size changes, and a warm start from a
+universal checkpoint at ZeRO 1-2 are refused before anything is loaded. The DeepSpeed 0.19.8 defects worked
+around: ``_mpu_without_tensor_parallelism``. docs/checkpointing.md gives the whole table and the faults;
+``set_process_group_timeout`` gives every process group of the rank the timeout (``init_distributed``'s covers
+the world group only).
 """
 
 from __future__ import annotations
@@ -87,9 +61,7 @@ def _dist():
     return dist
 
 
-# ------------------------------------------------------------------------------------------------
-# topology
-# ------------------------------------------------------------------------------------------------
+# -- topology ------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,24 +96,15 @@ def _zero_stage(ds_config: dict) -> int:
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
 
 
-# ------------------------------------------------------------------------------------------------
-# DeepSpeed's parallel_state_sp as an mpu, during checkpoint I/O
-# ------------------------------------------------------------------------------------------------
+# -- DeepSpeed's parallel_state_sp as an mpu, during checkpoint I/O ------------------------------
 
 
 @contextlib.contextmanager
 def _mpu_without_tensor_parallelism():
-    """Inside: ``parallel_state_sp`` answers tensor-parallel size 1 and rank 0, which is the truth.
-
-    DeepSpeed's ``parallel_state_sp`` (the mpu this package passes to ``deepspeed.initialize``) aliases
-    ``get_model_parallel_*`` to the sequence-parallel group and has no ``get_tensor_model_parallel_*``.
-    DeepSpeed's checkpoint code asks for the tensor-parallel size through ``bwc_tensor_model_parallel_*``,
-    which then falls back to the alias: ``save_checkpoint`` records ``tp_degree = sequence_parallel_size``
-    in ``checkpoint_parallel_dimensions`` (and ``ds_to_universal`` then refuses the checkpoint: "model-state
-    file count 1 does not match pp_degree=1 * tp_degree=2"), and the ZeRO 1-2 universal loader calls
-    ``mpu.get_tensor_model_parallel_world_size()`` directly (AttributeError). The engine's training path
-    (gradient norms and the like) is left as DeepSpeed has it: the functions exist only inside this block.
-    """
+    """Inside: ``parallel_state_sp`` answers tensor-parallel size 1 and rank 0, which is the truth (it aliases
+    ``get_model_parallel_*`` to the sequence-parallel group and lacks ``get_tensor_model_parallel_*``, so DeepSpeed
+    records ``tp_degree = sequence_parallel_size``, which ``ds_to_universal`` refuses, and its ZeRO 1-2 universal
+    loader raises AttributeError). Training is untouched: the functions exist only inside this block."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
 
     added = []
@@ -156,9 +119,7 @@ def _mpu_without_tensor_parallelism():
             delattr(mpu, name)
 
 
-# ------------------------------------------------------------------------------------------------
-# random number generators
-# ------------------------------------------------------------------------------------------------
+# -- random number generators --------------------------------------------------------------------
 
 
 def _rng_state() -> dict:
@@ -205,11 +166,8 @@ def _rng_file(folder: str, rank: int) -> str:
 
 def _rng_sources(saved: Topology, digests: list[str], current: Topology) -> list[int]:
     """For every rank of ``current``, the saved rank whose RNG state it takes; raises when none is right.
-
-    Unchanged topology: each rank its own. Otherwise the states must be identical within each saved
-    sequence-parallel group (then the rank of new data-parallel replica d takes replica d's), or
-    identical everywhere (then any rank's).
-    """
+    Unchanged topology: each rank its own; else the states must be identical within each saved
+    sequence-parallel group (new replica d takes replica d's), or everywhere (then any rank's)."""
     if (saved.world_size, saved.sequence_parallel_size) == (current.world_size, current.sequence_parallel_size):
         return list(range(current.world_size))
     if len(set(digests)) == 1:
@@ -237,9 +195,7 @@ def _rng_sources(saved: Topology, digests: list[str], current: Topology) -> list
     return [(r // current.sequence_parallel_size) * sp for r in range(current.world_size)]
 
 
-# ------------------------------------------------------------------------------------------------
-# save
-# ------------------------------------------------------------------------------------------------
+# -- save ----------------------------------------------------------------------------------------
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -252,15 +208,9 @@ def _write_atomically(path: str, text: str) -> None:
 
 
 def save_checkpoint(engine, save_dir: str, *, client_state: dict | None = None, tag: str | None = None) -> str:
-    """Saves ``engine`` (every rank calls it; all of them block until the checkpoint is complete).
-
-    ``client_state``: JSON-serialisable training state of the caller (data position and the like); it
-    is stored in DeepSpeed's checkpoint and in the manifest, and :func:`load_checkpoint` returns it.
-    ``tag`` defaults to DeepSpeed's ``global_step<N>``. Returns the tag.
-
-    ``<save_dir>/latest`` moves to the new tag only after every rank's files are written, so a run
-    killed while saving resumes from the previous checkpoint.
-    """
+    """Saves ``engine`` (every rank calls it; all block until the checkpoint is complete); returns the tag.
+    ``client_state``: the caller's JSON-serialisable training state, stored in DeepSpeed's checkpoint and the
+    manifest and returned by :func:`load_checkpoint`. ``tag`` defaults to ``global_step<N>``."""
     dist = _dist()
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
@@ -304,9 +254,7 @@ def save_checkpoint(engine, save_dir: str, *, client_state: dict | None = None, 
     return tag
 
 
-# ------------------------------------------------------------------------------------------------
-# resume
-# ------------------------------------------------------------------------------------------------
+# -- resume --------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,12 +331,11 @@ class ResumePlan:
 def plan_resume(checkpoint: Checkpoint, ds_config: dict, *, sequence_parallel_size: int, rng: str = "restore"):
     """Decides how this run loads ``checkpoint``; converts it to the universal format when needed.
 
-    Every rank calls it after ``deepspeed.init_distributed`` and before ``deepspeed.initialize``, with
-    the ds_config it is about to use. Raises (the same error on every rank, before any state is
-    touched) when the checkpoint cannot be resharded onto this run. ``rng``: ``"restore"`` (default) or
-    ``"skip"`` (keep the current generators). When the world size changed at ZeRO 1-3, rank 0 converts
-    ``<tag>`` to ``<tag>_universal`` unless that exists (others wait: a conversion that takes longer than
-    the process-group timeout should be run beforehand, ``python -m ds_mamba_spcp.checkpoint DIR``).
+    Every rank calls it between ``deepspeed.init_distributed`` and ``deepspeed.initialize``, with the ds_config
+    it is about to use; raises alike on every rank, before any state is touched, when the checkpoint cannot be
+    resharded onto this run. ``rng``: ``"restore"`` or ``"skip"`` (keep the current generators). Rank 0 converts
+    ``<tag>`` to ``<tag>_universal`` when needed (convert ahead, ``python -m ds_mamba_spcp.checkpoint DIR``, when
+    that would outlast the process-group timeout).
     """
     if rng not in ("restore", "skip"):
         raise ValueError(f"rng must be 'restore' or 'skip', got {rng!r}")
@@ -451,12 +398,9 @@ def convert_to_universal(load_dir: str, tag: str) -> str:
 
 
 def load_checkpoint(engine, plan: ResumePlan, *, load_optimizer_states: bool = True) -> dict:
-    """Loads the planned checkpoint into ``engine`` (every rank) and restores the RNG states.
-
-    ``engine`` must come from ``deepspeed.initialize(config=plan.ds_config)``. Returns the
-    ``client_state`` given to :func:`save_checkpoint`. ``load_optimizer_states=False`` keeps the fresh
-    optimizer state (a warm start; with Adam the loss curve then differs from the uninterrupted run).
-    """
+    """Loads the planned checkpoint into ``engine`` (every rank, from ``deepspeed.initialize(config=
+    plan.ds_config)``) and restores the RNG states; returns the ``client_state`` given to :func:`save_checkpoint`.
+    ``load_optimizer_states=False`` keeps the fresh optimizer state (a warm start)."""
     have = topology_of(engine)
     if have != plan.current:
         raise ValueError(
@@ -494,18 +438,13 @@ def load_checkpoint(engine, plan: ResumePlan, *, load_optimizer_states: bool = T
     return client[_CLIENT_KEY]
 
 
-# ------------------------------------------------------------------------------------------------
-# faults
-# ------------------------------------------------------------------------------------------------
+# -- faults --------------------------------------------------------------------------------------
 
 
 def set_process_group_timeout(timeout: timedelta) -> int:
-    """Gives every process group this rank belongs to the timeout ``timeout``; returns their number.
-
-    A collective that waits longer than that for a peer (a rank that hangs, or one killed where the
-    transport does not notice) raises on the ranks that wait, instead of blocking them. Call it after
-    ``deepspeed.initialize`` (which makes groups of its own). Uses torch's ``_set_pg_timeout``.
-    """
+    """Gives every process group this rank belongs to the timeout ``timeout`` (torch's ``_set_pg_timeout``), so
+    that a collective waiting longer for a peer raises; returns their number. Call it after
+    ``deepspeed.initialize`` (which makes groups of its own)."""
     import torch.distributed.distributed_c10d as c10d
 
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:

@@ -45,11 +45,8 @@ def _current_stream(device):
 
 
 class Gathered:
-    """Handle of an all-gather: ``wait()`` returns (world, *shape) of the posted tensor.
-
-    The wait must happen on the stream that was current when the gather was posted: NCCL's
-    ``work.wait()`` orders only the *current* stream after the collective, so waiting from another
-    stream would leave the posting stream's later reads of the buffer unordered. A mismatch raises.
+    """Handle of an all-gather: ``wait()`` returns (world, *shape) of the posted tensor. It must be waited on
+    from the stream current at the post (NCCL's ``work.wait()`` orders only the current stream); else it raises.
     """
 
     def __init__(self, out, work, shape, stream=None):
@@ -69,10 +66,7 @@ class Gathered:
 
 def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
     """Gathers every rank's ``tensor`` into ``out`` (world * numel, rank order); returns the work handle.
-
-    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and warns at the old name, which
-    ``deepspeed.comm`` 0.19.8 still calls (it has no ``all_gather_single``): the new name is called
-    directly where torch has it, on the same process groups (deepspeed.comm's groups are torch's).
+    torch's ``all_gather_single`` where it exists (torch 2.13 warns at the old name deepspeed.comm 0.19.8 calls).
     """
     single = getattr(torch.distributed, "all_gather_single", None)
     if single is None:
@@ -103,11 +97,8 @@ class GatheredMany:
 
 
 def all_gather_many(tensors, group, world: int, async_op: bool = True) -> GatheredMany:
-    """Posts one all-gather of several tensors of any dtypes (their bytes packed in one buffer).
-
-    Each part starts at a multiple of 8 bytes of a rank's block, so the gathered parts are
-    reinterpreted in place (no copy on the way out). Every rank passes the same shapes and dtypes.
-    """
+    """Posts one all-gather of several tensors of any dtypes (their bytes packed in one buffer, each part at a
+    multiple of 8 bytes, so that it is reinterpreted in place). Every rank passes the same shapes and dtypes."""
     chunks, parts, offset = [], [], 0
     for t in tensors:
         raw = t.contiguous().view(-1).view(torch.uint8)
@@ -120,10 +111,7 @@ def all_gather_many(tensors, group, world: int, async_op: bool = True) -> Gather
 
 def gather_ints(values: list[int], device, group, cp: int, width: int = 16) -> list[list[int]]:
     """Every rank's list of at most ``width - 1`` ints, in group rank order (one small all-gather, a host read).
-
-    The buffer has a fixed size, so the collective itself can never be mismatched, whatever lists the ranks
-    pass: a caller compares the rows and raises alike on every rank.
-    """
+    The buffer has a fixed size, so the collective is never mismatched: the caller compares the rows."""
     if len(values) > width - 1:
         raise AssertionError(f"{len(values)} values do not fit a buffer of {width}")
     buf = torch.full((width,), -7, dtype=torch.long)
@@ -196,11 +184,8 @@ def all_to_all_uneven(
     output: torch.Tensor, tensor: torch.Tensor, output_split_sizes, input_split_sizes, group, async_op: bool = False
 ):
     """deepspeed.comm.all_to_all_single with explicit splits along dim 0; a work to wait on when async.
-
-    ``input_split_sizes[j]`` rows of ``tensor`` go to group rank j and ``output_split_sizes[i]``
-    rows of ``output`` come from group rank i; both are lists of Python ints (a rank's input split
-    for j must equal j's output split for it). Both tensors must be contiguous.
-    """
+    ``input_split_sizes[j]`` rows of ``tensor`` go to group rank j, ``output_split_sizes[i]`` rows of ``output``
+    come from group rank i (Python ints, matching across ranks). Both tensors must be contiguous."""
     if not (output.is_contiguous() and tensor.is_contiguous()):
         raise ValueError("all_to_all_uneven needs contiguous input and output buffers")
     if sum(input_split_sizes) != tensor.shape[0] or sum(output_split_sizes) != output.shape[0]:
@@ -219,13 +204,8 @@ DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.floa
 
 
 def shutdown() -> None:
-    """Ends a script's distributed run: a barrier, then the process group is destroyed.
-
-    Call it at the end of a launched script's ``__main__``. A gloo rank that exits with its group
-    still alive can abort in the interpreter's teardown ("terminate called without an active
-    exception": the group's threads outlive it), which turns a run that succeeded into exit -6.
-    Does nothing in a process that never initialised a backend.
-    """
+    """Ends a script's distributed run: a barrier, then the process group is destroyed (a gloo rank exiting
+    with its group alive can abort in teardown, exit -6). Does nothing without a backend."""
     dist = _dist()
     if dist.is_initialized():
         dist.barrier()
@@ -233,12 +213,9 @@ def shutdown() -> None:
 
 
 def remove_deepspeed_shm_buffers(port: int, addr: str = "127.0.0.1", shm_dir: str = "/dev/shm") -> int:
-    """Deletes the shared-memory files DeepSpeed's CPU backend left for a finished run on ``addr:port``.
-
-    On CPU, ``deepspeed.comm.init_distributed`` gives every rank a ~66 MB buffer
-    ``/dev/shm/deepspeed_allreduce_buffer_<n>_<addr>_<port>_<rank>`` (its shared-memory all-reduce)
-    and never unlinks it: each CPU run leaks RAM until reboot. Call this once every process of
-    the run has exited. Returns the number of files removed.
+    """Deletes the ~66 MB ``/dev/shm/deepspeed_allreduce_buffer_*_<addr>_<port>_*`` files DeepSpeed's CPU backend
+    leaves per rank of a run on ``addr:port`` (never unlinked). Call it once every process of the run has exited.
+    Returns the number of files removed.
     """
     import glob
     import os

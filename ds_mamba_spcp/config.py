@@ -1,22 +1,10 @@
-"""The ``"mamba_sequence_parallel"`` section of a DeepSpeed ds_config.
+"""The ``"mamba_sequence_parallel"`` section of a DeepSpeed ds_config (next to the top-level
+``"sequence_parallel_size"``), e.g. ``{"enabled": true, "mode": "state_passing", "load_balancing": "virtual",
+"input_layout": "zigzag"}``.
 
-Example ds_config::
-
-    {
-      "train_micro_batch_size_per_gpu": 1,
-      "sequence_parallel_size": 2,
-      "mamba_sequence_parallel": {
-        "enabled": true,
-        "mode": "state_passing",
-        "load_balancing": "virtual",
-        "input_layout": "zigzag"
-      }
-    }
-
-DeepSpeed itself ignores the section (it does not reject unknown top-level keys); this package reads it
-with :func:`load_mamba_sp_config`, which validates it once. Everything that depends on the model (head
-and group counts) is checked later by :meth:`MambaSequenceParallelConfig.validate_for_mixer`, when the
-wrapper sees the mixer and the process group.
+DeepSpeed ignores the section; :func:`load_mamba_sp_config` reads and validates it once, and what depends on
+the model (head and group counts) is checked by :meth:`MambaSequenceParallelConfig.validate_for_mixer`. The
+keys' table: docs/usage.md, "The ds_config section".
 """
 
 from __future__ import annotations
@@ -42,26 +30,19 @@ _OP = {"op": True}  # a field that is also an option of the op: it becomes a fie
 
 
 class MambaSequenceParallelConfig(DeepSpeedConfigModel):
-    """Sequence parallelism for Mamba2 mixers, read from ``ds_config["mamba_sequence_parallel"]``.
+    """Sequence parallelism for Mamba2 mixers, read from ``ds_config["mamba_sequence_parallel"]``; fields and
+    cross-field rules are checked when it is built, the model's shapes in :meth:`validate_for_mixer`."""
 
-    Field-level checks (types, choices, ranges, unknown keys) and the cross-field rules run when the
-    model is built; checks that need the model's shapes run in :meth:`validate_for_mixer`.
-    """
-
-    # Field docstrings become the JSON-schema descriptions as well. Frozen: the config is validated
-    # once and shared by every layer, and pydantic would run the cross-field check only after an
-    # assignment had already changed the field. Derive a variant with
-    # MambaSequenceParallelConfig(**{**cfg.model_dump(), "mode": "ulysses"}).
+    # field docstrings are the JSON-schema descriptions; frozen: validated once, shared by every layer
     model_config = ConfigDict(use_attribute_docstrings=True, frozen=True)
 
     enabled: bool = False
     """Turn the Mamba2 sequence-parallel path on. When False the wrapper runs the plain local mixer."""
 
     mode: Literal[modes.MODES] = Field(default=modes.STATE_PASSING, json_schema_extra=_OP)
-    """How ranks cooperate. ``"state_passing"`` keeps each rank's sequence shard in place and exchanges
-    only the conv halo and an fp32 SSM state summary. ``"ulysses"`` re-shards with all-to-all
-    (``[L/cp, heads] -> [L, heads/cp]``), runs the full-length scan on a head slice and re-shards back;
-    it is the baseline the benchmarks compare to."""
+    """How ranks cooperate. ``"state_passing"`` keeps each rank's shard and exchanges only the conv halo and an
+    fp32 state summary; ``"ulysses"`` re-shards with all-to-all (``[L/cp, heads] -> [L, heads/cp]``), scans the
+    full length on a head slice and re-shards back."""
 
     load_balancing: Literal[modes.LOAD_BALANCING] = Field(default=modes.NONE, json_schema_extra=_OP)
     """How the causal chain is balanced across ranks (``"state_passing"`` mode only; ``"ulysses"``
@@ -98,44 +79,30 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     reference otherwise. ``"reference"``: always the plain-PyTorch twin. ``"triton"``: always Triton."""
 
     check_shapes: bool = Field(default=True, json_schema_extra=_OP)
-    """Compare every call across the ranks of the group (shapes, dtypes, options, the document labels of
-    packed rows), so that a mismatch raises on every rank instead of hanging in a collective. Costs one
-    small all-gather per call; on GPUs a host read only when this rank's call changed or for packed
-    rows, otherwise a device-side comparison (see ``ds_mamba_spcp.engine.call``). ``false`` skips it."""
+    """Compare every call across the ranks of the group (shapes, dtypes, options, packed rows' labels), so that
+    a mismatch raises on every rank instead of hanging; one small all-gather per call (``engine.call``)."""
 
     recompute_output: bool = Field(default=False, json_schema_extra=_OP)
-    """``"state_passing"`` mode only (``"ulysses"`` runs mamba-ssm's op, which keeps it, and refuses
-    ``true``): ``False`` keeps the scan's pre-gate output from forward for the
-    backward, as mamba-ssm's own op does (one ``(batch, local_seqlen, nheads*headdim)`` activation per
-    layer; the backward frees it early and the peak stays at the single-GPU op's). ``True`` recomputes
-    it in backward instead: that activation is not held between forward and backward, at the cost of
-    one more chunk-scan kernel per layer (about 8% slower at 128K tokens on 2 H200s)."""
+    """``"state_passing"`` mode only: ``False`` keeps the scan's pre-gate output (batch, local_seqlen,
+    nheads*headdim) for backward, as mamba-ssm's op does; ``True`` recomputes it in backward (one activation
+    less held, one chunk-scan kernel more per layer)."""
 
     tile_length: int | None = Field(default=None, ge=1, strict=True, json_schema_extra=_OP)
-    """Run every causal segment (a rank's shard, or half of it under ``"virtual"``; the whole row in a
-    group of one; the gathered row under ``"ulysses"``) as consecutive tiles of this many tokens, the
-    state and the conv halo carried from tile to tile. ``None`` (default): tile only where a segment
-    holds more tokens than one call of mamba-ssm's kernels can index (int32 offsets), so that no shard
-    is refused for its length. A multiple of the chunk size runs fastest."""
+    """Run every causal segment as consecutive tiles of this many tokens, the state and the conv halo carried.
+    ``None``: tile only past the int32 indexing limit of mamba-ssm's kernels. A multiple of the chunk size runs
+    fastest."""
 
     block_tile_tokens: int | None = Field(default=None, ge=1, strict=True)
-    """Tokens per tile of the tiled block recompute (``ds_mamba_spcp.memory.tiled_block``): a pre-norm Mamba2
-    block ``x + mixer(norm(x))`` under activation checkpointing runs its projections, conv, scan, gated norm and
-    residual tile by tile, the SSM state and the conv halo carried between tiles, so that one block's transient
-    memory in forward and in recompute + backward no longer grows with the shard (the loss and gradients stay
-    the untiled ones). The wrapper does not act on it: a model's block calls ``tiled_block`` with it in place of
-    its checkpoint function (``examples/model.py``). ``None`` (default): off. Needs a sequence-parallel group of
-    one rank and ZeRO stage 0-2 (``tiled_block`` refuses the others, naming this key)."""
+    """Tokens per tile of the tiled block recompute (``ds_mamba_spcp.memory.tiled_block``; docs/usage.md, "Tiled
+    block recompute"). The wrapper does not act on it: a model's block calls ``tiled_block`` with it
+    (``examples/model.py``). ``None``: off. A group of one rank and ZeRO 0-2 only."""
     cuda_graphs: bool = Field(default=False, json_schema_extra=_OP)
-    """A group of one on CUDA only (refused for a group of several ranks and on CPU): replay the mixer core's
-    forward and backward from CUDA graphs captured per shape on first use, which removes its host time (the
-    launches of mamba-ssm's kernels). Each live call of a shape holds one captured instance with its own
-    memory pool; see ``ds_mamba_spcp.engine.graphs``."""
+    """A group of one on CUDA only: replay the mixer core's forward and backward from CUDA graphs captured per
+    shape on first use, removing its host time (``ds_mamba_spcp.engine.graphs``)."""
 
     def __init__(self, **data: Any) -> None:
-        # DeepSpeedConfigModel.__init__(strict=False) silently drops every value equal to "auto" (a
-        # HF-integration shortcut), which would turn mode="auto" into the default instead of an error,
-        # and it would swallow a "strict" key; so keys are checked first and strict is always on.
+        # DeepSpeedConfigModel.__init__(strict=False) drops every value equal to "auto" (mode="auto" would become
+        # the default) and swallows a "strict" key: keys are checked first and strict is always on.
         _check_keys(data)
         super().__init__(strict=True, **data)
 
@@ -207,8 +174,7 @@ Options = dataclasses.make_dataclass(
     ]
     + [
         ("return_final_states", bool, dataclasses.field(default=False)),
-        # inference: the entry's forward-only route (dispatch.FORWARD_ONLY): no graph, nothing saved for a
-        # backward, final_states one per document ((ndocs, ...) for packed rows). Not a ds_config key.
+        # inference: the forward-only route (final_states one per document). Not a ds_config key.
         ("forward_only", bool, dataclasses.field(default=False)),
     ],
     frozen=True,
@@ -249,8 +215,7 @@ def ds_config_dict(config: Any) -> Mapping:
         return loaded
     if isinstance(config, DeepSpeedConfig):
         return config._param_dict
-    # A DeepSpeedEngine keeps the parsed DeepSpeedConfig in `_config` and the ds_config dict it was
-    # initialized with in `config` (deepspeed.initialize loads paths into a dict before building it).
+    # a DeepSpeedEngine: the parsed DeepSpeedConfig in `_config`, the ds_config dict in `config`
     parsed = getattr(config, "_config", None)
     if isinstance(parsed, DeepSpeedConfig):
         return parsed._param_dict
@@ -276,19 +241,11 @@ def _top_level_sp_size(ds_config: Mapping) -> int | None:
 def load_mamba_sp_config(config: Any) -> MambaSequenceParallelConfig:
     """Read and validate the ``"mamba_sequence_parallel"`` section of a DeepSpeed config.
 
-    ``config`` may be a whole ds_config (dict), a ``str`` / ``os.PathLike`` path to a JSON ds_config
-    file, a :class:`deepspeed.runtime.config.DeepSpeedConfig`, a DeepSpeed engine (read through its
-    ``_config`` DeepSpeedConfig, else its ``config`` dict), or a :class:`MambaSequenceParallelConfig`,
-    which is returned as is. A missing section gives the defaults (``enabled=False``).
-
-    The sequence-parallel size is resolved here: when the section leaves ``sequence_parallel_size``
-    unset (absent or null), the top-level ``"sequence_parallel_size"`` fills it; when both are set
-    they must agree. If neither is set the field stays ``None`` (see
-    :attr:`MambaSequenceParallelConfig.resolved_sequence_parallel_size`).
-
-    Raises TypeError for an unsupported ``config`` type or a section that is not an object,
-    FileNotFoundError for a missing file, and ValueError (pydantic's ValidationError is one) for
-    invalid contents.
+    ``config``: a ds_config dict, a path to a JSON ds_config file, a ``DeepSpeedConfig``, a DeepSpeed engine,
+    or a :class:`MambaSequenceParallelConfig` (returned as is). A missing section gives the defaults
+    (``enabled=False``). An unset ``sequence_parallel_size`` is filled from the top-level key (both set: they
+    must agree; neither: ``None``). Raises TypeError for an unsupported ``config`` or a section that is not an
+    object, FileNotFoundError for a missing file, ValueError (pydantic's ValidationError too) for bad contents.
     """
     if isinstance(config, MambaSequenceParallelConfig):
         return config

@@ -1,22 +1,11 @@
 """User helpers for sequence-parallel training: shard a batch, gather it back, combine the loss.
 
-Every rank of a sequence-parallel group works on the same sequences, each on its shard of every
-sequence. A training script that already has a full batch on every rank of the group (the same
-sampler seed, or a broadcast) calls ``shard_batch`` and gets what DeepSpeed's
-``UlyssesSPDataLoaderAdapter`` would hand that rank for the contiguous layout: the labels are
-shifted *before* sharding (so the last token of a shard is scored against the first token of the
-next one), a ``position_ids`` row holds the global positions, and every tensor is cut along the
-sequence dim. The zigzag layout (``load_balancing`` virtual / permute_*) cuts the same way into
-``2*cp`` chunks and gives rank r chunks r and ``2*cp-1-r``.
-
-The loss: each rank scores only its own tokens, so the loss to back-propagate on a rank is its
-share of the global mean, ``sum of its token losses / tokens of the whole group``. DeepSpeed then
-reduces parameter gradients over the sequence-data-parallel group, and how it does so depends on
-the ZeRO stage (DeepSpeed 0.19): stages 0, 1 and 2 *sum* the gradients of the ranks of one
-sequence-parallel group (they divide by ``dp_world / cp``), stage 3 with its default
-``reduce_scatter`` *averages* them (``reduce_scatter_coalesced`` divides by the whole group).
-``grad_scale_for_engine`` returns the factor that makes both give the single-rank gradient, and
-``sequence_parallel_cross_entropy`` applies it.
+A script with the full batch on every rank of the group calls ``shard_batch`` and gets what DeepSpeed's
+``UlyssesSPDataLoaderAdapter`` hands that rank for the contiguous layout: labels shifted *before* sharding,
+global ``position_ids``, every tensor cut along the sequence dim (zigzag: ``2*cp`` chunks, rank r gets chunks
+r and ``2*cp-1-r``). Each rank back-propagates its share of the global mean loss, times
+``grad_scale_for_engine``: DeepSpeed 0.19 sums the gradients of a sequence-parallel group at ZeRO 0-2 and
+averages them at ZeRO-3 (``reduce_scatter``).
 """
 
 from __future__ import annotations
@@ -35,21 +24,15 @@ IGNORE_INDEX = -100
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Next-token targets ``(batch, seqlen)``: ``labels[:, 1:]`` followed by ``ignore_index``.
-
-    The same shift ``UlyssesSPDataLoaderAdapter`` makes before sharding; done on the full sequence,
-    the last position of every shard but the last keeps its true target.
-    """
+    """Next-token targets ``(batch, seqlen)``: ``labels[:, 1:]`` followed by ``ignore_index`` (on the full
+    sequence, so that the last position of every shard but the last keeps its true target)."""
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
 
 
 def seq_idx_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document labels of packed rows from positions that restart at 0 at each document.
-
-    position_ids: (batch, seqlen), Hugging Face's padding-free convention (``DataCollatorWithFlattening``):
-    0, 1, ..., n0-1, 0, 1, ..., n1-1, ... Returns int32 (batch, seqlen) labels 0, 0, ..., 1, 1, ...: +1 at
-    every restart after the first token (a row that begins mid-document is labelled 0 there too).
-    """
+    """Document labels of packed rows from positions that restart at 0 at each document. position_ids: (batch,
+    seqlen), 0, 1, ..., n0-1, 0, 1, ... (``DataCollatorWithFlattening``). Returns int32 (batch, seqlen) labels
+    0, 0, ..., 1, 1, ...: +1 at every restart after the first token."""
     restarts = (position_ids[..., 1:] == 0).to(torch.int32)
     return torch.cat([torch.zeros_like(restarts[..., :1]), restarts.cumsum(dim=-1, dtype=torch.int32)], dim=-1)
 
@@ -89,19 +72,15 @@ def shard_batch(
     ``batch`` is a tensor ``(batch, seqlen, ...)`` or a mapping such as
     ``{"input_ids": (batch, seqlen), "labels": (batch, seqlen), ...}``. For a mapping:
 
-    - ``labels`` is replaced by ``shift_labels`` (next-token targets, shifted before sharding);
+    - ``labels`` is replaced by ``shift_labels`` (shifted before sharding);
     - ``position_ids`` (global positions ``0..seqlen-1``) is added when it is missing;
-    - packed rows: when ``position_ids`` restart at 0 inside a row (Hugging Face's padding-free
-      convention) and the batch has no ``seq_idx``, ``seq_idx`` (the document label of every token,
-      ``seq_idx_from_position_ids``) is added, so that the Mamba2 layers restart at every document;
-      a ``seq_idx`` given with the batch is sharded like the tokens;
-    - every tensor is sharded along ``dim`` (all must have the sequence length there), anything
-      that is not a tensor is passed through unchanged.
+    - packed rows (``position_ids`` restarting at 0 inside a row) without ``seq_idx`` get ``seq_idx``
+      (``seq_idx_from_position_ids``); a ``seq_idx`` given is sharded like the tokens;
+    - every tensor is sharded along ``dim`` (all must have the sequence length there); other values pass.
 
-    With ``layout="contiguous"`` this is exactly the micro-batch DeepSpeed's
-    ``UlyssesSPDataLoaderAdapter`` gives rank ``rank`` for this batch (same keys, same values).
-    The rank and group size come from ``group`` (a deepspeed.comm group; ``None`` is the world,
-    or a group of one without a distributed backend) unless ``rank`` and ``world_size`` are given.
+    With ``layout="contiguous"`` this is exactly the micro-batch DeepSpeed's ``UlyssesSPDataLoaderAdapter``
+    gives rank ``rank``. The rank and group size come from ``group`` (a deepspeed.comm group; ``None`` is the
+    world, or a group of one without a distributed backend) unless ``rank`` and ``world_size`` are given.
     """
     _check_layout(layout)
     rank, cp = _rank_size(group, rank, world_size)
@@ -140,11 +119,8 @@ def shard_batch(
 
 @torch.no_grad()
 def gather_sequence(x: torch.Tensor, group=None, *, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
-    """The full sequence from every rank's shard ``x`` (the inverse of ``shard_batch`` on a tensor).
-
-    All-gathers over ``group`` (every rank passes the same shape) and puts the shards back in causal
-    order for ``layout``. Not differentiable: meant for logging, evaluation and checks.
-    """
+    """The full sequence from every rank's shard ``x`` (the inverse of ``shard_batch`` on a tensor; every rank
+    passes the same shape). Not differentiable: for logging, evaluation and checks."""
     _check_layout(layout)
     _, cp = comm.group_rank_size(group)
     if cp == 1:
@@ -159,15 +135,10 @@ def gather_batch(batch: Mapping[str, Any], group=None, *, layout: str = "contigu
 
 
 def grad_scale_for_engine(engine) -> float:
-    """Factor on each rank's loss share that makes DeepSpeed's reduced gradient the single-rank one.
-
-    ``engine`` is a DeepSpeed engine. Returns 1.0 when DeepSpeed sums gradients over the ranks of a
-    sequence-parallel group (ZeRO stages 0-2) and ``cp`` when it averages them (ZeRO stage 3
-    with ``reduce_scatter``, the default). DeepSpeed only knows about the group when it was given
-    one (``deepspeed.initialize(..., mpu=parallel_state_sp)`` after
-    ``parallel_state_sp.initialize_sequence_parallel(cp)``); without it the sequence-parallel
-    ranks count as data-parallel ranks and every stage averages over them, so this raises.
-    """
+    """Factor on each rank's loss share that makes DeepSpeed's reduced gradient the single-rank one: 1.0 at
+    ZeRO 0-2 (summed over the sequence-parallel group), ``cp`` at ZeRO-3 with ``reduce_scatter`` (averaged).
+    ``engine``: a DeepSpeed engine, built with ``mpu=parallel_state_sp``. Raises for settings that break
+    sequence parallelism (``check_engine_settings``)."""
     cp = int(getattr(engine, "sequence_parallel_size", 1) or 1)
     check_engine_settings(engine)
     stage = int(engine.zero_optimization_stage())
@@ -176,13 +147,8 @@ def grad_scale_for_engine(engine) -> float:
 
 
 def selects_bf16_optimizer(ds_config: Mapping) -> bool:
-    """Whether DeepSpeed 0.19.8 wraps the optimizer of ``ds_config`` (a dict) in its ``BF16_Optimizer``.
-
-    ``DeepSpeedEngine._do_optimizer_sanity_check`` picks it for ZeRO stage 1 with ``"bf16"`` enabled,
-    ``"data_types": {"grad_accum_dtype": "fp32"}`` and no CPU optimizer offload (otherwise ZeRO 1-3 use
-    the ZeRO optimizers, stage 0 with bf16 the FP16_Optimizer), and for stage 0 with bf16 under pipeline
-    parallelism (``PipelineModule``, which this package does not take).
-    """
+    """Whether DeepSpeed 0.19.8 wraps the optimizer of ``ds_config`` (a dict) in its ``BF16_Optimizer``: ZeRO
+    stage 1, bf16, ``"grad_accum_dtype": "fp32"``, no CPU optimizer offload (``_do_optimizer_sanity_check``)."""
     from deepspeed.runtime.config import DtypeEnum
 
     zero = ds_config.get("zero_optimization") or {}
@@ -212,13 +178,9 @@ def bf16_optimizer_error() -> ValueError:
 
 
 def check_engine_settings(engine) -> None:
-    """Raises ValueError, before the first step, for DeepSpeed settings that break sequence parallelism.
-
-    Every rank of a run builds its engine from the same ds_config, so every rank raises alike. Checked:
-    DeepSpeed's ``BF16_Optimizer`` (``selects_bf16_optimizer``) with a sequence-parallel mpu.
-    ``grad_scale_for_engine`` calls this; ``prepare_sequence_parallel`` checks the ds_config before
-    ``deepspeed.initialize``.
-    """
+    """Raises ValueError, before the first step and on every rank alike (one ds_config), for DeepSpeed settings
+    that break sequence parallelism: ``BF16_Optimizer`` (``selects_bf16_optimizer``) with a sequence-parallel
+    mpu. ``prepare_sequence_parallel`` checks the ds_config before ``deepspeed.initialize``."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     cp = int(getattr(engine, "sequence_parallel_size", 1) or 1)
@@ -255,12 +217,9 @@ def sequence_parallel_cross_entropy(
     """Next-token loss of a sequence shard, combined over the sequence-parallel ``group``.
 
     logits: (batch, local_seqlen, vocab); shift_labels: (batch, local_seqlen), from ``shard_batch``.
-    Returns ``(loss, mean_loss)``. ``loss`` is this rank's share to back-propagate:
-    ``grad_scale * (sum of this rank's token losses) / (scored tokens of the whole group)``; the
-    shares of the group add up to the global mean, so with ``grad_scale`` from
-    ``grad_scale_for_engine`` the reduced gradient is the one a single rank holding the whole
-    sequence computes. ``mean_loss`` is the detached global mean (the same number on every rank),
-    the value to log.
+    Returns ``(loss, mean_loss)``: ``loss``, this rank's share to back-propagate, ``grad_scale * (sum of this
+    rank's token losses) / (scored tokens of the whole group)``; ``mean_loss``, the detached global mean (the
+    same on every rank), the value to log.
     """
     if logits.shape[:-1] != shift_labels.shape:
         raise ValueError(
@@ -286,13 +245,10 @@ def sequence_parallel_tiled_cross_entropy(
     """``sequence_parallel_cross_entropy`` without ever holding the logits of the whole shard.
 
     hidden: (batch, local_seqlen, d_model), what ``logits_fn`` maps to logits (the final norm and the LM
-    head, applied per token). The shard's tokens are scored ``tile_tokens`` at a time; each tile's logits
-    are dropped after its loss and recomputed in backward (``torch.utils.checkpoint``, non-reentrant), so
-    at most one tile's logits (tile_tokens x vocab, fp32 for the loss) exist at once instead of the
-    shard's. Same return values and loss convention as ``sequence_parallel_cross_entropy``; the result
-    equals it up to the order of the sum. (DeepSpeed's ``TiledFusedLogitsLoss`` computes the parameters'
-    gradients inside its forward, unscaled by the gradient that later reaches its output, which the
-    loss scale below and gradient accumulation would make wrong; hence this checkpointed form.)
+    head, per token). Tokens are scored ``tile_tokens`` at a time, each tile's logits recomputed in backward
+    (``torch.utils.checkpoint``), so at most one tile's logits exist at once. Returns as
+    ``sequence_parallel_cross_entropy``, equal up to the order of the sum. (DeepSpeed's ``TiledFusedLogitsLoss``
+    computes the gradients in its forward, blind to the loss scale and gradient accumulation.)
     """
     from torch.utils.checkpoint import checkpoint
 

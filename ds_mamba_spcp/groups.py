@@ -2,20 +2,17 @@
 
 ``resolve_sequence_process_group(None, config)`` looks, in order, for
 
-1. DeepSpeed's sequence-parallel group: ``deepspeed.utils.groups._get_sequence_parallel_group()``,
-   which answers from the ``mpu`` handed to ``deepspeed.initialize`` (anything with
-   ``get_sequence_parallel_group``) or from the device mesh that ``deepspeed.initialize`` builds when
-   the ds_config sets both ``data_parallel_size`` and ``sequence_parallel_size`` (or ``mesh_param``
-   is passed); failing that, the group that DeepSpeed's
-   ``deepspeed.runtime.sequence_parallel.parallel_state_sp.initialize_sequence_parallel`` created;
+1. DeepSpeed's sequence-parallel group (``deepspeed.utils.groups._get_sequence_parallel_group()``: the
+   ``mpu`` handed to ``deepspeed.initialize``, or the device mesh it builds when the ds_config sets both
+   ``data_parallel_size`` and ``sequence_parallel_size`` or ``mesh_param`` is passed), else the one
+   ``parallel_state_sp.initialize_sequence_parallel`` created;
 2. the world group, when its size equals the configured ``sequence_parallel_size``;
 
 and otherwise raises a ValueError that says how to build a group and pass it.
 
-The generation entries (``inference.transformers``, ``inference.mamba_ssm``) resolve theirs with
-``generation_group``: the group given, else DeepSpeed's sequence-parallel group, else the world; a process
-started with ``torch.distributed.init_process_group`` alone gets ``deepspeed.comm`` over that same world
-first (``adopt_torch_distributed``), so that its world is not mistaken for a group of one.
+The generation entries resolve theirs with ``generation_group``: the group given, else DeepSpeed's
+sequence-parallel group, else the world (a world of ``torch.distributed.init_process_group`` alone included:
+``adopt_torch_distributed``).
 """
 
 from __future__ import annotations
@@ -46,18 +43,15 @@ def deepspeed_sequence_parallel_group():
         group = None
     if group is not None:
         return group
-    # initialize_sequence_parallel() was called but its module was not handed to deepspeed.initialize
-    # as the mpu (or initialize has not run yet): read the group it made.
+    # initialize_sequence_parallel() ran but its module is not (yet) deepspeed.initialize's mpu: its group
     parallel_state_sp = sys.modules.get(_PARALLEL_STATE_SP)
     return getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None)
 
 
 def adopt_torch_distributed() -> bool:
-    """Initialises ``deepspeed.comm`` over an existing ``torch.distributed`` world (started with
-    ``torch.distributed.init_process_group``, without DeepSpeed); True when it did. No new rendezvous:
-    ``deepspeed.init_distributed`` wraps the process group torch already has (its documented path for an
-    initialised torch.distributed). Every collective of this package goes through ``deepspeed.comm``, which
-    would otherwise report no distributed backend, and the ranks would each run alone."""
+    """Initialises ``deepspeed.comm`` over an existing ``torch.distributed`` world (no new rendezvous); True
+    when it did. Else ``deepspeed.comm``, which every collective here goes through, would report no backend and
+    the ranks would each run alone."""
     import torch.distributed as tdist
 
     dist = _dist()
@@ -69,9 +63,8 @@ def adopt_torch_distributed() -> bool:
 
 def generation_group(group=None):
     """The group a sharded prefill or generation runs over: ``group`` when given; else DeepSpeed's
-    sequence-parallel group (``deepspeed_sequence_parallel_group``); else the world. None (a group of one) in
-    a process without a distributed backend. A world started with ``torch.distributed.init_process_group``
-    alone is adopted first (``adopt_torch_distributed``): its ranks share the prompt as DeepSpeed's would."""
+    sequence-parallel group; else the world (adopted first: ``adopt_torch_distributed``). None (a group of one)
+    without a distributed backend."""
     adopt_torch_distributed()
     dist = _dist()
     if group is None and dist.is_initialized():
@@ -94,12 +87,10 @@ def group_size(group) -> int:
 def resolve_sequence_process_group(sequence_process_group: Any, config: Any):
     """The process group that shards the sequence.
 
-    ``sequence_process_group``: a group (returned as is) or None (looked up, see the module
-    docstring). ``config``: anything :func:`~ds_mamba_spcp.config.load_mamba_sp_config` accepts.
-    Returns a group handle for ``deepspeed.comm``, or None in a process where deepspeed.comm is not
-    initialized (a group of one). Raises ValueError when no group fits the configured size.
-    The size of the result is *not* compared with the config here; the wrapper does that with the
-    mixer's sizes through :meth:`MambaSequenceParallelConfig.validate_for_mixer`.
+    ``sequence_process_group``: a group (returned as is) or None (looked up, see the module docstring).
+    ``config``: anything :func:`~ds_mamba_spcp.config.load_mamba_sp_config` accepts. Returns a group handle
+    for ``deepspeed.comm``, or None where deepspeed.comm is not initialized (a group of one). Raises ValueError
+    when no group fits the configured size (the result's size is checked by ``validate_for_mixer``).
     """
     cfg = config if isinstance(config, MambaSequenceParallelConfig) else load_mamba_sp_config(config)
     want = cfg.resolved_sequence_parallel_size

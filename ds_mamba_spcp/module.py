@@ -1,12 +1,7 @@
 """The public home of the wrappers: ``wrap_mamba2_mixers`` for every Mamba2 mixer of a model, of either kind.
 
-It sits above the two adapters, which sit side by side and do not import each other:
-
-    integrations/mamba_ssm.py      DistributedMamba2 (mamba-ssm's Mamba2), wrap_mamba_ssm_mixers
-    integrations/transformers_adapter.py   transformers' Mamba2-style mixers, prepare_sequence_parallel
-    integrations/core.py           what both share: MixerCore, mixer_forward (in_proj -> core -> out_proj)
-
-``DistributedMamba2``, ``MixerCore`` and ``mixer_forward`` are re-exported here, where they always were.
+It sits above the two adapters (``integrations/``, which do not import each other) and re-exports
+``DistributedMamba2``, ``MixerCore`` and ``mixer_forward``.
 """
 
 from __future__ import annotations
@@ -26,13 +21,9 @@ __all__ = ["DistributedMamba2", "MixerCore", "mixer_forward", "wrap_mamba2_mixer
 def wrap_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
     """Makes every Mamba2 mixer of ``model`` sequence-parallel, in place: mamba-ssm's ``Mamba2`` submodules
     become :class:`DistributedMamba2` (``wrap_mamba_ssm_mixers``), and, when transformers is loaded, its
-    Mamba2-style mixers are wrapped too (``integrations.transformers_adapter.wrap_hf_mamba2_mixers``).
-
-    The config is read once and shared; mixers already wrapped are left alone. Returns the number of mixers
-    wrapped. State_dict keys do not change, so this can run before or after loading a checkpoint, and
-    before or after ``deepspeed.initialize`` (transformers' mixers under ZeRO-3: before, see
-    ``integrations.transformers``).
-    """
+    Mamba2-style mixers are wrapped too (``integrations.transformers.adapter.wrap_hf_mamba2_mixers``). Mixers
+    already wrapped are left alone; returns the number wrapped. State_dict keys do not change (before or after
+    loading a checkpoint or ``deepspeed.initialize``; transformers' mixers under ZeRO-3: before)."""
     cfg = load_mamba_sp_config(config)
     count = wrap_mamba_ssm_mixers(model, sequence_process_group, cfg)
     if sys.modules.get("transformers") is None:

@@ -88,23 +88,20 @@ def mamba_split_conv1d_scan_sp(
         rmsnorm_weight: (nheads*headdim,) for the gated RMSNorm (groups of nheads*headdim/ngroups
             channels), or None for y * silu(z).
         seq_idx: (batch, local_seqlen) int32, this rank's shard (in the input layout) of the document
-            label of every token of a packed row, non-decreasing along the global row (mamba-ssm's and
-            DataCollatorWithFlattening's numbering, the global labels DeepSpeed's
-            UlyssesSPDataLoaderAdapter slices, or any labels that grow at each document start); or
+            label of every token of a packed row, non-decreasing along the global row (any labels that
+            grow at each document start); or
         cu_seqlens: the row's cumulative document lengths (0, ..., global seqlen), the same 1-D tensor
-            on every rank (batch 1, as flash-attn's varlen takes it). Either makes the result that of
-            the single-device op on the whole row with those documents: the conv and the state restart
-            at every document start, initial_states enters the row's first document only, and
-            final_states is the state after the row's last token.
+            on every rank (batch 1). Either gives the single-device op on the whole row with those
+            documents: the conv and the state restart at every document start, initial_states enters the
+            row's first document only, final_states is the state after the row's last token.
     Returns this rank's shard of the output, (batch, local_seqlen, nheads*headdim), and with
     ``return_final_states`` the state after the whole global sequence, (batch, nheads, headdim,
     dstate) in fp32 (fp64 for fp64 input), identical on every rank.
 
-    Gradients: parameters are replicated, and each rank's parameter gradients are its local
-    contribution; their sum over the group is the full gradient (what DeepSpeed's data/sequence
-    parallel reduction computes). Likewise the gradient of ``initial_states`` lands whole on rank 0
-    of the group (zeros elsewhere), and the gradients reaching the copies of ``final_states`` on
-    the different ranks add up. Second-order gradients are not supported (a double backward raises).
+    Gradients: each rank's parameter gradients are its local contribution, summing to the full gradient
+    over the group (what DeepSpeed's reduction computes); the gradient of ``initial_states`` lands whole on
+    group rank 0 (zeros elsewhere); the gradients reaching the copies of ``final_states`` add up. A double
+    backward raises.
 
     process_group: the sequence-parallel group (None: the default world group; a process without
     deepspeed.comm is a group of one). A group of size 1 runs the plain single-device op.
@@ -112,23 +109,17 @@ def mamba_split_conv1d_scan_sp(
     packed on the batch axis), "permute_p2p" / "permute_a2a" (zigzag shards moved to contiguous and
     back). backend: "auto" (Triton on CUDA, else reference), "reference", "triton".
     overlap_comm: post the summary all-gather asynchronously and overlap it with the state-free work.
-    check_shapes: compare the ranks' calls (shapes, dtypes, options, seq_idx's borders) on every call,
-    so that a mismatch raises the same error on every rank instead of hanging (one small all-gather
-    and a host read per call; see ``ds_mamba_spcp.engine.call``).
-    recompute_output: False (default) keeps the pre-gate output y (batch, local_seqlen,
-    nheads*headdim) from forward, as mamba-ssm's own op does, so that the Triton backward skips one
-    chunk-scan kernel, and frees it as soon as the gate's backward has used it; True saves only the
-    inputs, the halo, S_in and the decays and recomputes y too (one activation less held between
-    forward and backward, one kernel more). The reference backend always recomputes.
-    tile_length: run every causal segment (a shard, or half of it under "virtual") as consecutive tiles of
-    this many tokens with the state carried through (``ops/tiles.py``). None (default): only where a
-    segment holds more tokens than one call of mamba-ssm's kernels can index (int32 offsets), so that
-    no shard length is refused; a group of one then runs the whole row in tiles.
-    cuda_graphs: a group of one on CUDA only: the first call of a shape captures its forward and backward in
-    CUDA graphs, later calls replay them (``ds_mamba_spcp.engine.graphs``: what it costs, what it refuses).
+    check_shapes: compare the ranks' calls (shapes, dtypes, options, seq_idx's borders) on every call, so
+    that a mismatch raises on every rank instead of hanging (one small all-gather and a host read per call).
+    recompute_output: False (default) keeps the pre-gate output y (batch, local_seqlen, nheads*headdim) for
+    backward, as mamba-ssm's op does (the Triton backward skips one kernel); True recomputes it (one
+    activation less, one kernel more). The reference backend always recomputes.
+    tile_length: run every causal segment as consecutive tiles of this many tokens, state carried
+    (``ops/tiles.py``). None: only past the int32 indexing limit of mamba-ssm's kernels.
+    cuda_graphs: a group of one on CUDA only: capture forward and backward of each shape in CUDA graphs
+    and replay them (``ds_mamba_spcp.engine.graphs``).
     summary_exchange: "allgather" (every rank gathers every segment's summary), "scan" (a log-depth scan of
-    point-to-point messages: ceil(log2 segments) rounds of one summary each) or "auto" (the all-gather inside
-    one node of 8 GPUs, past it the cheaper by the cost model, ``ds_mamba_spcp.engine.traffic``).
+    point-to-point messages, ceil(log2 segments) rounds) or "auto" (``engine.traffic.choose_summary_exchange``).
     """
     return run(from_arguments(locals(), what="mamba_split_conv1d_scan_sp"))
 
@@ -162,29 +153,16 @@ def mamba_split_conv1d_scan_ulysses(
 ):
     """Mamba2 mixer core on this rank's shard of a sequence, by all-to-all head sharding.
 
-    Arguments and output contract are those of ``mamba_split_conv1d_scan_sp``:
-        zxbcdt: (batch, local_seqlen, 2*nheads*headdim + 2*ngroups*dstate + nheads), this rank's
-            shard of in_proj's output in ``input_layout`` ("contiguous", or "zigzag": chunks r and
-            2*cp-1-r of 2*cp equal chunks; the output comes back in the same layout).
-        conv1d_weight (conv_dim, d_conv), conv1d_bias (conv_dim,) or None, dt_bias (nheads,),
-        A (nheads,), D (nheads,) or (nheads, headdim), rmsnorm_weight (nheads*headdim,) or None,
-        initial_states (batch, nheads, headdim, dstate) or None.
-        seq_idx (batch, local_seqlen) int32 document labels of a packed row's shard, or cu_seqlens
-        (the row's cumulative document lengths, batch 1): the labels are all-gathered with the
-        tokens, so that each rank scans whole rows with them.
-    Returns this rank's shard of the output, (batch, local_seqlen, nheads*headdim), and with
-    ``return_final_states`` the state after the whole sequence, (batch, nheads, headdim, dstate) in
-    fp32 (fp64 for fp64 input), identical on every rank.
-
-    Gradients: each rank's parameter gradients are its local contribution (its heads' rows),
-    summing to the full gradient over the group; the gradient of ``initial_states`` lands whole on
-    group rank 0 (zeros elsewhere); the gradients reaching the copies of final_states add up.
-
-    Needs nheads % cp == 0 and ngroups a multiple or a divisor of cp; with rmsnorm and cp > ngroups,
-    norm_before_gate must be False. A group of size 1 runs the backend's single-device op. The scan
-    is mamba-ssm's own op (Triton) or its plain-PyTorch twin, which keeps the pre-gate output for
-    backward: there is no recompute_output here, and nothing to overlap the all-to-alls with. Where the
-    gathered row holds more tokens than one kernel call can index (or with ``tile_length``), it runs as
-    tiles (``ops/tiles.py``). cuda_graphs: as for ``mamba_split_conv1d_scan_sp`` (a group of one only).
+    Arguments, shapes, output and gradients are those of ``mamba_split_conv1d_scan_sp`` (zxbcdt,
+    conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, process_group, initial_states,
+    return_final_states, dt_limit, headdim, ngroups, activation, rmsnorm_weight, rmsnorm_eps,
+    norm_before_gate, backend, check_shapes, tile_length, cuda_graphs), except:
+        input_layout: "contiguous", or "zigzag" (chunks r and 2*cp-1-r of 2*cp equal chunks); the output
+            comes back in the same layout.
+        seq_idx / cu_seqlens: all-gathered with the tokens, so that each rank scans whole rows with them.
+    Each rank's parameter gradients are its heads' rows. Needs nheads % cp == 0 and ngroups a multiple or a
+    divisor of cp; with rmsnorm and cp > ngroups, norm_before_gate must be False. The scan is mamba-ssm's
+    own op (Triton) or its plain-PyTorch twin (no recompute_output, no overlap); past the kernels' int32
+    limit, or with ``tile_length``, it runs in tiles.
     """
     return run(from_arguments(dict(locals(), mode=modes.ULYSSES), what="mamba_split_conv1d_scan_ulysses"))

@@ -1,19 +1,14 @@
 """One call of the Mamba2 mixer core: its tensors, sizes and options in one object, checked alike on every rank.
 
-Every entry point (``mamba_split_conv1d_scan_sp``, ``mamba_split_conv1d_scan_ulysses``, ``mixer_core``, and the
-adapters through ``integrations.core.mixer_forward``) turns its arguments into a ``MixerCall`` with ``prepare``
-and hands it to the one dispatcher, ``dispatch.run``, which picks the strategy the table of modes names
-(``modes.py``). Behind the public op signatures nothing takes mamba-ssm's long argument list: the mixer's
-parameters and static options travel as one ``MixerCore``, the run options as one ``Options``.
+Every entry point (the public ops, and the adapters through ``integrations.core.mixer_forward``) turns its
+arguments into a ``MixerCall`` with ``prepare`` and hands it to ``dispatch.run``. The mixer's parameters and
+static options travel as one ``MixerCore``, the run options as one ``Options``.
 
-``prepare`` validates the call on each rank without raising, then (``check_shapes``, the default)
-exchanges a fixed-size descriptor of it with the other ranks on *every* call: the shapes, dtypes and
-options, whether this rank found a problem, and for packed rows the document labels at the shard
-borders. Every rank then decides alike: all raise the same kind of error, or none does. This costs
-one small all-gather and a host read per call (two with ``seq_idx``); with ``check_shapes=False``
-it is skipped, and so is the value check of ``seq_idx``. Inside a CUDA-graph capture nothing is
-exchanged (a host read cannot be captured): the shapes of a captured call are those of the eager
-warm-up call before the capture, which was checked. See docs/design.md, "Every rank decides alike".
+``prepare`` validates the call on each rank without raising, then (``check_shapes``) exchanges a fixed-size
+descriptor of it on every call: shapes, dtypes, options, this rank's problem, and for packed rows the labels
+at the shard borders. All ranks raise the same kind of error, or none does (one small all-gather per call).
+Inside a CUDA-graph capture nothing is exchanged: the eager warm-up call before it was checked. See
+docs/design.md, "Every rank decides alike".
 """
 
 from __future__ import annotations
@@ -38,12 +33,8 @@ _ERRORS = {v: k for k, v in _ERROR_CODES.items()}
 
 @dataclass(frozen=True)
 class MixerCore:
-    """The mixer core's parameters and static options: mamba-ssm's op arguments after ``zxbcdt``.
-
-    The adapters read one off their host mixer at every forward (ZeRO-3 and ``load_state_dict(assign=True)``
-    swap parameters); the public ops build one from their arguments. Field names and meanings are those of
-    ``mamba_split_conv1d_scan_sp``'s arguments.
-    """
+    """The mixer core's parameters and static options: ``mamba_split_conv1d_scan_sp``'s arguments after
+    ``zxbcdt``. The adapters read one off their host mixer at every forward (ZeRO-3 swaps parameters)."""
 
     conv1d_weight: torch.Tensor  # (conv_dim, d_conv)
     conv1d_bias: torch.Tensor | None  # (conv_dim,)
@@ -86,12 +77,9 @@ class MixerCore:
 
 @dataclass(frozen=True)
 class Projections:
-    """An adapter's projections around the core: ``zxbcdt = in_proj(hidden)``, ``out = out_proj(y)``.
-
-    A call that carries them has a ``zxbcdt`` that only stands for in_proj's output (a "meta" tensor of its
-    shape) until the dispatcher applies in_proj, after any move of the input between layouts: hidden
-    (d_model wide) is narrower than zxbcdt, so a permute moves hidden, not zxbcdt.
-    """
+    """An adapter's projections around the core: ``zxbcdt = in_proj(hidden)``, ``out = out_proj(y)``. The call's
+    ``zxbcdt`` is then a "meta" tensor of its shape until the dispatcher applies in_proj after any layout move
+    (a permute moves the narrower hidden, not zxbcdt)."""
 
     hidden: torch.Tensor  # (batch, local_seqlen, d_model)
     in_proj: Callable[[torch.Tensor], torch.Tensor]
@@ -100,13 +88,9 @@ class Projections:
 
 @dataclass(frozen=True)
 class MixerCall:
-    """The tensors of one mixer-core call on this rank, with its sizes, options and group.
-
-    zxbcdt: (batch, local_seqlen, d_in_proj), this rank's shard in ``options.input_layout``;
-    seq_idx: (batch, local_seqlen) int32 document labels of the shard as the caller numbered them
-    (non-decreasing along the global row), or None. The rest as in mamba-ssm's op. cp: the size of the
-    sequence-parallel group (the one name for it across the package).
-    """
+    """The tensors of one mixer-core call on this rank, with its sizes, options and group. zxbcdt: (batch,
+    local_seqlen, d_in_proj), this rank's shard in ``options.input_layout``; seq_idx: (batch, local_seqlen) int32
+    document labels as the caller numbered them, or None. cp: the group's size."""
 
     zxbcdt: torch.Tensor
     conv1d_weight: torch.Tensor
@@ -144,11 +128,8 @@ class MixerCall:
         return get_backend(self.options.backend, self.zxbcdt.device)
 
     def single_device(self):
-        """The backend's single-device op on this call's zxbcdt with its options.
-
-        seq_idx is renumbered from 0 per row first (``canonical_seq_idx``), which the kernels need for
-        initial_states to reach the row's first document whatever its label.
-        """
+        """The backend's single-device op on this call's zxbcdt with its options (seq_idx renumbered from 0
+        per row: the kernels apply initial_states to label 0)."""
         kwargs = dict(
             initial_states=self.initial_states, return_final_states=self.options.return_final_states,
             dt_limit=self.spec.dt_limit, headdim=self.spec.headdim, ngroups=self.spec.ngroups,
@@ -160,9 +141,7 @@ class MixerCall:
         return self.backend.single_device_op(self.zxbcdt, *params, self.spec.chunk_size, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------
-# local validation: every problem is recorded, none raised before the ranks have compared notes
-# ---------------------------------------------------------------------------------------------
+# -- local validation: every problem is recorded, none raised before the ranks have compared notes --
 
 
 def _check_options(options, spec: CoreSpec, cp: int, local_seqlen: int) -> None:
@@ -363,16 +342,12 @@ def _label_problem(summary_all, what):
 
 
 def _agree(fields, problem, seq_idx, device, group, rank, cp, seq_layout, what) -> None:
-    """Every rank decides alike: raise, or go on. See the module docstring.
+    """Every rank decides alike: raise, or go on (one all-gather of descriptor, problem code, label summary).
 
-    One collective on every call: a fixed-size buffer of this rank's descriptor, its problem code and
-    (for packed rows) its labels' summary. A rank reads the result on the host, and raises the clear
-    error, when its own call changed since its last one, when it found a problem, on CPU, or for
-    packed rows (whose label values may change at every call); otherwise it compares on the device
-    and ``torch._assert_async`` stops it (a device-side assert, no host sync) should the ranks
-    disagree. Some rank always reads: a call that differs from the others' differs from its own
-    previous one (the first call is read by every rank), so a mismatch never passes silently and
-    never reaches a mismatched collective.
+    A rank reads the result on the host (and raises the clear error) when its own call changed since its
+    last one, when it found a problem, on CPU, or for packed rows; otherwise it compares on the device
+    (``torch._assert_async``, no host sync). A call that differs from the others' differs from its own
+    previous one, so some rank always reads: a mismatch never reaches a mismatched collective.
     """
     values = tuple(v for _, v in fields)
     if cp == 1 or seq_layout not in layout.LAYOUTS:  # a group of one holds the row as one segment; a bad
@@ -418,13 +393,9 @@ def _agree(fields, problem, seq_idx, device, group, rank, cp, seq_layout, what) 
 
 
 def _compare(fields: list[tuple[str, int]], rows: list[list[int]], what: str) -> None:
-    """Raises the same error on every rank when the ranks' call descriptors differ (NotImplementedError when
-    only the local seqlen does: variable-length shards; ValueError otherwise).
-
-    ``fields``: this rank's (name, int) pairs (shapes, dtype codes, option indices); ``rows``: every rank's
-    values, exchanged by ``_agree`` on every call. ``what`` names the caller in the message; the message
-    lists the fields that differ, per rank.
-    """
+    """Raises the same error on every rank when the ranks' descriptors differ (NotImplementedError when only the
+    local seqlen does, ValueError otherwise). ``fields``: this rank's (name, int) pairs; ``rows``: every rank's
+    values; the message lists the fields that differ, per rank."""
     if all(r == rows[0] for r in rows):
         return
     names = [n for n, _ in fields]
@@ -462,11 +433,8 @@ def prepare(
     what="mamba_split_conv1d_scan_sp", device=None, problem=None, projections: Projections | None = None,
 ) -> MixerCall:  # fmt: skip
     """Validates one call on every rank alike and returns it as a ``MixerCall``; see the module docstring.
-
-    device: where the activations live, when zxbcdt is only a shape (a "meta" tensor standing for the
-    in_proj output of ``projections``, applied by the dispatcher).
-    problem: an exception the caller already found on this rank, to be raised on every rank alike.
-    """
+    device: where the activations live, when zxbcdt is a "meta" tensor (``projections``). problem: an
+    exception the caller already found on this rank, to be raised on every rank alike."""
     device = zxbcdt.device if device is None else torch.device(device)
     rank, cp = comm.group_rank_size(process_group)
     spec = None

@@ -27,8 +27,7 @@ from ds_mamba_spcp.engine.call import MixerCall
 from ds_mamba_spcp.engine.strategies import group_of_one, state_passing, ulysses
 
 STRATEGIES = {modes.STATE_PASSING: state_passing.run, modes.ULYSSES: ulysses.run}
-# the forward-only routes (Options.forward_only): no autograd Function, nothing saved for a backward, the
-# state after each document of a packed row (docs/design.md, "Forward only")
+# the forward-only routes (Options.forward_only; docs/design.md, "Forward only")
 FORWARD_ONLY = {modes.STATE_PASSING: state_passing.run_forward_only, modes.ULYSSES: ulysses.run_forward_only}
 
 

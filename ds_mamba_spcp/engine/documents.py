@@ -5,12 +5,10 @@ document). Documents are numbered row by row and, within a row, in causal order:
 the d-th (row, run) pair, so a batch of B unpacked rows has B documents in row order. In a sharded row a
 document may span segments and ranks; its last token lies in exactly one causal segment.
 
-A segment knows the documents that end inside it (a label change at its position e: the document before e
-ends at e - 1) and that one may end at its own end: whether it does depends on the next segment's first
-label. ``candidates`` lists both kinds for a rank's segments; ``gather`` sends every rank's values for its
-candidates to every rank, keeps the real ends (a segment end is one unless the next segment of that row
-starts with the same label) and sorts them in document order. It moves per-document tensors (states,
-conv tails), never anything that grows with the sequence.
+A segment knows the documents that end inside it, and that one may end at its own end (unless the next
+segment of the row starts with the same label). ``candidates`` lists both kinds; ``gather`` sends every rank's
+values for its candidates to every rank, keeps the real ends and sorts them in document order. It moves
+per-document tensors (states, conv tails), never anything that grows with the sequence.
 """
 
 from __future__ import annotations
@@ -24,12 +22,9 @@ from ds_mamba_spcp.ops.segment import Candidate, candidates, starts  # noqa: F40
 
 def gather(values: list[torch.Tensor], found: list[Candidate], firsts: torch.Tensor, group, cp: int,
            seg_layout: str) -> list[torch.Tensor]:  # fmt: skip
-    """Every document's values on every rank, in document order.
-
-    values: tensors (len(found), ...), one row per candidate of this rank; firsts: (batch*nlocal,) the first
-    label of each packed segment row. Returns each tensor as (ndocs, ...). Two small all-gathers (the
-    candidates' count with the first labels, then the padded values) and their host reads; none for cp == 1.
-    """
+    """Every document's values on every rank, in document order. values: tensors (len(found), ...), one row per
+    candidate of this rank; firsts: (batch*nlocal,) the first label of each packed segment row. Returns each
+    tensor as (ndocs, ...). Two small all-gathers and their host reads; none for cp == 1."""
     device = firsts.device
     meta = torch.tensor([[c.batch, c.segment, c.end, c.label, int(c.at_segment_end)] for c in found],
                         dtype=torch.int64).reshape(-1, 5).to(device)  # fmt: skip

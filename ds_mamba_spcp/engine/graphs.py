@@ -1,30 +1,22 @@
 """Opt-in CUDA-graph replay of the mixer core on one device (``cuda_graphs=True``; a group of one, whole or in tiles).
 
-At short segments the op is host-bound (docs/host_time.md): the launches of mamba-ssm's ~25 kernels per
-segment cost more CPU time than the GPU spends on them. With ``cuda_graphs`` the first call of a shape
-captures its forward and its backward into two CUDA graphs, and every later call of that shape replays
-them, so that a call costs a few copies and two graph launches of host time:
+At short segments the op is host-bound (docs/host_time.md). The first call of a shape captures its forward
+and backward into two CUDA graphs; later calls of that shape replay them:
 
     forward   copy the inputs into the instance's static inputs -> replay the forward graph
               -> the outputs, cloned (the next replay overwrites the static ones)
     backward  copy the output gradients into the static ones -> replay the backward graph
               -> the input gradients, cloned
 
-The key of a shape: every input's shape, strides, dtype and requires_grad, the device, the options and
-whether grad is enabled. An *instance* (static inputs, both graphs, one private memory pool) serves one
-call at a time: from its forward until its backward has run (or autograd has dropped the call's
-graph without one), so calls of one shape whose backwards are pending (the layers of a model) each take an
-instance of their own, captured on first use. Each instance holds the whole working memory of one call
-(its pool), not only the activations eager mode keeps between forward and backward: the mode suits few
-live calls per shape (a layer at a time under activation checkpointing, inference, benchmarks); for a
-whole model, capture the whole step instead (``benchmarks/bench_mixer.py --graphs``).
+The key of a shape: every input's shape, strides, dtype and requires_grad, the device, the options and the
+grad mode. An *instance* (static inputs, both graphs, one private memory pool holding the call's whole working
+memory) serves one call from its forward until its backward has run (or its graph was dropped), so calls of
+one shape with pending backwards (a model's layers) each take their own: the mode suits few live calls per
+shape; for a whole model, capture the whole step instead.
 
-Replays compute exactly what eager calls compute (the same kernels on the same values, in the same
-order; with MAMBA_DETERMINISTIC=1 bitwise equal, tests/test_gpu_graphs.py). Limits: a group of one on
-CUDA only (refused otherwise, with the reason); one backward per forward (a second one, retain_graph,
-raises: the captured backward frees the kept pre-gate output as it goes); the inputs' values may change
-between calls, their shapes, strides and dtypes select the instance. What the multi-GPU path would need:
-docs/host_time.md, "CUDA graphs".
+Replays compute what eager calls compute (bitwise with MAMBA_DETERMINISTIC=1). Limits: a group of one on CUDA
+only; one backward per forward (a second raises: the captured backward frees the kept pre-gate output). The
+multi-GPU path: docs/host_time.md, "What to use instead".
 """
 
 from __future__ import annotations

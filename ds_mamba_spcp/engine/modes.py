@@ -1,13 +1,9 @@
 """The table of modes: every (mode, load_balancing) the op runs, and every rule that combines them.
 
-Each entry names the input layouts it takes, the strategy that runs it, the layout of the causal
-chain the strategy runs on, the activation move around it (if any) and its traffic model. The ds_config
-(``config.py``), the op's call check (``call.py``), the dispatcher (``op.py``), the strategies and the
-traffic model (``traffic.py``) ask this table; no other module compares mode or load-balancing names.
-Adding a mode is one entry here and, if it needs one, one strategy. See docs/design.md, "Modes".
-
-Errors are one text per rule, naming the key, the value and the fix; the ds_config and the op raise the
-same text (the keys of the config section are the op's argument names).
+The ds_config, the op's call check, the dispatcher, the strategies and the traffic model ask this table; no
+other module compares mode or load-balancing names. Adding a mode is one entry here and, if needed, one
+strategy (docs/design.md, "Layouts and modes"). Errors are one text per rule, naming the key, the value and
+the fix, the same from the ds_config and the op.
 """
 
 from __future__ import annotations
@@ -26,14 +22,10 @@ LOAD_BALANCING = (NONE, PERMUTE_P2P, PERMUTE_A2A, VIRTUAL)
 
 @dataclass(frozen=True)
 class Entry:
-    """One way to run the mixer core over a sequence-parallel group.
-
-    layouts: the input layouts it takes (the first is the default); strategy: the module that runs the
-    sharded core (``dispatch.STRATEGIES``); chain: the layout of the causal segments the state-passing chain
-    runs on (None for ulysses); move: "p2p" / "a2a" when the zigzag input moves to contiguous shards before
-    the strategy and back after it (``permute.py``). Its traffic model (``traffic.py``) reads strategy,
-    segments_per_rank and move.
-    """
+    """One way to run the mixer core over a sequence-parallel group. layouts: the input layouts it takes (the
+    first is the default); strategy: the module that runs it (``dispatch.STRATEGIES``); chain: the layout of the
+    state-passing chain's causal segments (None for ulysses); move: "p2p" / "a2a" when zigzag input moves to
+    contiguous shards and back around the strategy (``permute.py``)."""
 
     mode: str
     load_balancing: str

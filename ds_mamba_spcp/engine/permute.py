@@ -1,23 +1,15 @@
 """Zigzag <-> contiguous by moving activations: the move of the table entries that have one (``modes.py``),
 applied by the dispatcher around the state-passing strategy (``move_in`` / ``move_out``).
 
-The sequence is cut into 2*cp equal chunks. zigzag: rank r holds chunks (r, 2*cp-1-r);
-contiguous: rank r holds chunks (2r, 2r+1) (layout.py). A conversion moves every chunk once, from
-its owner in one layout to its owner in the other; chunks that stay on a rank are copied locally.
+Of 2*cp equal chunks, zigzag gives rank r chunks (r, 2*cp-1-r), contiguous (2r, 2r+1). A conversion moves
+every chunk once from its owner in one layout to its owner in the other (local ones are copied):
 
-- "p2p": one batch of isend/irecv with one message per peer (the chunks for one peer are packed
-  together, so no two messages share a (peer, tag) pair);
+- "p2p": one batch of isend/irecv, one message per peer (its chunks packed together);
 - "a2a": one all_to_all_single with uneven splits (0, 1 or 2 chunks per peer, 0 for itself).
 
-Both read from one flat contiguous send buffer and write into one flat contiguous receive buffer,
-sized and split with Python ints derived from the local shape alone, and both wait for the
-transfer before the buffers go out of scope. The Megatron seed reported illegal memory accesses in
-its permute_a2a at large payloads; strided or non-contiguous views handed to a collective, views
-of freed temporaries and split sizes that disagree between peers are the usual causes, and none of
-them can occur here.
-
-The backward of a conversion is the inverse conversion of the gradient. Only bytes move, so both
-directions are exact.
+Both use one flat contiguous send and one receive buffer, split with Python ints from the local shape alone,
+and wait for the transfer before the buffers go out of scope (no strided views, freed temporaries or
+disagreeing splits reach a collective). The backward is the inverse conversion of the gradient; both exact.
 """
 
 from __future__ import annotations
@@ -49,12 +41,9 @@ def _owner(kind: str, chunk: int, cp: int) -> int:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What one rank sends and receives for one conversion; chunks are named by local position.
-
-    sends: (peer, local position in the source layout), ordered by peer then global chunk;
-    recvs: (peer, local position in the target layout), ordered the same way on the sender's side;
-    keep: (source position, target position) of the chunks that stay on this rank.
-    """
+    """What one rank sends and receives for one conversion; chunks are named by local position. sends / recvs:
+    (peer, local position in the source / target layout), ordered by peer then global chunk; keep: (source
+    position, target position) of the chunks that stay on this rank."""
 
     sends: tuple
     recvs: tuple
@@ -146,10 +135,9 @@ def _convert(x, group, method, dim, src, dst):
 def zigzag_to_contiguous(x: torch.Tensor, group=None, method: str = "p2p", dim: int = 1) -> torch.Tensor:
     """This rank's contiguous shard from its zigzag shard (autograd: backward is the inverse).
 
-    x: any tensor whose dim ``dim`` is the local sequence, 2*m long: chunks r and 2*cp-1-r of
-    the 2*cp equal chunks of the global sequence. Returns the same shape holding chunks 2r and
-    2r+1. Every rank of ``group`` (None: the world group) must call it with the same shape.
-    method: "p2p" (one batch of point-to-point messages) or "a2a" (one all_to_all_single).
+    x: any tensor whose dim ``dim`` is the local sequence (chunks r and 2*cp-1-r of 2*cp). Returns the same shape
+    holding chunks 2r and 2r+1. Every rank of ``group`` (None: the world) calls it with the same shape. method:
+    "p2p" (one batch of point-to-point messages) or "a2a" (one all_to_all_single).
     """
     return _convert(x, group, method, dim, "zigzag", "contiguous")
 

@@ -4,11 +4,9 @@ A segment maps its incoming state as S_out = a * S_in + S_ext, with a = exp(log_
 (batch, head); a segment that holds a document start (packed rows) has log_a = -inf, a = 0.
 Segments are indexed in causal order along dim 0.
 
-Both scans are one vectorised pass (a handful of kernels whatever the number of segments): the
-weight of segment j's summary in the state entering segment r is exp(sum_{j<k<r} log_a_k), a
-masked sum of log-decays (never a difference of cumulative sums, which -inf would turn into NaN),
-and the states come out of one einsum over those weights. ``rows`` picks the outputs to compute,
-so a rank forms only its own segments' states: O(nseg * nrows) weights instead of O(nseg^2).
+Both scans are one vectorised pass: the weight of segment j's summary in the state entering segment r is
+exp(sum_{j<k<r} log_a_k), a masked sum of log-decays (a difference of cumulative sums would turn -inf into
+NaN), and one einsum forms the states. ``rows`` picks the outputs a rank needs (O(nseg * nrows) weights).
 """
 
 from __future__ import annotations
@@ -17,12 +15,8 @@ import torch
 
 
 def _window_log_decay(log_a: torch.Tensor) -> torch.Tensor:
-    """W[b, h, r, j] = sum_{j<k<r} log_a[k] for j < r, -inf for j >= r.  log_a: (n, b, h) -> (b, h, n+1, n).
-
-    r runs over the n+1 boundaries (boundary r is where segment r starts; boundary n is the end) and
-    j over the segments: W is the log of the decay that segment j's summary undergoes before it
-    reaches boundary r.
-    """
+    """W[b, h, r, j] = sum_{j<k<r} log_a[k] for j < r, -inf for j >= r.  log_a: (n, b, h) -> (b, h, n+1, n):
+    the log-decay of segment j's summary before boundary r (where segment r starts; boundary n is the end)."""
     n = log_a.shape[0]
     la = log_a.permute(1, 2, 0)  # [n, b, h] -> [b, h, n]
     k = torch.arange(n, device=log_a.device)

@@ -11,11 +11,9 @@
       -> every rank holds the decode cache of the whole prompt, and the last token's logits
       -> decoding continues with the host library's own step (replicated on every rank)
 
-The final SSM state is exactly what decoding needs: the state-passing algebra (DESIGN.md) makes
-the state after the last shard the state after the whole prompt, and it is identical on every rank.
+The op's final state (docs/design.md, "The algebra") is the state after the whole prompt, on every rank.
 
-    prefill.py        library-free pieces: the conv tail, K/V gathering, errors raised alike
-    transformers.py   Hugging Face models: sequence_parallel_prefill / sequence_parallel_generate
-                      (re-exported by ds_mamba_spcp.integrations.transformers)
-    mamba_ssm.py      mamba-ssm's MambaLMHeadModel and its InferenceParams
+    forward.py        the mixer core's forward-only path (the state and conv tail of every document)
+    prefill.py        library-free pieces: one layer's decode state, K/V gathering, errors raised alike
+The host libraries' entries: integrations/transformers/generation.py, integrations/mamba_ssm/generation.py.
 """

@@ -3,16 +3,13 @@ decode state out (the state after each document and its conv tail), in every mod
 
     mixer_core_prefill(zxbcdt, ..., mode, load_balancing, input_layout, seq_idx, tile_length)
         -> op.mixer_core(..., return_final_states=True, forward_only=True): the dispatcher's forward-only route
-           of the entry the options name (state passing none / virtual / permute_*, ulysses, a group of one;
-           tiles): no autograd Function, no per-tile states or decays kept for a backward, no kept pre-gate
-           output, each tile's intermediates freed when it has finished (docs/design.md, "Forward only")
-        -> the conv tails: the last d_conv pre-conv columns of each document, from whichever ranks and
-           segments hold them (``conv_tail`` for unpacked rows: contiguous, the last ranks; zigzag, the second
-           halves of ranks 0, 1, ..., which hold the last chunks; ``document_tails`` for packed rows, the
-           columns before a document's start zero, as mamba-ssm's varlen conv states are)
+           of the entry the options name: nothing kept for a backward, each tile's intermediates freed when it
+           has finished (docs/design.md, "Forward only")
+        -> the conv tails: the last d_conv pre-conv columns of each document, from whichever ranks hold them
+           (``conv_tail`` for unpacked rows, ``document_tails`` for packed rows)
 
-Packed rows (``seq_idx``): every document of every row gets its own final state and conv tail, on every rank,
-in document order (row by row, then along the row: ``documents.py``), whichever rank its end lies on.
+Packed rows (``seq_idx``): every document gets its own final state and conv tail, on every rank, in document
+order (``documents.py``), whichever rank its end lies on.
 """
 
 from __future__ import annotations
@@ -53,13 +50,10 @@ def conv_tail(
 
 def document_tails(xBC: torch.Tensor, seq_idx: torch.Tensor, d_conv: int, group,
                    input_layout: str = modes.CONTIGUOUS) -> torch.Tensor:  # fmt: skip
-    """The conv state after each document of packed rows, on every rank: (ndocs, conv_dim, d_conv), in document
-    order (``documents.py``), the columns before the document's first token zero.
-
-    xBC: (batch, local_seqlen, conv_dim), this rank's shard of the pre-conv columns in ``input_layout``; seq_idx:
-    (batch, local_seqlen) its labels. One all-gather of every segment's last min(d_conv, segment) columns and
-    labels (a window that reaches before a segment's start finds its columns there, from as many earlier
-    segments as it needs), then ``documents.gather`` of the per-document windows."""
+    """The conv state after each document of packed rows, on every rank: (ndocs, conv_dim, d_conv) in document
+    order, zero before the document's first token. xBC: (batch, local_seqlen, conv_dim), this rank's pre-conv
+    columns in ``input_layout``; seq_idx: (batch, local_seqlen). One all-gather of every segment's last
+    min(d_conv, segment) columns and labels, then ``documents.gather``."""
     rank, cp = comm.group_rank_size(group)
     nlocal = layout.num_segments(cp, input_layout) // cp if cp > 1 else 1
     ids = layout.segment_ids(rank, cp, input_layout) if cp > 1 else [0]
@@ -95,18 +89,16 @@ def document_tails(xBC: torch.Tensor, seq_idx: torch.Tensor, d_conv: int, group,
 def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, *, headdim, process_group=None,
                        seq_idx=None, **kwargs):  # fmt: skip
     """The mixer core on this rank's shard, forward only: ``op.mixer_core``'s arguments (any mode, layout,
-    packed rows, ``tile_length``, ``initial_states``) without ``return_final_states``, through the dispatcher's
-    forward-only route.
+    packed rows, ``tile_length``, ``initial_states``) without ``return_final_states``.
 
     Returns (out, final_states, conv_states) on every rank: this rank's shard of the output (batch, local_seqlen,
     nheads*headdim) in the input layout; one final state and one conv state per document, identical on every rank:
         without seq_idx (a row is one document)  (batch, nheads, headdim, dstate) and (batch, conv_dim, d_conv)
         with seq_idx (packed rows)                (ndocs, nheads, headdim, dstate) and (ndocs, conv_dim, d_conv),
-                                                  document d the d-th run of equal labels, row by row along the
-                                                  global rows (``documents.py``)
-    States in fp32 (fp64 for fp64 input), conv states in zxbcdt's dtype (the columns before a document's start,
-    or before the row's start, zero). ``initial_states`` enters each row's first document only. Nothing
-    requires grad and no graph is recorded."""
+                                                  in ``documents.py``'s order
+    States in fp32 (fp64 for fp64 input), conv states in zxbcdt's dtype (zero before a document's start).
+    ``initial_states`` enters each row's first document only. No graph is recorded.
+    """
     forward_only = kwargs.pop("forward_only", True)  # False: the training route under no_grad (a benchmark's baseline)
     mode = kwargs.setdefault("mode", modes.STATE_PASSING)
     load_balancing = kwargs.setdefault("load_balancing", modes.NONE)
@@ -133,15 +125,11 @@ def mixer_core_prefill(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_
 
 
 def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
-    """One tile of a chunked prefill on one device: the mixer core on ``zxbcdt`` (batch, tile, d_in_proj)
-    after the tokens ``carry`` summarises, through the backend's segment protocol (``ops/segment.py``).
-
-    carry: None (the sequence starts here) or (state (batch, nheads, headdim, dstate) fp32, tail (batch,
-    d_conv, conv_dim)): the state after the previous tokens and their last d_conv pre-conv columns (zeros
-    where there were fewer). Returns (out (batch, tile, nheads*headdim), the carry after this tile): the
-    state S_out = exp(log_a) * S_in + S_ext (the algebra the ranks use, docs/design.md "The algebra", here from
-    one tile to the next) and the new tail; ``carry[1].transpose(1, 2)`` is the decode conv state. Autocast is
-    off inside, as in ``mixer_core_prefill`` (docs/design.md, "One dispatch path")."""
+    """One tile of a chunked prefill on one device: the mixer core on ``zxbcdt`` (batch, tile, d_in_proj) after the
+    tokens ``carry`` summarises (``ops/segment.py``'s known mode). carry: None (the sequence starts here) or
+    (state (batch, nheads, headdim, dstate) fp32, tail (batch, d_conv, conv_dim), the previous last d_conv
+    pre-conv columns, zeros where there were fewer). Returns (out (batch, tile, nheads*headdim), the carry after
+    this tile); ``carry[1].transpose(1, 2)`` is the decode conv state. Autocast is off inside."""
     from ds_mamba_spcp.ops import get_backend
     from ds_mamba_spcp.ops.segment import run_fwd_known, state_dtype, zero_state
     from ds_mamba_spcp.ops.spec import CoreSpec
@@ -160,8 +148,7 @@ def tile_forward(zxbcdt, carry, core, backend: str = "auto"):
         tail = zxbcdt.new_zeros(batch, d_conv, conv_dim)
     else:
         state, tail = carry
-    # autocast off, as dispatch.run turns it off around every strategy (mixer_core_prefill's path): the core computes
-    # as its inputs' dtypes say, so a chunked prefill gives what the whole prompt gives, under the caller's autocast too
+    # autocast off, as dispatch.run has it around every strategy: a chunked prefill gives what the whole prompt gives
     with torch.no_grad(), torch.autocast(device_type=zxbcdt.device.type, enabled=False):
         # known mode (ops/segment.py): the carried state is the tile's S_in, its S_out the next carry
         gen = get_backend(backend, zxbcdt.device).segment_fwd(

@@ -1,17 +1,10 @@
 """The library-free pieces of a sharded prefill: one Mamba2 layer's decode state, gathered K/V, shared errors.
 
-A Mamba2 layer's decode cache is two tensors (mamba-ssm's ``allocate_inference_cache``, transformers'
-``LinearAttentionLayer``):
+A Mamba2 layer's decode cache (mamba-ssm's ``allocate_inference_cache``, transformers' ``LinearAttentionLayer``):
 
-    conv state  (batch, conv_dim, d_conv)          the last d_conv pre-conv xBC columns of the prompt
-                                                   (zeros on the left of a prompt shorter than d_conv)
-    SSM state   (batch, nheads, headdim, dstate)   the state after the prompt's last token
-
-The op returns the second (``return_final_states``: the state after the whole global sequence,
-identical on every rank, fp32). The first is a gather (``inference/forward.py``): each rank sends its last min(d_conv,
-local_seqlen) columns, and the last d_conv of the concatenation are the prompt's. A short last
-shard (local_seqlen < d_conv) takes columns from the ranks before it. The gather moves
-cp * batch * d_conv * conv_dim elements: nothing next to the prompt.
+    conv state  (batch, conv_dim, d_conv)          the prompt's last d_conv pre-conv xBC columns (zeros on the
+                                                   left of a shorter prompt): gathered (``inference/forward.py``)
+    SSM state   (batch, nheads, headdim, dstate)   the state after the prompt: the op's final state (fp32)
 """
 
 from __future__ import annotations
@@ -105,14 +98,11 @@ def broadcast_from_last(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def mixer_prefill(zxbcdt: torch.Tensor, core: MixerCore, group, config: MambaSequenceParallelConfig, seq_idx=None):
-    """One Mamba2 layer on this rank's contiguous shard, for a prefill.
-
-    zxbcdt: (batch, local_seqlen, d_in_proj), in_proj's output on the shard. Returns (y, ssm_state,
-    conv_state): this rank's shard of the pre-out_proj output (batch, local_seqlen, nheads*headdim), the
-    state after the whole prompt (batch, nheads, headdim, dstate) in fp32 (fp64 for fp64 input), and the
-    conv state (batch, conv_dim, d_conv) in zxbcdt's dtype, both identical on every rank. With ``seq_idx``
-    (batch, local_seqlen) document labels (packed rows), one state and conv state per document instead,
-    (ndocs, ...) in ``mixer_core_prefill``'s document order."""
+    """One Mamba2 layer on this rank's contiguous shard, for a prefill. zxbcdt: (batch, local_seqlen, d_in_proj).
+    Returns (y, ssm_state, conv_state): this rank's shard of the pre-out_proj output (batch, local_seqlen,
+    nheads*headdim), the state after the whole prompt (batch, nheads, headdim, dstate) in fp32 (fp64 for fp64
+    input) and the conv state (batch, conv_dim, d_conv) in zxbcdt's dtype, both identical on every rank; with
+    ``seq_idx``, one per document, (ndocs, ...)."""
     args, kwargs = core.op_arguments()
     return mixer_core_prefill(
         zxbcdt, *args, process_group=group, mode=modes.STATE_PASSING, load_balancing=modes.NONE,

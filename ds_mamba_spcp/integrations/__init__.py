@@ -1,7 +1,5 @@
-"""Adapters to model libraries, one room per library: each translates its library's mixers into this package's op
-and holds no algorithm of its own. They sit side by side over one shared core and do not import each other
-(docs/design.md, "Adapters"); each imports its library in its own modules, so that the rest of the package imports
-without it:
+"""Adapters to model libraries, one room per library, side by side over one shared core; they import neither
+each other nor, outside their own modules, their library (docs/design.md, "Adapters"):
 
     core.py          MixerCore, mixer_forward: in_proj -> the sharded core -> out_proj (imports no adapter)
     mamba_ssm/       mamba-ssm: DistributedMamba2 (mixer.py) and the sharded prefill of MambaLMHeadModel

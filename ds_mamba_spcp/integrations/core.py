@@ -2,12 +2,10 @@
 
     hidden (batch, local_seqlen, d_model) --in_proj--> zxbcdt --the sharded core--> y --out_proj--> out
 
-An adapter (``integrations/mamba_ssm.py`` for mamba-ssm's ``Mamba2``, ``integrations/transformers_adapter.py`` for
-transformers' Mamba2-style mixers) reads its host's parameters into a ``MixerCore`` at every forward and calls
-``mixer_forward`` with its own in_proj and out_proj; neither adapter owns this module, and it imports neither.
-The call goes through the one dispatcher (``engine.dispatch.run``) like every other entry point: the projections ride in
-the ``MixerCall``, so that a mode that moves activations between layouts moves hidden (d_model wide) rather
-than zxbcdt (several times wider). See docs/design.md, "Adapters".
+An adapter (``mamba_ssm/mixer.py``, ``transformers/adapter.py``) reads its host's parameters into a ``MixerCore``
+at every forward and calls ``mixer_forward`` with its own in_proj and out_proj; this module imports neither.
+The projections ride in the ``MixerCall`` to ``engine.dispatch.run``, so that a layout move moves hidden rather
+than the wider zxbcdt. See docs/design.md, "Adapters".
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from ds_mamba_spcp.engine.call import MixerCore, Projections, prepare
 
 __all__ = ["SHARDED_ATTR", "MixerCore", "is_sharded", "mixer_forward"]
 
-# set (True) on every mixer an adapter made sequence-parallel, so that one adapter can see another's without
-# importing it (docs/design.md, "Adapters")
+# set on every mixer an adapter made sequence-parallel: one adapter sees another's without importing it
 SHARDED_ATTR = "_ds_mamba_spcp_sharded"
 
 
@@ -45,15 +42,11 @@ def mixer_forward(
 ) -> torch.Tensor:
     """in_proj -> the sequence-parallel mixer core chosen by ``config`` -> out_proj, on this rank's shard.
 
-    hidden: (batch, local_seqlen, d_model), this rank's shard in ``config.input_layout``; in_proj maps it
-    to zxbcdt (batch, local_seqlen, 2*d_inner + 2*ngroups*dstate + nheads) and out_proj maps the core's
-    (batch, local_seqlen, d_inner) output back (any host-specific scaling goes inside these callables).
-    seq_idx: (batch, local_seqlen) int32 document labels of the shard's tokens (packed rows), or
-    cu_seqlens: the row's cumulative document lengths (batch 1); or neither. d_model: checked against
-    hidden's last dim when given. Returns this rank's shard of the output, in the same layout.
-
-    The call is validated before anything moves or is projected (one descriptor exchange with the other
-    ranks, see ``ds_mamba_spcp.engine.call``), then run by ``engine.dispatch.run``.
+    hidden: (batch, local_seqlen, d_model), this rank's shard in ``config.input_layout``; in_proj maps it to
+    zxbcdt (batch, local_seqlen, 2*d_inner + 2*ngroups*dstate + nheads), out_proj maps the core's (batch,
+    local_seqlen, d_inner) output back (host-specific scaling goes inside them). seq_idx (batch, local_seqlen)
+    int32 labels, or cu_seqlens (batch 1), or neither. d_model: checked against hidden's last dim when given.
+    Returns this rank's shard of the output, in the same layout; validated on every rank before anything moves.
     """
     c = config
     problem = None

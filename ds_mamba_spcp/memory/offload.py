@@ -1,8 +1,7 @@
 """Block checkpoints in pinned host memory, GPU memory spent first, host memory checked before the run.
 
-A model that recomputes every block in backward keeps one tensor per block: its input (batch, seqlen,
-d_model), ``n_layers x tokens x d_model x itemsize`` bytes per rank, 144 KiB per token for the 780M
-(1536 x 48, bf16). ``OffloadedCheckpoint`` places each one::
+A model that recomputes every block in backward keeps one tensor per block, its input (batch, seqlen,
+d_model). ``OffloadedCheckpoint`` places each one::
 
     forward, block i       x_i fits the GPU budget (running total of the kept ones)?  keep it on the GPU
                            else: pending; when x_{i+1} arrives, D2H on the copy stream into a pool slot
@@ -13,28 +12,12 @@ d_model), ``n_layers x tokens x d_model x itemsize`` bytes per rank, 144 KiB per
 
 The newest checkpoint never leaves the GPU (backward needs it first), so the host holds
 ``len(plan.on_host)`` checkpoints and the GPU the budget's, the newest and one prefetched. The recompute runs
-under the forward's autocast settings and RNG state (``recompute.py``), and a checkpoint modified in place
-before backward raises, as a tensor autograd saved does (``_Saved``).
-
-Host memory, exact for one length and bounded over many: each slot is an ordinary allocation page-locked
-with ``cudaHostRegister``, of the checkpoint's exact size, reused from step to step by any checkpoint it
-holds; one that no free slot holds drops the free ones first, so steps of varying lengths hold at most the
-longest step's checkpoints, and a plan for the longest length covers every shorter one (``PinnedPool``).
-PyTorch's pinned allocator (``pin_memory=True``, ``Tensor.pin_memory()``, what
-``torch.autograd.graph.save_on_cpu`` and DeepSpeed's ``checkpoint_in_cpu`` allocate through) rounds every
-block up to the next power of two (``CachingHostAllocator``: ``PowerOf2Ceil``), and caches freed blocks
-instead of returning them: a 2.25 GiB checkpoint (786,432 tokens of the 780M) takes 4 GiB there, 1.78x;
-1.5 GiB (524,288) takes 2 GiB, 1.33x. There is no separate staging buffer: copies go straight between a
-pool slot and the GPU tensor.
-
-Before the run: ``plan_offload`` splits the checkpoints from their shapes alone, ``check_host_memory``
-compares the host bytes every rank of this host needs (plus a headroom) with what the host has
-(``/proc/meminfo`` MemAvailable and the cgroup's limit), agrees across ranks, and raises
-``HostMemoryError`` on every rank alike, naming the numbers and the fixes, instead of a process the
-kernel's out-of-memory killer ends without a word. The pool also refuses to grow past the checked bytes.
-
-On CPU the same code runs with synchronous copies into unpinned pool slots (a pure move: tests check
-that losses and gradients are bitwise those without offload).
+under the forward's autocast settings and RNG state (``recompute.py``); a checkpoint modified in place
+before backward raises (``_Saved``). Host slots are exact-size ``cudaHostRegister``'ed allocations, copied
+into directly (``PinnedPool``; unlike PyTorch's pinned allocator, no power-of-two rounding: docs/usage.md,
+"Offloading the block checkpoints"). Before the run ``plan_offload`` splits the checkpoints from their
+shapes and ``check_host_memory`` raises ``HostMemoryError`` on every rank alike when the host cannot hold
+them; the pool refuses to grow past the checked bytes. On CPU: synchronous copies into unpinned slots.
 """
 
 from __future__ import annotations
@@ -63,9 +46,7 @@ class HostMemoryError(RuntimeError):
     """The host cannot hold the offloaded checkpoints: raised before the run (or by the pool)."""
 
 
-# ------------------------------------------------------------------------------------------------
-# planning: which checkpoints stay on the GPU, what the host must hold
-# ------------------------------------------------------------------------------------------------
+# -- planning: which checkpoints stay on the GPU, what the host must hold ------------------------
 
 
 def block_checkpoint_bytes(tokens: int, d_model: int, n_layers: int, itemsize: int, batch: int = 1) -> list[int]:
@@ -77,9 +58,8 @@ def block_checkpoint_bytes(tokens: int, d_model: int, n_layers: int, itemsize: i
 class OffloadPlan:
     """Where each checkpoint of one forward pass goes (indices in forward order) and what it costs.
 
-    ``on_gpu``: kept on the GPU within the budget. ``on_host``: copied to pinned host memory.
-    ``newest``: the last checkpoint when the budget did not take it; it waits on the GPU and backward
-    uses it first, so it is never copied. ``host_bytes`` is per rank."""
+    ``on_gpu``: kept on the GPU within the budget. ``on_host``: copied to pinned host memory. ``newest``: the
+    last checkpoint when the budget did not take it (never copied). ``host_bytes`` is per rank."""
 
     checkpoint_bytes: tuple[int, ...]
     gpu_budget_bytes: int
@@ -130,9 +110,7 @@ def plan_offload(checkpoint_bytes: Sequence[int], gpu_budget_bytes: int = 0) -> 
     return OffloadPlan(sizes, int(gpu_budget_bytes), tuple(on_gpu), tuple(offloaded), newest)
 
 
-# ------------------------------------------------------------------------------------------------
-# the host's memory, and the check before the run
-# ------------------------------------------------------------------------------------------------
+# -- the host's memory, and the check before the run ---------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -259,11 +237,9 @@ def check_host_memory(
     memory: HostMemory | None = None,
     process_group=None,
 ) -> HostCheck:
-    """Raises ``HostMemoryError`` unless this host can hold ``plan`` for each of its ranks.
-
-    Every rank of ``process_group`` (all ranks when torch.distributed is initialised and no group is
-    given) takes the largest need and the smallest availability of them all, so every rank raises the
-    same error or none does. Returns the verdict when it fits."""
+    """Raises ``HostMemoryError`` unless this host can hold ``plan`` for each of its ranks (plus the headroom);
+    the ranks of ``process_group`` (default: all) agree on the largest need and the smallest availability, so
+    all raise or none does. Returns the verdict."""
     local_ranks = ranks_per_host() if local_ranks is None else local_ranks
     memory = host_memory() if memory is None else memory
     needed = plan.host_bytes * local_ranks + headroom_bytes
@@ -292,9 +268,7 @@ def _agree(needed: int, available: int, process_group) -> tuple[int, int]:
     return int(both[0]), -int(both[1])
 
 
-# ------------------------------------------------------------------------------------------------
-# the pinned pool
-# ------------------------------------------------------------------------------------------------
+# -- the pinned pool -----------------------------------------------------------------------------
 
 
 def _register(nbytes: int) -> torch.Tensor:
@@ -318,24 +292,16 @@ def _register(nbytes: int) -> torch.Tensor:
 
 class PinnedPool:
     """Host slots reused from step to step. ``acquire(nbytes)`` lends a view of ``nbytes`` of the smallest free
-    slot that holds them; when none does, the free slots (all smaller) are dropped, and a slot of exactly
+    slot that holds them; when none does, the free slots (all smaller) are dropped and a slot of exactly
     ``nbytes`` is allocated. ``release`` takes the view back. Page-locked (``cudaHostRegister``) when ``pin``.
     ``limit_bytes`` caps what it holds (the bytes ``check_host_memory`` approved): past it, ``HostMemoryError``.
 
-    Bound (without ``reserve``): a slot is allocated only when no slot is left free, so the pool never holds
-    more slots than it lent at once, and none larger than the largest request: ``reserved_bytes <= (most slots
-    lent at once) x (largest request)``. The block checkpoints of one step share one size, and a longer
-    sequence puts at least as many of them on the host, so this is the longest step's need: steps of varying
-    lengths (the Trainer's, SFT's) hold at most what the longest one needs, and for one length exactly its
-    checkpoints' bytes. A step longer than all before it re-pins (drops the smaller slots, allocates its own).
+    Bound: a slot is allocated only when none is free, so ``reserved_bytes <= (most slots lent at once) x
+    (largest request)``: steps of varying lengths hold at most the longest step's checkpoints. Slots made by
+    ``reserve`` (a plan) are kept: a longer checkpoint, which the plan did not check, is refused instead.
 
-    ``reserve`` (a plan) allocates slots that are kept: they serve every shorter checkpoint, and a longer one,
-    which the plan did not check, is refused instead of dropping them (``limit_bytes`` = the plan's bytes).
-
-    Every write into a slot is issued on the one copy stream of its offloader, so a slot released after
-    its H2D was issued can be lent again at once: the next D2H into it runs after that H2D in stream order.
-    A slot is dropped only after ``drain`` (the offloader's: the copy stream synchronised), as a copy issued
-    from it may still be reading it."""
+    Every write into a slot is issued on its offloader's one copy stream, so a released slot can be lent again
+    at once (stream order); a slot is dropped only after ``drain`` (the copy stream synchronised)."""
 
     def __init__(self, pin: bool, limit_bytes: int | None = None):
         self.pin, self.limit_bytes = pin, limit_bytes
@@ -401,19 +367,13 @@ class PinnedPool:
         self._drop([b for slots in self._free.values() for b in slots])
 
 
-# ------------------------------------------------------------------------------------------------
-# the offloader: one per model, driven by OffloadedCheckpoint
-# ------------------------------------------------------------------------------------------------
+# -- the offloader: one per model, driven by OffloadedCheckpoint ---------------------------------
 
 
 class _Saved:
-    """One checkpoint: on the GPU (kept or pending), in a pool slot on the host, or fetched back.
-
-    Like a tensor autograd saves, it must not be modified in place before backward (the recompute would start
-    from other values: the gradient of another function). Its version counter is read at the save, when the
-    deferred copy to the host is issued (the copy takes the values of that moment) and at the restore (through
-    the caller's tensor, held weakly once the device copy is gone: a device-to-host copy may still be reading
-    it), and any change raises, as autograd does."""
+    """One checkpoint: on the GPU (kept or pending), in a pool slot on the host, or fetched back. Like a tensor
+    autograd saves, it must not be modified in place before backward: its version counter is read at the save,
+    when the copy to the host is issued and at the restore, and any change raises."""
 
     __slots__ = ("__weakref__", "index", "nbytes", "shape", "dtype", "device", "where", "gpu", "slot",
                  "fetched", "owner", "generation", "version", "source", "copied_version")  # fmt: skip
@@ -445,9 +405,9 @@ class _Saved:
 
 
 class CheckpointOffloader:
-    """Places the block checkpoints of one model (module docstring). ``gpu_budget_bytes``: checkpoint
-    bytes kept on the GPU before any goes to the host (0: all but the newest go). ``host_limit_bytes``:
-    the most the pinned pool may allocate (``plan.host_bytes`` after ``check_host_memory``)."""
+    """Places the block checkpoints of one model (module docstring). ``gpu_budget_bytes``: checkpoint bytes kept
+    on the GPU before any goes to the host (0: all but the newest go). ``host_limit_bytes``: the most the pinned
+    pool may allocate (``plan.host_bytes`` after ``check_host_memory``)."""
 
     def __init__(self, gpu_budget_bytes: int = 0, host_limit_bytes: int | None = None):
         if gpu_budget_bytes < 0:
@@ -576,13 +536,9 @@ class CheckpointOffloader:
         return x
 
     def _fetch(self, saved: _Saved) -> None:
-        """H2D of a host checkpoint into a fresh device tensor (the copy on the copy stream on GPU); the slot
-        goes back to the pool (the next write into it is ordered after this copy on the same stream).
-
-        The tensor is allocated on the compute stream, so its memory comes from (and returns to) the
-        compute stream's pool instead of staying reserved for the copy stream; the copy waits for the
-        compute work queued so far (whose freed memory the allocation may reuse), i.e. it runs while the
-        block about to be recomputed runs."""
+        """H2D of a host checkpoint into a fresh device tensor (on the copy stream on GPU); the slot goes back to the
+        pool (the next write into it is ordered after this copy). The tensor is allocated on the compute stream; the
+        copy waits for the compute work queued so far, so it runs while the block about to be recomputed runs."""
         x = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
         host = saved.slot.view(saved.dtype).view(saved.shape)
         if self.cuda:
@@ -605,16 +561,12 @@ class CheckpointOffloader:
         saved.where = "done"
 
 
-# ------------------------------------------------------------------------------------------------
-# the checkpoint function
-# ------------------------------------------------------------------------------------------------
+# -- the checkpoint function ---------------------------------------------------------------------
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):
-    """fn(x, *rest) run without grad; x kept by the offloader; recomputed with grad in backward.
-
-    ``dummy`` (an empty tensor that requires grad) makes the output require grad whenever grad is on, also
-    when ``x`` does not (a frozen embedding): the block's parameters still get their gradients."""
+    """fn(x, *rest) run without grad; x kept by the offloader; recomputed with grad in backward. ``dummy`` (an
+    empty tensor that requires grad) makes the output require grad also when ``x`` does not (a frozen embedding)."""
 
     @staticmethod
     def forward(ctx, fn, offloader, preserve_rng, dummy, x, *rest):
@@ -640,12 +592,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
 
 class OffloadedCheckpoint:
-    """``checkpoint(block, x, *rest)``: a block checkpoint function (``MambaLM.checkpoint``) whose
-    checkpoints (the hidden state ``x``, (batch, seqlen, d_model)) are placed by a ``CheckpointOffloader``.
-
-    ``rest`` (document labels, None) is kept as passed: no gradient flows to it. The block is recomputed
-    once in backward under the forward's autocast settings, and from the forward's RNG states when
-    ``preserve_rng_state`` (``memory/recompute.py``: what ``torch.utils.checkpoint`` keeps)."""
+    """``checkpoint(block, x, *rest)``: a block checkpoint function (``MambaLM.checkpoint``) whose checkpoints
+    (the hidden state ``x``, (batch, seqlen, d_model)) are placed by a ``CheckpointOffloader``. ``rest``
+    (document labels, None) is kept as passed, without gradient. The block is recomputed once in backward
+    under the forward's autocast settings, and its RNG states when ``preserve_rng_state``."""
 
     def __init__(self, offloader: CheckpointOffloader, preserve_rng_state: bool = True):
         self.offloader, self.preserve_rng_state = offloader, preserve_rng_state

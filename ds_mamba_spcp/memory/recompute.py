@@ -1,16 +1,12 @@
 """What a recompute in backward takes over from its forward, as ``torch.utils.checkpoint`` does.
 
-A block that is run without a graph in forward and again with one in backward (``OffloadedCheckpoint``,
-``tiled_block``) must compute the same function both times, or its gradients are those of another function
-than the loss's. Two pieces of global state decide it besides the inputs:
+A block run without a graph in forward and again with one in backward (``OffloadedCheckpoint``, ``tiled_block``)
+must compute the same function both times. Besides the inputs, two pieces of global state decide it:
 
-- autocast: training loops (accelerate, the Trainer, most hand-written ones) enter autocast around the
-  forward only, so the backward runs outside it; a recompute there would run in the weights' dtype. The
-  forward's settings (enabled, dtype, cache) of the input's device type and of the CPU are captured and
-  re-entered around the recompute, the two device types ``torch.utils.checkpoint`` captures;
-- the random number generators: a random op (dropout) must draw what it drew in forward. The CPU generator
-  and the input's device's are captured, and the recompute runs inside ``torch.random.fork_rng`` from them,
-  so the caller's generators are as they were after it.
+- autocast (loops enter it around the forward only): the forward's settings for the input's device type and
+  the CPU are captured and re-entered around the recompute;
+- the random number generators: the CPU's and the input device's are captured, and the recompute runs inside
+  ``torch.random.fork_rng`` from them (the caller's generators are left as they were).
 """
 
 from __future__ import annotations

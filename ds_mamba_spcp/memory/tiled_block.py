@@ -13,32 +13,16 @@
               -> dx[s-(K-1) : e] (added: the halo rows are tile k-1's too), S_in's gradient (for tile k-1),
               the parameters' gradients, summed in fp32 over the tiles and returned once per block
 
-Each recompute runs under the forward's autocast settings and, when a random op drew in forward (a norm with
-dropout), from the generators' state that tile's forward began with (``memory/recompute.py``, what
-``torch.utils.checkpoint`` keeps): backward differentiates what forward computed. The mixer's core itself
-computes with autocast off, as the untiled op does.
+K is the conv width (d_conv). Each recompute runs under the forward's autocast settings and, when a random op
+drew in forward, from the generators' state that tile's forward began with (``memory/recompute.py``); the core
+computes with autocast off, as the untiled op does. The tiles chain as segments of one row do (docs/design.md,
+"The algebra", "Packed rows": each tile's labels renumbered from 0, halo rows of another document zeroed, a
+tile that begins a document gets S_in = 0).
 
-K is the conv width (d_conv). The tiles chain as segments of one causal row do (docs/design.md, "The algebra",
-here within one rank): S_out = exp(log_a) * S_in + S_ext. Packed rows (seq_idx) follow the rules between ranks
-(docs/design.md, "Packed rows"): each tile's labels renumbered from 0, halo rows of another document zeroed, a
-tile that begins on a document start gets S_in = 0.
-
-Memory: between forward and backward, x and ntiles - 1 fp32 states per block (nothing of the width of in_proj's
-output; with a random op, also one generator state per tile, about 5 KiB on the host); during one block's
-backward, dout and dx (d_model wide, the whole shard), fp32 sums of the block's parameter gradients and one
-tile's graph and kernels' working set. Cost: the forward of the core runs twice and its backward once, as
-with per-block activation checkpointing; in_proj and the norm also run K-1 extra rows per tile.
-
-The parameters are inputs of the block's autograd Function, and its backward returns their gradients summed
-over the tiles: one accumulation per parameter and block, as without tiles, so DeepSpeed's ZeRO 1-2 and bf16
-gradient hooks (post-accumulate hooks) fire once per block; the tiles' own gradients come from
-``torch.autograd.grad``, which accumulates nothing (DeepSpeed's TiledMLP instead lets every tile accumulate
-and holds the hooks back with ``ds_grad_is_ready``; the sum here is also in fp32, one rounding per block).
-
-Not supported (errors say so): ZeRO stage 3 (its parameters are partitioned between module calls), a
-sequence-parallel group of more than one rank (the shard's incoming state comes from the ranks' exchange; it
-would take a summary pass over the tiles, the exchange, then the tiles, and the reverse in backward), and
-``cu_seqlens`` (the function takes ``seq_idx``).
+The parameters are inputs of the block's autograd Function, whose backward returns their gradients summed
+over the tiles in fp32 (``torch.autograd.grad`` accumulates nothing), so DeepSpeed's ZeRO 1-2 and bf16
+gradient hooks fire once per block, as without tiles. Refused: ZeRO stage 3 (partitioned parameters), a group
+of more than one rank (the shard's incoming state comes from the exchange), ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -67,16 +51,12 @@ def tile_spans(seqlen: int, tile_tokens: int) -> tuple:
     return tuple((s, min(s + tile_tokens, seqlen)) for s in range(0, seqlen, tile_tokens))
 
 
-# ---------------------------------------------------------------------------------------------
-# the core of one tile: the backend's segment with a halo and an incoming state, both differentiable
-# ---------------------------------------------------------------------------------------------
+# -- the core of one tile: the backend's segment with a halo and an incoming state, both differentiable --
 
 
 class _TileCore(torch.autograd.Function):
     """(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, S_in) -> (out, S_out) of one
-    segment on one device, through the backend's ``segment_fwd`` / ``segment_bwd`` in known mode
-    (ops/segment.py): the backend returns S_out = exp(log_a) S_in + S_ext and dS_in = L + exp(log_a) dS_out.
-    No math of its own."""
+    segment, through the backend's ``segment_fwd`` / ``segment_bwd`` in known mode (ops/segment.py)."""
 
     @staticmethod
     def forward(ctx, backend, spec, labels, keep_y, zxbcdt, halo, *params_and_state):
@@ -104,9 +84,7 @@ class _TileCore(torch.autograd.Function):
         return None, None, None, None, dzxbcdt, dhalo, *dparams, dS_in.to(S_in.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# one tile of the block
-# ---------------------------------------------------------------------------------------------
+# -- one tile of the block --------------------------------------------------------------------
 
 
 @dataclass
@@ -172,9 +150,7 @@ class _TiledBlockFn(torch.autograd.Function):
                     rngs.append(rng_state(x.device))
                 out_k, S_in = block.tile(k, x[:, s - block.halo_rows(k) : e], S_in)
                 out[:, s:e] = out_k
-        # Each tile is recomputed from the generators' state its forward began with: the tiles run in reverse
-        # in backward, and a random op in the norm (dropout) draws anew in every tile. Nothing drew (the usual
-        # case): nothing to replay.
+        # backward runs the tiles in reverse: each replays its forward's generator state (if anything drew)
         ctx.rngs = None if not rngs or rngs[0].same_as(rng_state(x.device)) else rngs
         ctx.autocast = autocast_state(x.device)  # re-entered around each recompute (memory/recompute.py)
         ctx.block = block
@@ -215,9 +191,7 @@ class _TiledBlockFn(torch.autograd.Function):
         return None, dx, *dparams
 
 
-# ---------------------------------------------------------------------------------------------
-# the public function
-# ---------------------------------------------------------------------------------------------
+# -- the public function ----------------------------------------------------------------------
 
 
 def _block_params(norm, mixer) -> list:
@@ -272,14 +246,11 @@ def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None, preserve_rng_sta
     """``x + mixer(norm(x))`` of a pre-norm Mamba2 block, recomputed in backward tile by tile.
 
     x: (batch, seqlen, d_model), the whole sequence on this rank (a group of one); norm: a per-token module
-    (RMSNorm, LayerNorm: each token's output reads that token only); mixer: a ``DistributedMamba2``;
-    tile_tokens: tokens per tile (the last tile may be shorter, a tile may be shorter than d_conv - 1);
-    seq_idx: (batch, seqlen) document labels of packed rows (non-decreasing), or None; preserve_rng_state: as
-    ``torch.utils.checkpoint``'s (a random norm then draws in each tile's recompute what it drew in forward; a
-    tile draws for its halo rows too, so with dropout the tiled block is not the untiled one draw for draw).
-    Returns (batch, seqlen, d_model). The result and every gradient are the untiled block's up to the order
-    of floating-point sums (the tests: fp64, 1e-10). The call is its own activation checkpoint: use it in
-    place of ``torch.utils.checkpoint`` / ``deepspeed.checkpointing.checkpoint`` around the block, not inside.
+    (RMSNorm, LayerNorm); mixer: a ``DistributedMamba2``; tile_tokens: tokens per tile (the last may be shorter);
+    seq_idx: (batch, seqlen) non-decreasing document labels, or None; preserve_rng_state: as
+    ``torch.utils.checkpoint``'s (a tile draws for its halo rows too: with dropout not the untiled block's draws).
+    Returns (batch, seqlen, d_model), the untiled block's up to the order of sums, gradients too. The call is its
+    own activation checkpoint: use it in place of one around the block, not inside.
     """
     from ds_mamba_spcp.integrations.mamba_ssm.mixer import DistributedMamba2
 

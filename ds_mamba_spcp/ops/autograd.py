@@ -1,11 +1,8 @@
 """What the package's autograd Functions share: their backward is first-order only.
 
-The backwards of the sharded op run collectives and Triton kernels that build no graph, so with
-``create_graph=True`` (gradient penalties, higher-order derivatives) their gradients would come back
-without the op's second-order terms. ``torch.autograd.function.once_differentiable`` raises only when
-the incoming gradient itself requires grad, which a loss linear in the op's output does not: the
-terms would still vanish silently. ``first_order_only`` raises as soon as a backward runs in a graph
-being recorded (``create_graph=True`` is the only way grad mode is on inside a backward).
+The backwards run collectives and Triton kernels that build no graph, so with ``create_graph=True`` the op's
+second-order terms would vanish silently (``once_differentiable`` raises only when the incoming gradient
+requires grad). ``first_order_only`` raises as soon as a backward runs with grad mode on.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Plain-PyTorch reference backend for the Mamba2 mixer core.
 
-Every function here is differentiable by autograd, runs on any device, and works in fp64 and
-fp32. It is the CPU path of the sequence-parallel op and the ground truth of the tests; the
-Triton backend (``ops/triton.py``) implements the same ``segment_fwd`` / ``segment_bwd`` contract.
+Differentiable by autograd, any device, fp64 and fp32: the CPU path of the op and the ground truth of the
+tests. ``segment_fwd`` / ``segment_bwd`` state the contract the Triton backend implements too.
 
 Pipeline of one causal segment (a rank's shard, or half of it under ``virtual``):
 
@@ -27,20 +26,17 @@ from ds_mamba_spcp.ops.spec import CoreSpec, split_zxbcdt
 
 NAME = "reference"
 
-# ---------------------------------------------------------------------------------------------
-# conv
-# ---------------------------------------------------------------------------------------------
+# -- conv -------------------------------------------------------------------------------------
 
 
 def causal_conv1d_ref(x, weight, bias=None, initial_states=None, activation="silu", seq_idx=None):
     """Causal depthwise conv1d over time, optionally continuing from a previous segment.
 
-    x: (batch, seqlen, dim); weight: (dim, width); bias: (dim,) or None;
-    initial_states: (batch, width-1, dim), the last width-1 *pre-conv* rows of the causally
-    previous segment (zeros when None). seq_idx: (batch, seqlen) int document index of each token,
-    or None: an output reads only inputs of its own document, as causal-conv1d 1.7 does (the
-    initial_states rows count as the row's first document; a negative id is padding, output 0).
-    Computed in the wider of x's and weight's dtypes, returned in x's dtype. Returns (batch, seqlen, dim).
+    x: (batch, seqlen, dim); weight: (dim, width); bias: (dim,) or None; initial_states: (batch, width-1, dim),
+    the last width-1 *pre-conv* rows of the previous segment (zeros when None). seq_idx: (batch, seqlen) int
+    document ids or None: an output reads only its own document's inputs, as causal-conv1d 1.7 does (the
+    initial_states rows belong to the row's first document; a negative id is padding, output 0). Computed in
+    the wider of x's and weight's dtypes; returns (batch, seqlen, dim) in x's dtype.
     """
     batch, seqlen, dim = x.shape
     width = weight.shape[-1]
@@ -68,9 +64,7 @@ def causal_conv1d_ref(x, weight, bias=None, initial_states=None, activation="sil
     return out.to(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# dt
-# ---------------------------------------------------------------------------------------------
+# -- dt ---------------------------------------------------------------------------------------
 
 
 def process_dt(dt, dt_bias=None, dt_limit=(0.0, float("inf"))):
@@ -84,9 +78,7 @@ def process_dt(dt, dt_bias=None, dt_limit=(0.0, float("inf"))):
     return dt
 
 
-# ---------------------------------------------------------------------------------------------
-# SSD
-# ---------------------------------------------------------------------------------------------
+# -- SSD --------------------------------------------------------------------------------------
 
 
 def _heads_from_groups(t, nheads):
@@ -97,13 +89,10 @@ def _heads_from_groups(t, nheads):
 def ssd_chunked_ref(x, dt, A, B, C, chunk_size, initial_states=None, seq_idx=None):
     """Chunked SSD scan (no D, no z). dt is already processed (softplus, bias, clamp).
 
-    Any seqlen: the tail is padded with dt = 0, which neither decays nor feeds the state.
-    seq_idx: (batch, seqlen) canonical document labels (``canonical_seq_idx``) or None: the state
-    restarts at every document start, as in mamba-ssm's kernels, and initial_states reaches the
-    tokens labelled 0 only.
-    Returns y (batch, seqlen, nheads, headdim) in x's dtype and final_states
-    (batch, nheads, headdim, dstate) in the compute dtype (fp32 or fp64): the state after the last
-    token (the last document's).
+    Any seqlen (the tail padded with dt = 0). seq_idx: (batch, seqlen) canonical labels or None: the state
+    restarts at every document start and initial_states reaches the tokens labelled 0 only.
+    Returns y (batch, seqlen, nheads, headdim) in x's dtype and final_states (batch, nheads, headdim, dstate)
+    in the compute dtype (fp32 or fp64), the state after the last token.
     """
     batch, seqlen, nheads, headdim = x.shape
     cdtype = torch.promote_types(x.dtype, torch.float32)
@@ -201,9 +190,7 @@ def gated_rmsnorm_ref(y, z, weight, eps=1e-6, group_size=None, norm_before_gate=
     return out.to(dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# the segment contract shared with the Triton backend
-# ---------------------------------------------------------------------------------------------
+# -- the segment contract shared with the Triton backend --------------------------------------
 
 
 def _segment_pre(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec: CoreSpec, seq_idx=None):
@@ -241,17 +228,15 @@ def _ready(halo):
 def segment_fwd(zxbcdt, halo, params, *, spec, seq_idx=None, keep_y=False, S_in=None):
     """Forward of one causal segment (batch may hold several segments, see layout.py), a generator.
 
-    params: (conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight); halo: (batch, d_conv-1, conv_dim)
-    pre-conv xBC rows of the causally previous segment, or a handle whose ``wait()`` gives them (None: zeros).
-    seq_idx: (batch, seqlen) canonical document labels of
-    the segment (``canonical_seq_idx``: its first fragment is 0) or None.
-    Protocol (``ops/segment.py`` drives it): yields ``(S_ext, log_a)`` (fp32 or wider), the segment's
-    summary from a zero state: S_ext its final state, log_a the log of the factor by which its
-    incoming state reaches its end (-inf when a document starts inside); is then sent a handle whose
-    ``wait()`` gives S_in, the state entering the segment (it reaches the tokens labelled 0); returns
-    ``(out (batch, seqlen, d_inner), y)``, y being the pre-gate output kept for segment_bwd when
-    keep_y (this backend recomputes everything and keeps None). Known mode (``ops/segment.py``): S_in given,
-    nothing is yielded and ``(out, y, S_out)`` is returned, S_out = exp(log_a) S_in + S_ext.
+    zxbcdt: (batch, seqlen, d_in_proj); params: (conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight);
+    halo: (batch, d_conv-1, conv_dim) pre-conv xBC rows of the previous segment, or a handle whose ``wait()``
+    gives them (None: zeros). seq_idx: (batch, seqlen) canonical labels (``canonical_seq_idx``) or None.
+    Protocol (``ops/segment.py``): yields ``(S_ext, log_a)`` (fp32 or wider), the summary from a zero state:
+    S_ext its final state, log_a the log of the factor by which its incoming state reaches its end (-inf when
+    a document starts inside); is sent a handle whose ``wait()`` gives S_in (it reaches the tokens labelled
+    0); returns ``(out (batch, seqlen, d_inner), y)``, y the pre-gate output kept when keep_y (None here: this
+    backend recomputes). Known mode (S_in given): nothing yielded, returns ``(out, y, S_out)``,
+    S_out = exp(log_a) S_in + S_ext.
     """
     conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight = params
     known = S_in is not None
@@ -271,15 +256,13 @@ def segment_fwd(zxbcdt, halo, params, *, spec, seq_idx=None, keep_y=False, S_in=
 def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=None, dS_out=None):
     """Backward of ``segment_fwd`` by recomputation under autograd, a generator.
 
-    kept: the list holding what segment_fwd kept, or None. A backend pops what it uses (so that a
-    kept tensor is freed as soon as the backward is done with it) and recomputes what is missing.
-    Protocol: yields L, the gradient reaching S_in when S_out receives none; is sent a handle whose
-    ``wait()`` gives dS_out, the gradient that later segments send to S_out; yields the halo's
-    gradient (batch, d_conv-1, conv_dim) (None without a halo), so that the caller can post its
-    return while the backend finishes; returns the gradients of (zxbcdt, conv1d_weight, conv1d_bias,
-    dt_bias, A, D, rmsnorm_weight) in that order (None for a None input). Known mode (``ops/segment.py``):
-    dS_out given, only the halo's gradient is yielded, and the gradient reaching S_in (L + exp(log_a) dS_out)
-    is returned after the others.
+    kept: the list holding what segment_fwd kept, or None; a backend pops what it uses (freed early) and
+    recomputes what is missing. Protocol: yields L, the gradient reaching S_in when S_out receives none; is
+    sent a handle whose ``wait()`` gives dS_out, what later segments send to S_out; yields the halo's gradient
+    (batch, d_conv-1, conv_dim) (None without a halo), posted by the caller while the backend finishes;
+    returns the gradients of (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight) (None for a
+    None input). Known mode (dS_out given): only the halo's gradient is yielded, and the gradient reaching S_in
+    (L + exp(log_a) dS_out) is returned after the others.
     """
     known = dS_out is not None
     inputs = [zxbcdt, halo, *params]
@@ -315,9 +298,7 @@ def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=No
     return (grads[0], *grads[2:])
 
 
-# ---------------------------------------------------------------------------------------------
-# the single-device op on the full sequence (ground truth of the distributed tests)
-# ---------------------------------------------------------------------------------------------
+# -- the single-device op on the full sequence (ground truth of the distributed tests) --------
 
 
 def mamba_split_conv1d_scan_ref(
@@ -342,12 +323,9 @@ def mamba_split_conv1d_scan_ref(
 ):
     """Single-device mixer core in plain PyTorch, differentiable by autograd end to end.
 
-    Same arguments as ``mamba_split_conv1d_scan_sp`` (minus the group and layout). seq_idx:
-    (batch, seqlen) non-decreasing document labels of a packed row, or None: the conv and the state
-    restart at every document start, initial_states enters the row's first document only (whatever
-    its label) and final_states is the state after the last token. Returns out (batch, seqlen,
-    nheads*headdim), and final_states (batch, nheads, headdim, dstate) in fp32 (fp64 for fp64 input)
-    when return_final_states.
+    Same arguments as ``mamba_split_conv1d_scan_sp`` (minus the group and layout; seq_idx the whole row's).
+    Returns out (batch, seqlen, nheads*headdim), and final_states (batch, nheads, headdim, dstate) in fp32
+    (fp64 for fp64 input) when return_final_states.
     """
     spec = CoreSpec.infer(
         zxbcdt,
@@ -376,9 +354,8 @@ def mamba_split_conv1d_scan_ref(
 def ssd_recurrent_ref(x, dt, A, B, C, initial_states=None, seq_idx=None):
     """Token-by-token recurrence h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = C_t h_t.
 
-    seq_idx: (batch, seqlen) document labels or None: h restarts from zero wherever the label
-    changes, so initial_states reaches the row's first document only. The slow, obviously-correct
-    definition that ``ssd_chunked_ref`` and the sharded op are tested against.
+    seq_idx: (batch, seqlen) document labels or None: h restarts from zero wherever the label changes. The
+    slow, obviously correct definition the chunked scan and the sharded op are tested against.
     """
     batch, seqlen, nheads, headdim = x.shape
     cdtype = torch.promote_types(x.dtype, torch.float32)

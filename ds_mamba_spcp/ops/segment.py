@@ -1,8 +1,7 @@
 """The segment protocol both backends implement, and how its generators are driven.
 
-A backend's ``segment_fwd`` / ``segment_bwd`` are generators that stop where the summary of their
-causal segment must travel, so that the caller decides where it goes (another rank, the next tile
-of the same shard, nowhere) and the backend's code still reads "post, compute, wait":
+A backend's ``segment_fwd`` / ``segment_bwd`` are generators that stop where their segment's summary must
+travel, so that the caller decides where it goes (another rank, the next tile, nowhere):
 
     forward   out, y = drive_fwd(segment_fwd(...), post)
                   segment_fwd yields (S_ext, log_a) -> post(S_ext, log_a) returns a handle
@@ -13,19 +12,16 @@ of the same shard, nowhere) and the backend's code still reads "post, compute, w
                   return of it to the previous segment overlaps the backend's last kernels)
                   -> segment_bwd returns the other gradients
 
-A handle is anything with ``wait()``. ``LocalExchange`` is the exchange of a lone segment: the
-initial state comes in, the final state goes out, nothing is communicated.
-
-Where the incoming state is known before the segment starts (a group of one, each tile of its chain, a
-block tile), the generators run without a summary ("known mode"):
+A handle is anything with ``wait()``. ``LocalExchange`` is a lone segment's exchange (nothing communicated).
+Where the incoming state is known before the segment starts (a group of one, its tiles, a block tile), the
+generators run without a summary ("known mode"):
 
     forward   out, y, S_out = run_fwd_known(segment_fwd(..., S_in=S_in))
                   segment_fwd yields nothing and returns the state after the segment too (fp32 or wider)
     backward  grads, dS_in, dhalo = run_bwd_known(segment_bwd(..., dS_out=dS_out), post_halo_grad)
                   segment_bwd yields only the halo's gradient and returns the gradient reaching S_in last
 
-so that a backend can skip what only the exchange needs (the Triton backend: the forward's fold of the
-chunk states, and the backward's separate L; dS_in = L + exp(log_a) dS_out comes out of one fold).
+so that a backend can skip what only the exchange needs (the Triton backend's folds).
 """
 
 from __future__ import annotations
@@ -102,11 +98,9 @@ def run_bwd_known(gen, post_halo_grad=None):
 
 
 class LocalExchange:
-    """The exchange of a single segment on one device: S_in is the initial state (or zero).
-
-    After forward, ``final_states`` holds the state after the segment; set ``dfinal_states`` before
-    backward, after which ``dinitial_states`` holds the gradient of the initial state.
-    """
+    """The exchange of a single segment on one device: S_in is the initial state (or zero). After forward,
+    ``final_states`` holds the state after the segment; set ``dfinal_states`` before backward, after which
+    ``dinitial_states`` holds the gradient of the initial state."""
 
     def __init__(self, initial_states=None, dfinal_states=None):
         self.initial_states = initial_states
@@ -127,17 +121,14 @@ class LocalExchange:
         return Ready(dS_out)
 
 
-# ---------------------------------------------------------------------------------------------
-# document labels of packed rows, as every segment sees them (docs/design.md, "Packed rows")
-# ---------------------------------------------------------------------------------------------
+# -- document labels of packed rows, as every segment sees them (docs/design.md, "Packed rows") --
 
 
 def canonical_seq_idx(seq_idx):
     """Document labels renumbered per row from 0 (the row's first document), +1 at each change.
 
-    seq_idx: (batch, seqlen) non-decreasing labels (any that grow at each document start). The
-    kernels compare labels for equality and apply initial states to label 0 only, so every call
-    into them takes this form. Returns int32 on the same device.
+    seq_idx: (batch, seqlen) non-decreasing labels. The kernels apply initial states to label 0 only, so every
+    call into them takes this form. Returns int32 on the same device.
     """
     change = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
     # the first label from seq_idx itself: change[:, :1] is empty for a one-token row

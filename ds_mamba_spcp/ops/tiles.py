@@ -1,10 +1,8 @@
 """A causal segment run as consecutive tiles on one device, with the state and the conv halo carried.
 
-mamba-ssm's kernels index with int32 offsets, so one call can take at most ``max_tokens_per_call``
-tokens (batch x seqlen); a longer segment (a long shard, the whole row of a group of one, the
-gathered row of the ulysses mode) runs here as tiles: row groups, and within a row consecutive
-stretches of the sequence, each a segment of its own for the backend. The tiles of a row form a
-chain with the algebra the ranks use (docs/design.md, "The algebra"), only local:
+A segment longer than ``max_tokens_per_call`` (int32 offsets), or any with ``tile_length``, runs here as
+tiles: row groups x consecutive stretches, each a segment for the backend, chained with the ranks' algebra
+(docs/design.md, "The algebra"):
 
     forward   every tile's summary (S_ext_k, log_a_k) from a zero state (the backend's first phase)
               -> the segment's summary, folded: S_ext = sum_k (prod_{j>k} a_j) S_ext_k, log_a = sum_k log_a_k
@@ -13,15 +11,11 @@ chain with the algebra the ranks use (docs/design.md, "The algebra"), only local
               dS_out arrives -> dS_out_k = L_{k+1} + a_{k+1} dS_out_{k+1} from the last tile back; the
               halo gradient of tile k > 0 lands on tile k-1's last rows; tile 0's goes to the caller
 
-The generators have the protocol of ``ops/segment.py``, so the strategies use them in place of the
-backend's. Packed rows: a tile that begins a document gets log_a = -inf, S_in = 0 and no L, and its
-halo rows of another document are zeroed (as between ranks). Memory: with ranks, the tiles' intermediates
-live from their first phase to their finish, as the untiled call's do, so tiling removes the length cap
-without lowering the op's peak; the tiles' incoming states (fp32, tiny) are kept for the backward.
-
-Known mode (a group of one: the segment's S_in is there before it starts, ops/segment.py): no summaries and
-no fold; each tile runs whole from the previous one's S_out, and backward from the next one's dS_in, one
-tile's intermediates alive at a time.
+The generators have the protocol of ``ops/segment.py``. Packed rows: a tile that begins a document gets
+log_a = -inf, S_in = 0 and no L, and its halo rows of another document are zeroed. Memory: with ranks, the
+tiles' intermediates live from their first phase to their finish (the length cap goes, not the peak); the
+tiles' fp32 incoming states are kept for the backward. Known mode (S_in there before the start): each tile
+runs whole from the previous one's S_out (backward: from the next one's dS_in), one tile alive at a time.
 """
 
 from __future__ import annotations
@@ -145,9 +139,8 @@ def _fold(chains, summaries, decay):
 
 def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, params, *, spec, seq_idx=None, keep_y=False,
                 S_in=None):  # fmt: skip
-    """``backend.segment_fwd`` over ``tiles`` (the protocol of ops/segment.py). ``saved`` receives the
-    tiles' incoming states and decays exp(log_a) ("S_in", "decay": lists per row group; None in a row group of
-    one tile) for segment_bwd; the kept y is a list with one entry per tile. Known mode (S_in given): ``_known_fwd``."""
+    """``backend.segment_fwd`` over ``tiles``. ``saved`` receives the tiles' incoming states and decays ("S_in",
+    "decay": lists per row group) for segment_bwd; the kept y is a list, one entry per tile."""
     chains = _chains(zxbcdt, halo, seq_idx, spec, tiles)
     out = torch.empty(*zxbcdt.shape[:2], spec.d_inner, dtype=zxbcdt.dtype, device=zxbcdt.device)
     # a backend that can writes each tile's output into its view of out (no copy afterwards)
@@ -163,8 +156,7 @@ def segment_fwd(backend, tiles: Tiles, saved: dict, zxbcdt, halo, params, *, spe
             S_ext, log_a = next(gen)
             gens.append(gen)
             summaries.append((S_ext, ch.log_a(k, log_a)))
-    # each tile's decay exp(log_a), once: the summary fold (tiles 1..n-1 of a row group), the chain of S_in (tiles
-    # 0..n-2) and the backward (all of them) use it; a row group of one tile needs none
+    # each tile's decay exp(log_a), once, for the summary fold, the chain of S_in and the backward
     decays = [None] * len(summaries)
 
     def decay(i):
@@ -258,11 +250,7 @@ def segment_bwd(backend, tiles: Tiles, saved: dict, dout, zxbcdt, halo, params, 
     return (dzxbcdt, *dparams)
 
 
-# ---------------------------------------------------------------------------------------------
-# known mode (ops/segment.py): the incoming state is there before the first tile (a group of one), so each
-# tile runs from its first kernel to its end before the next starts, with its own incoming state: no summary
-# and no fold of summaries, and one tile's intermediates alive at a time (forward and backward)
-# ---------------------------------------------------------------------------------------------
+# -- known mode (ops/segment.py): each tile whole before the next, one tile's intermediates alive at a time --
 
 
 def _known_tiles(backend, ch, params, spec, keep_y, state, out=None):
@@ -344,18 +332,14 @@ def _put(view, value):
         view.copy_(value)
 
 
-# ---------------------------------------------------------------------------------------------
-# forward only (inference): nothing saved for a backward, no kept y, a tile's intermediates freed when it ends
-# ---------------------------------------------------------------------------------------------
+# -- forward only (inference): nothing saved for a backward, no kept y, a tile's intermediates freed when it ends --
 
 
 def forward_groups(nrows: int, seqlen: int, spec: CoreSpec, limit: int | None, tile_length: int | None,
                    labels: torch.Tensor | None = None) -> list[tuple]:  # fmt: skip
-    """The chains of a forward-only segment of (nrows, seqlen): [(r0, r1, spans)], each a row group and its
-    consecutive spans (s, e). Without labels: ``plan``'s tiles (one span of the whole row group where none
-    are needed). With labels (nrows, seqlen): every row its own chain, cut where ``plan`` cuts and at every
-    document start (one host read), so that the state after each span that ends a document is that
-    document's final state (``documents.py``)."""
+    """The chains of a forward-only segment of (nrows, seqlen): [(r0, r1, spans)]. Without labels: ``plan``'s
+    tiles. With labels (nrows, seqlen): every row its own chain, cut where ``plan`` cuts and at every document
+    start (one host read), so that the state after a span that ends a document is its final state."""
     tiles = plan(nrows, seqlen, spec, limit, tile_length)
     if labels is None:
         if tiles is None:
@@ -395,8 +379,7 @@ def _chains_of(zxbcdt, halo, seq_idx, spec, groups):
 def forward_known(backend, groups, zxbcdt, halo, params, *, spec, seq_idx=None, initial_states=None):
     """A segment whose incoming state is known (a group of one: the initial state or zeros), forward only.
 
-    groups: ``forward_groups``' chains. Each tile runs from its first kernel to its output before the next
-    starts (its intermediates freed at its end: the peak is one tile's), with keep_y False. Returns
+    groups: ``forward_groups``' chains; each tile runs whole before the next (the peak is one tile's). Returns
     (out (rows, seqlen, d_inner), states): states[g][k] is the state after span k of chain g, fp32 or wider."""
     chains = _chains_of(zxbcdt, halo, seq_idx, spec, groups)
     out, states = _Out(zxbcdt, spec, chains), []
@@ -416,12 +399,10 @@ def segment_fwd_only(backend, groups, zxbcdt, halo, params, *, spec, seq_idx=Non
     """A segment whose incoming state arrives from elsewhere (the ranks' exchange), forward only: a generator
     with the protocol of ``ops/segment.py``. groups: ``forward_groups``' chains.
 
-    The segment's summary must travel before any tile can finish. One tile keeps its first phase alive across
-    the exchange; several run in two passes, so that one tile's intermediates live at a time: each tile's
-    summary from a zero state (its first phase, then dropped), the exchange, then every tile again from its
-    incoming state (the first phase recomputed: the same kernels on the same inputs, so the same bits) to its
-    output. Nothing is kept for a backward (no incoming states or decays per tile, keep_y False). Returns
-    (out, states) as ``forward_known``."""
+    One tile keeps its first phase alive across the exchange; several run in two passes, one tile alive at a
+    time: each tile's summary (its first phase, then dropped), the exchange, then every tile again from its
+    incoming state (the first phase recomputed bitwise) to its output. Nothing is kept for a backward.
+    Returns (out, states) as ``forward_known``."""
     chains = _chains_of(zxbcdt, halo, seq_idx, spec, groups)
     two_pass = sum(len(ch.spans) for ch in chains) > 1
 

@@ -20,30 +20,19 @@ so that the state summary exchange can sit between them:
               dinitial_states, stored in fp32)
               -> _chunk_cumsum_bwd -> conv backward (dinitial_states = halo gradient)
 
-The state passing (forward, and backward) is ``ops/pass_states.py``'s: mamba-ssm's recurrences, bitwise, with the
-next chunks' loads in flight (faster per launch, and a tile launches it once per tile); DS_MAMBA_SPCP_STATE_PASSING=
-upstream launches mamba-ssm's ``_state_passing_fwd`` / ``_state_passing_bwd`` instead.
+The state passing (forward and backward) is ``ops/kernels/pass_states.py``'s: mamba-ssm's recurrences, bitwise;
+DS_MAMBA_SPCP_STATE_PASSING=upstream launches mamba-ssm's ``_state_passing_fwd`` / ``_state_passing_bwd`` instead.
 
-Numerics follow upstream's op step for step (bf16 states into the matmuls, fp32 chunk states and
-summaries), so a segment chain reproduces the single-device op up to rounding. The cross-rank
-quantities (S_ext, log_a, S_in, L, dS_out) are fp32. Nothing here reads a tensor value on the
-host, so forward and backward can be captured in a CUDA graph.
+Numerics follow upstream's op step for step (bf16 states into the matmuls, fp32 chunk states), so a segment
+chain reproduces the single-device op up to rounding; the cross-rank quantities (S_ext, log_a, S_in, L,
+dS_out) are fp32. Nothing reads a tensor value on the host (CUDA-graph capturable). Saved: the inputs, the
+halo, S_in, the gathered decays and, as upstream's op, the pre-gate output y (unless recompute_output);
+the rest is recomputed in backward.
 
-Memory: the autograd Function saves the inputs, the halo, S_in and the gathered decays, plus the
-pre-gate output y as upstream's op does (freed as soon as the gate's backward has used it; with
-recompute_output=True it is recomputed instead); the conv output, x/B/C, chunk states and CB are
-recomputed in backward. The summaries are folds that store nothing per chunk, so the peak stays at or
-below upstream's op on the same tokens (benchmarks/results).
-
-Length limit: mamba-ssm 2.3.2's kernels compute element offsets in int32 (mamba-ssm issue #1015),
-so a tensor they touch must hold fewer than 2**31 elements. The widest is zxbcdt and its gradient
-(d_in_proj elements per token): see ``max_tokens``. The sharded op runs longer segments as tiles
-(``ops/tiles.py``); only a direct call of this module with more is refused, with the way out.
-Measured on an H200 (benchmarks/probes/probe_int32_limit.py: upstream's op, bf16, batch 1, nheads=64,
-headdim=64, ngroups=8, dstate=128, d_in_proj=10304, against the fp32 reference): 208384 tokens
-(zxbcdt 2,147,188,736 elements) match (worst 1/16 of the sequence 2.8e-3 out, 3.0e-3 dzxbcdt);
-208512 tokens (2,148,507,648 elements, the first chunk past 2**31) and 212992 and 262144 end in an
-illegal memory access. The guard's bound (208412 tokens for that shape) sits between the two.
+Length limit: mamba-ssm 2.3.2's kernels compute element offsets in int32, so a tensor they touch must hold
+fewer than 2**31 elements (``max_tokens``); the sharded op runs longer segments as tiles (``ops/tiles.py``),
+and a direct call with more is refused. The bound was checked on an H200
+(benchmarks/probes/probe_int32_limit.py: 208384 tokens of a d_in_proj=10304 layer match, 208512 fault).
 """
 
 from __future__ import annotations
@@ -71,9 +60,7 @@ NAME = "triton"
 INT32_LIMIT = 2**31  # elements; offsets at or past it wrap in mamba-ssm 2.3.2's Triton kernels
 
 
-# ---------------------------------------------------------------------------------------------
-# the int32 offset guard
-# ---------------------------------------------------------------------------------------------
+# -- the int32 offset guard -------------------------------------------------------------------
 
 
 def largest_numel(rows: int, seqlen: int, spec: CoreSpec) -> int:
@@ -102,12 +89,8 @@ def max_tokens_per_call(spec: CoreSpec) -> int:
 
 
 def check_lengths(rows: int, seqlen: int, spec: CoreSpec, *, sharded: bool) -> None:
-    """Raises ValueError, with the way out, when one call would overflow the kernels' int32 offsets.
-
-    rows x seqlen: the batch as the kernels see it. The sharded op never gets here with too much (it
-    runs longer segments in tiles, ops/tiles.py); what remains refused is a direct call of this
-    backend's functions, mamba-ssm's own op among them (``single_device_op``), with too many tokens.
-    """
+    """Raises ValueError, with the way out, when one call of ``rows`` x ``seqlen`` tokens would overflow the
+    kernels' int32 offsets (only a direct call can: the sharded op runs longer segments in tiles)."""
     if largest_numel(rows, seqlen, spec) < INT32_LIMIT:
         return
     tokens, limit = rows * seqlen, max_tokens(spec)
@@ -122,9 +105,7 @@ def check_lengths(rows: int, seqlen: int, spec: CoreSpec, *, sharded: bool) -> N
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# shared pieces
-# ---------------------------------------------------------------------------------------------
+# -- shared pieces ----------------------------------------------------------------------------
 
 
 def _silu(spec: CoreSpec) -> bool:
@@ -184,7 +165,7 @@ def _pass_states(chunk_states, dA_cumsum, initial_states, out_dtype=None, seq_id
     """States entering every chunk (out_dtype) and the state after the last one (fp32)."""
     flat = chunk_states.flatten(-2)
     init = None if initial_states is None else initial_states.flatten(-2)
-    if pass_states.enabled():  # the same recurrence, with the next chunks' loads in flight (ops/pass_states.py)
+    if pass_states.enabled():  # the same recurrence, with the next chunks' loads in flight (ops/kernels/pass_states.py)
         prev, final = pass_states.state_passing_fwd(
             flat, dA_cumsum[:, :, :, -1], initial_states=init, seq_idx=seq_idx, chunk_size=chunk_size,
             out_dtype=out_dtype,
@@ -206,10 +187,9 @@ def _flat_rows(t):
 
 
 def _chunk_scan_fwd_into(cb, x, dt, dA_cumsum, C, states, D, z, seq_idx, out):
-    """mamba-ssm's ``_chunk_scan_fwd`` (same kernel, same arguments) writing the gated output into ``out``,
-    (b, l, h, p), which may be a view of a longer tensor (a tile of the segment's output), instead of a
-    fresh tensor. The kernel indexes the pre-gate output y (fresh, returned) with ``out``'s strides, so
-    only the batch stride may differ, and only for batch 1. Returns (out, y)."""
+    """mamba-ssm's ``_chunk_scan_fwd`` writing the gated output into ``out`` (b, l, h, p), possibly a view of a
+    longer tensor. The kernel indexes the fresh pre-gate output y with ``out``'s strides, so only the batch
+    stride may differ, and only for batch 1. Returns (out, y)."""
     batch, seqlen, nheads, headdim = x.shape
     _, _, nchunks, chunk_size = dt.shape
     _, _, ngroups, dstate = C.shape
@@ -246,27 +226,19 @@ def _rms_args(y, z, spec: CoreSpec):
     return y.reshape(-1, spec.d_inner), z.reshape(-1, spec.d_inner)
 
 
-# ---------------------------------------------------------------------------------------------
-# the segment contract
-# ---------------------------------------------------------------------------------------------
+# -- the segment contract ---------------------------------------------------------------------
 
 WRITES_INTO = True  # segment_fwd takes out=, segment_bwd dzxbcdt=: buffers (views of the tiles' whole) to fill
 
 
 def segment_fwd(zxbcdt, halo, params, *, spec, seq_idx=None, keep_y=False, out=None, S_in=None):
-    """Forward of one causal segment (segments packed on the batch axis), a generator with the
-    protocol of ``ops/reference.py``'s (see ``ops/segment.py``).
+    """Forward of one causal segment, a generator with the protocol and arguments of ``ops/reference.py``'s
+    ``segment_fwd`` (``ops/segment.py``); the halo may be a handle, waited for after the dt processing.
 
-    zxbcdt: (batch, seqlen, d_in_proj); params: (conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight);
-    halo: (batch, d_conv-1, conv_dim) pre-conv rows of the previous segment in zxbcdt's dtype, or a handle to
-    them (waited for after the dt processing);
-    seq_idx: (batch, seqlen) int32 canonical labels or None. Yields (S_ext, log_a) (fp32), is sent
-    the handle to S_in (fp32), returns (out (batch, seqlen, nheads*headdim) in zxbcdt's dtype, y): y is
-    the pre-gate output when keep_y (what upstream's op saves; the backward then skips one
-    _chunk_scan_fwd), else None. out: a (batch, seqlen, nheads*headdim) buffer (a view of a longer
-    one) to write the output into where the kernels can (the returned out is then that buffer).
-    Known mode (``ops/segment.py``): S_in (fp32) given, no fold and nothing yielded; returns (out, y, S_out),
-    S_out the state passing's final state (as mamba-ssm's op carries it).
+    Yields (S_ext, log_a) (fp32), is sent the handle to S_in (fp32), returns (out (batch, seqlen,
+    nheads*headdim), y), y the pre-gate output when keep_y (the backward then skips one _chunk_scan_fwd).
+    out: a buffer (a view of a longer one) to write the output into where the kernels can (then returned).
+    Known mode (S_in given): nothing yielded; returns (out, y, S_out).
     """
     conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight = params
     batch, seqlen, _ = zxbcdt.shape
@@ -318,14 +290,11 @@ def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=No
     """Backward of ``segment_fwd`` by recomputation, a generator with the protocol of ``ops/reference.py``'s.
 
     Yields L (fp32), is sent the handle to dS_out (fp32), yields the halo's gradient (batch, d_conv-1,
-    conv_dim) (None without a halo) before the dt backward (so that its return to the previous
-    segment overlaps it), returns the gradients of (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A,
-    D, rmsnorm_weight) (None for None inputs). kept: the list segment_fwd's y was put in; it is
-    popped, so that y is freed once the gate's backward has used it. None or empty: y is recomputed.
-    dzxbcdt: a buffer shaped like zxbcdt (a view of a longer one) that receives the gradient of zxbcdt
-    (returned as the first gradient) instead of a fresh tensor. Known mode (``ops/segment.py``): dS_out
-    given, L is not yielded and not folded; dS_in (fp32) is the initial states' gradient of _state_passing_bwd,
-    which starts from dS_out (``pass_states.state_passing_bwd_fp32_dinit``), returned last.
+    conv_dim) (None without a halo) before the dt backward, returns the gradients of the inputs as the
+    reference's. kept: the list holding segment_fwd's y, popped (y freed after the gate's backward); None or
+    empty: y is recomputed. dzxbcdt: a buffer (a view of a longer one) that receives zxbcdt's gradient.
+    Known mode (dS_out given): L is neither folded nor yielded; dS_in (fp32, from
+    ``pass_states.state_passing_bwd_fp32_dinit``) is returned last.
     """
     conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight = params
     known = dS_out is not None
@@ -389,8 +358,7 @@ def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=No
     ddA = _chunk_scan._chunk_scan_bwd_ddAcs_stable(x, dt, dA_cumsum, dy, CB)  # CB is masked across documents
 
     dS_out = handle.wait().flatten(-2)
-    # with the gradient the later segments send, and (as upstream) the states rounded to the
-    # compute dtype in the same pass, where the recomputation did not need them
+    # with the later segments' gradient, and (as upstream) the states rounded to the compute dtype in the same pass
     states_dtype = x.dtype if prev_lowp is None else None
     if known or pass_states.enabled():  # (with ranks, this dS_in is not needed: L was folded above)
         dstates, ddA_chunk_cumsum, dS_in, converted = pass_states.state_passing_bwd_fp32_dinit(
@@ -448,9 +416,7 @@ def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=No
     return (*grads, dS_in) if known else grads
 
 
-# ---------------------------------------------------------------------------------------------
-# the single-device op
-# ---------------------------------------------------------------------------------------------
+# -- the single-device op ---------------------------------------------------------------------
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -479,12 +445,10 @@ def _first_order_only(*tensors):
 
 
 def single_device_op(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, **kwargs):
-    """mamba-ssm's ``mamba_split_conv1d_scan_combined`` itself (after the int32 length guard), with
-    the arguments of ``reference.mamba_split_conv1d_scan_ref`` (``kwargs``: its keyword arguments, passed
-    on as they are). seq_idx: canonical labels (``segment.canonical_seq_idx``; the kernels apply
-    initial_states to label 0 only) or None."""
-    # the reference's default, which this package's ops share; mamba-ssm's own default is True (a caller that
-    # left it out got another op: tests/test_gpu_tiles.py's upstream column was 0.42 off fp32 that way)
+    """mamba-ssm's ``mamba_split_conv1d_scan_combined`` itself (after the int32 length guard), with the
+    arguments of ``reference.mamba_split_conv1d_scan_ref``. seq_idx: canonical labels
+    (``segment.canonical_seq_idx``; the kernels apply initial_states to label 0 only) or None."""
+    # the reference's default, which this package's ops share (mamba-ssm's own default is True)
     kwargs.setdefault("norm_before_gate", False)
     spec_keys = ("headdim", "ngroups", "dt_limit", "activation", "rmsnorm_eps", "norm_before_gate")
     spec = CoreSpec.infer(zxbcdt, conv1d_weight, D, chunk_size, **{k: kwargs[k] for k in spec_keys if k in kwargs})

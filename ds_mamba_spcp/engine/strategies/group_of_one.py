@@ -1,9 +1,7 @@
 """The strategy of a group of one rank (and of each rank's full-length scan under ulysses).
 
-The whole row is on this rank: the backend's single-device op runs it, unless the row holds more tokens
-than one call of the backend can index (mamba-ssm's int32 offsets) or a tile length is set; then the row
-runs as one causal segment of the state-passing chain in tiles (``ops/tiles.py``), with no group and no
-collective: the single-device op with no length cap. See docs/design.md, "Tiles".
+The backend's single-device op runs the whole row, unless it is past the kernels' int32 limit or a tile length
+is set; then the row runs as one causal segment in tiles (``ops/tiles.py``), with no collective.
 """
 
 from __future__ import annotations
@@ -32,11 +30,8 @@ def run(call):
 
 
 def run_forward_only(call):
-    """The forward-only route (``dispatch.run`` with ``forward_only``) of a whole row on this rank: the backend's
-    segment from the known incoming state (initial_states or zeros), in tiles where ``needs_tiles`` or the
-    documents of packed rows say, each tile run to its end before the next starts (``tiles.forward_known``).
-    No autograd Function, nothing saved, no kept y.
-
+    """The forward-only route of a whole row on this rank: the backend's segment from the known incoming state,
+    in tiles (``tiles.forward_known``) where needed or where packed rows' documents end; nothing saved.
     Returns out, and with return_final_states the state after each document (``documents.py``): (batch, nheads,
     headdim, dstate) without seq_idx, (ndocs, ...) with it."""
     spec, o = call.spec, call.options

@@ -1,6 +1,6 @@
 """State-passing sequence parallelism for the Mamba2 mixer core: the strategy of the table's state-passing
 entries (``modes.py``), whose chain is contiguous (one causal segment per rank) or zigzag (two causal
-segments per rank packed on the batch axis). See docs/design.md, "The algebra" and "State passing".
+segments per rank packed on the batch axis). See docs/design.md, "The algebra".
 
 Each rank keeps its shard of the sequence. Forward, per layer:
 
@@ -9,24 +9,17 @@ Each rank keeps its shard of the sequence. Forward, per layer:
     post the summary all-gather (fp32)          backend: C.B^T chunk products (need no state)
     wait -> exclusive scan -> S_in               backend: the rest of the scan from S_in, the gate
 
-Backward mirrors it: the backend recomputes, yields L (the gradient reaching S_in), the L's are
-all-gathered and a reverse scan gives each segment the gradient reaching its S_out, the backend
-finishes; the halo gradients go back to the segments that own those rows, posted before the
-backend's last kernels. Nothing that scales with the sequence length is exchanged.
+Backward mirrors it: the backend yields L (the gradient reaching S_in), the L's are all-gathered and a
+reverse scan gives each segment the gradient reaching its S_out; the halo gradients go back to their owners,
+posted before the backend's last kernels. Nothing that scales with the sequence length is exchanged.
 
-Memory held between forward and backward: zxbcdt, the halo (segments x batch x (d_conv-1) x
-conv_dim), S_in (fp32 states of the local segments), the decays of every segment (segments x batch
-x nheads, copied out of the gathered buffer so that nothing else of it stays alive), the packed-row
-masks, and, unless ``recompute_output``, the pre-gate output y (batch x local_seqlen x d_inner), as
-mamba-ssm's op keeps it. Without saved-tensor hooks y is freed as soon as the gate's backward has
-used it; when hooks are active (activation checkpointing, ``save_on_cpu``, activation offloading) it
-is a saved tensor like the others, so that the hooks see it.
+Memory held between forward and backward: zxbcdt, the halo (segments x batch x (d_conv-1) x conv_dim), S_in
+(fp32), every segment's decays (segments x batch x nheads), the packed-row masks, and, unless
+``recompute_output``, the pre-gate output y (batch x local_seqlen x d_inner), freed after the gate's backward.
 
-Packed rows (``seq_idx``, docs/design.md, "Packed rows"): each segment runs on its labels renumbered from 0
-(``canonical_seq_idx``), so that its incoming state reaches only the tokens before its first document
-start. The labels of the previous segment's last d_conv-1 tokens travel with the halo: halo rows of
-another document are zeroed (and so is their gradient on the way back), and a segment that begins on
-a document start gets log_a = -inf (decay 0), S_in = 0 and no L, exactly like one that holds a start.
+Packed rows (docs/design.md, "Packed rows"): each segment runs on canonical labels; the labels of the
+previous segment's last d_conv-1 tokens travel with the halo, halo rows of another document are zeroed (their
+gradient too), and a segment that begins a document gets log_a = -inf, S_in = 0 and no L.
 """
 
 from __future__ import annotations
@@ -98,19 +91,16 @@ class _Reordered:
         return layout.take(rows.reshape(-1, *rows.shape[2:]), self.order)
 
 
-# ---------------------------------------------------------------------------------------------
-# the conv halo
-# ---------------------------------------------------------------------------------------------
+# -- the conv halo ----------------------------------------------------------------------------
 
 
 class _HaloExchange:
     """Posts the halo all-gather at once; ``wait()`` gives every local segment's halo rows.
 
-    xBC: (b*nlocal, m, conv_dim) pre-conv rows; labels: (b*nlocal, m) int32 document labels or None.
-    With labels, each segment also sends its first label and the labels of its last rows, in the same
-    collective (``comm.all_gather_many``), and ``wait()`` fills ``mask`` (b*nlocal, d_conv-1), the
-    halo rows that belong to the document the segment begins with, and ``start0`` (b*nlocal,), whether
-    the segment begins a new document. The rows outside the mask are zeroed.
+    xBC: (b*nlocal, m, conv_dim) pre-conv rows; labels: (b*nlocal, m) int32 document labels or None. With
+    labels (sent in the same collective), ``wait()`` also fills ``mask`` (b*nlocal, d_conv-1), the halo rows of
+    the document the segment begins with (the others zeroed), and ``start0`` (b*nlocal,), whether the segment
+    begins a new document.
     """
 
     def __init__(self, xBC, width: int, plan: SegmentPlan, labels=None):
@@ -118,8 +108,7 @@ class _HaloExchange:
         self.value = self.mask = self.start0 = None
         self._handle = None
         if plan.alone:
-            # the lone segment of a group of one has no predecessor: no halo (the conv starts from zero, as
-            # from a zero halo), nothing begins a document at its start, nothing to exchange
+            # the lone segment of a group of one: no predecessor, no halo, nothing to exchange
             self._done = True
             return
         parts = []
@@ -147,8 +136,7 @@ class _HaloExchange:
             self.value = self.plan.local(prev)
         if self.labels is not None:
             ids_all = got[-1]  # [nseg, b, 1 + tail]
-            # segment 0 has no predecessor: give it its own first label, so that it starts no document
-            # and its (zero) halo counts as its own
+            # segment 0 has no predecessor: its own first label, so that it starts no document
             first0 = ids_all[:1, :, :1].expand_as(ids_all[:1, :, 1:])
             prev_ids = self.plan.local(torch.cat([first0, ids_all[:-1, :, 1:]]))  # [b*nlocal, tail]
             first = self.labels[:, :1]
@@ -184,18 +172,13 @@ class _HaloGrad:
         return self.plan.local(nxt)
 
 
-# ---------------------------------------------------------------------------------------------
-# the summary exchange
-# ---------------------------------------------------------------------------------------------
+# -- the summary exchange ---------------------------------------------------------------------
 
 
 class _SummaryExchange:
-    """Where the backend's summaries go: post the local ones, wait for S_in (and the mirror in backward).
-    With ranks only: the lone segment of a group of one runs in known mode (``_forward``) and posts nothing.
-
-    Local segments sit on the batch axis: row i*nlocal + k is batch element i's local segment k
-    (layout.pack_segments). start0: (b*nlocal,) bool, the segments that begin a document, or None.
-    """
+    """Where the backend's summaries go: post the local ones, wait for S_in (and the mirror in backward); with
+    ranks only (a group of one runs in known mode). Row i*nlocal + k is batch element i's local segment k
+    (layout.pack_segments). start0: (b*nlocal,) bool, the segments that begin a document, or None."""
 
     def __init__(self, plan: SegmentPlan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None,
                  start0=None):  # fmt: skip
@@ -261,9 +244,7 @@ class _Deferred:
         return self.fn()
 
 
-# ---------------------------------------------------------------------------------------------
-# forward and backward of the sharded core
-# ---------------------------------------------------------------------------------------------
+# -- forward and backward of the sharded core -------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -316,8 +297,7 @@ def _forward(zxbcdt, params, initial_states, seq_idx, st: _Static):
     tiles, saved = st.tiles(rows), {}
     keep_y = not st.recompute_output
     if plan.alone:
-        # a group of one: S_in is the initial state (or zeros), known before the segment starts, so the backend
-        # runs it (and its tiles, one after the other) in known mode: no summary (ops/segment.py)
+        # a group of one: S_in (the initial state or zeros) is known, so the backend runs in known mode
         S_in = zero_state(rows, spec) if initial_states is None else initial_states.to(state_dtype(rows))
         gen = st.segment_fwd(tiles, saved, rows, halo, params, spec=spec, seq_idx=local_ids, keep_y=keep_y,
                              S_in=S_in)  # fmt: skip
@@ -376,11 +356,8 @@ class _StatePassingFn(torch.autograd.Function):
         ctx.tile_counts = [len(states) for states in saved.get("S_in", [])]
         to_save += [t for states in saved.get("S_in", []) for t in states]
         to_save += [t for decays in saved.get("decay", []) for t in decays]
-        # The pre-gate output (a tensor, or one per tile): where saved-tensor hooks are active they must see it
-        # (they may offload it or drop it for recomputation), so it is saved like the rest. Otherwise it is not a
-        # saved tensor: the backward pops it and frees it as soon as the gate's backward has used it (a saved
-        # tensor lives until the backward returns). A second backward (retain_graph) finds the list empty and
-        # recomputes it.
+        # The pre-gate output y (a tensor, or one per tile) is saved where saved-tensor hooks must see it;
+        # otherwise the backward pops it, freeing it after the gate's backward (a second backward recomputes it).
         ys = [] if y is None else (y if isinstance(y, list) else [y])
         ctx.y_count = len(ys) if ys and _saved_tensor_hooks_active() else 0
         ctx.y_is_list = isinstance(y, list)
@@ -448,14 +425,10 @@ def run(call):
 
 
 def run_forward_only(call):
-    """The forward-only route (``dispatch.run`` with ``forward_only``) of the state-passing strategy (cp > 1): the same
-    halo and summary exchanges around ``tiles.segment_fwd_only`` instead of the autograd Function. Nothing is
-    saved for a backward (no S_in, decays, halo or inputs kept past the call; no per-tile lists; y not kept),
-    and each tile's intermediates go as soon as it has finished.
-
+    """The forward-only route of the state-passing strategy (cp > 1): the same exchanges around
+    ``tiles.segment_fwd_only``, nothing saved for a backward, each tile's intermediates freed when it ends.
     Returns out, and with return_final_states the state after each document on every rank: (batch, nheads,
-    headdim, dstate) without seq_idx (the exchange's final state, as ``run`` returns it), (ndocs, ...) with it
-    (each document's last span's state, gathered: ``documents.gather``)."""
+    headdim, dstate) without seq_idx, (ndocs, ...) with it (``documents.gather``)."""
     o, spec = call.options, call.spec
     plan = SegmentPlan(call.group, call.rank, call.cp, call.entry.chain, async_op=o.overlap_comm)
     need_final = bool(o.return_final_states) and call.seq_idx is None

@@ -4,27 +4,16 @@
     conv1d + SSD scan + gate (+ norm) over the full sequence: the backend's single-device op
     y [b, L, d_inner/cp] --all-to-all--> [b, L/cp, d_inner]
 
-Forward and backward each run exactly two all-to-alls over the sequence-parallel group (plus one
-small collective for final_states / initial_states when they are used). The send buffer of the
-first one is (cp, batch, local_seqlen, width): the destination rank on dim 0 (all_to_all_single's
-split axis), and inside each destination's slot the channels already in the order z, x, B, C, dt of
-a zxbcdt with nheads/cp heads and ngroups/cp groups (or the one group a rank's heads read when
-cp > ngroups). What arrives is thus a valid zxbcdt for the single-device op once its cp sequence
-pieces are in causal order; filling the buffer costs one strided copy per piece (one pass over the
-data), and the causal reorder is a view for contiguous input with batch 1, else one copy. The way
-back mirrors it: for contiguous input with batch 1 the full-length output already is the send
-buffer (rank j's tokens are its j-th block), and one copy per piece puts the channels in place.
+Forward and backward each run two all-to-alls (plus one small collective for final_states / initial_states
+when used). The first send buffer is (cp, batch, local_seqlen, width), the destination rank on dim 0 and each
+slot's channels already in the order z, x, B, C, dt of a zxbcdt with nheads/cp heads and ngroups/cp groups
+(or the one group a rank's heads read when cp > ngroups): what arrives is a valid zxbcdt once its pieces are in
+causal order (a view for contiguous input with batch 1, else one copy). The way back mirrors it.
 
-Parameters are replicated: each rank slices its heads' rows out of conv1d_weight/bias, dt_bias, A,
-D and the norm weight under autograd, so their gradients arrive full-size with the rank's rows
-filled (and B/C rows shared by the ranks that replicate a group): the sum over the group is the
-full gradient, the same contract as the state-passing op.
-
-The gated RMSNorm normalises groups of d_inner/ngroups channels. With ngroups % cp == 0 whole norm
-groups live on each rank and the single-device op applies the norm; with cp > ngroups a norm group
-spans ranks, so the op returns y * silu(z) and the norm runs after the second all-to-all, where every
-rank holds all channels of its tokens (plain PyTorch there; norm_before_gate=True is rejected in
-that case, since y alone never leaves the op).
+Parameters are replicated: each rank slices its heads' rows under autograd, so their gradients arrive
+full-size with the rank's rows filled; the sum over the group is the full gradient. With cp > ngroups a norm
+group spans ranks: the op returns y * silu(z) and the gated RMSNorm runs after the second all-to-all
+(norm_before_gate=True is then rejected: y alone never leaves the op).
 """
 
 from __future__ import annotations
@@ -40,9 +29,7 @@ from ds_mamba_spcp.engine.strategies import group_of_one
 from ds_mamba_spcp.ops.autograd import first_order_only
 from ds_mamba_spcp.ops.spec import CoreSpec
 
-# ---------------------------------------------------------------------------------------------
-# how channels and sequence pieces are laid out in the all-to-all buffers
-# ---------------------------------------------------------------------------------------------
+# -- how channels and sequence pieces are laid out in the all-to-all buffers ------------------
 
 
 @dataclass(frozen=True)
@@ -179,10 +166,8 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 class _GatherHeads(torch.autograd.Function):
-    """final_states: this rank's heads (b, h/cp, p, n) -> every head (b, h, p, n) on every rank.
-
-    Backward: the copies on the ranks each receive a gradient and they add up, so each rank's
-    heads get the sum over ranks of their rows (one all-to-all, summed in a fixed order)."""
+    """final_states: this rank's heads (b, h/cp, p, n) -> every head (b, h, p, n) on every rank. Backward: each
+    rank's heads get the sum over ranks of their rows' gradients (one all-to-all, summed in a fixed order)."""
 
     @staticmethod
     def forward(ctx, t, plan):
@@ -227,9 +212,7 @@ def _group_rmsnorm(y: torch.Tensor, weight: torch.Tensor, eps: float, group_size
     return (yg.flatten(-2) * weight.to(cdtype)).to(y.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# the strategy (the public op is ``op.mamba_split_conv1d_scan_ulysses``)
-# ---------------------------------------------------------------------------------------------
+# -- the strategy (the public op is ``op.mamba_split_conv1d_scan_ulysses``) -------------------
 
 
 def _shardings(spec: CoreSpec, h_loc: int, g_loc: int, nrep: int):
@@ -258,10 +241,9 @@ def run(call):
 
 
 def run_forward_only(call):
-    """The forward-only route (``dispatch.run`` with ``forward_only``): the same two all-to-alls as plain functions (no
-    autograd Function), the full-length scan by ``group_of_one.run_forward_only``, under no_grad. With
-    return_final_states: the state after each document, every head gathered on every rank ((batch, ...)
-    without seq_idx, (ndocs, ...) with it: the full rows' documents, ``documents.py``)."""
+    """The forward-only route: the same two all-to-alls as plain functions, the full-length scan by
+    ``group_of_one.run_forward_only``, under no_grad. With return_final_states: the state after each document,
+    every head gathered on every rank ((batch, ...) without seq_idx, (ndocs, ...) with it)."""
     with torch.no_grad():
         return _run(call, forward_only=True)
 

@@ -13,11 +13,9 @@
         prefill does (its ``allocate_inference_cache`` layout and dtypes: the SSM state in the mixer's
         dtype); ``seqlen_offset`` = the prompt's length.
 
-The model: anything whose forward takes ``(input_ids, inference_params=..., num_last_tokens=...)`` and
-returns ``.logits`` (mamba-ssm's ``MambaLMHeadModel``), made of ``Mamba2`` mixers (or ``DistributedMamba2``
-wrappers of them) and no attention (mamba-ssm's ``MHA`` layers keep a K/V cache this module does not
-fill: refused). mamba-ssm's step needs its CUDA kernels (``selective_state_update`` is Triton), so
-decoding runs on GPUs; the prefill's states are checked on CPU too.
+The model: a forward taking ``(input_ids, inference_params=..., num_last_tokens=...)`` and returning
+``.logits`` (``MambaLMHeadModel``), of ``Mamba2`` mixers (or ``DistributedMamba2``) and no attention (``MHA``
+is refused). mamba-ssm's decoding step is Triton: decoding runs on GPUs.
 """
 
 from __future__ import annotations
@@ -127,14 +125,11 @@ def sequence_parallel_prefill_mamba(model: nn.Module, input_ids_shard: torch.Ten
                                     max_seqlen: int | None = None, config: Any = None) -> Prefill:  # fmt: skip
     """Prefills a prompt sharded across ``group`` into mamba-ssm's ``InferenceParams``.
 
-    input_ids_shard: (batch, seqlen/cp), this rank's contiguous shard; every rank the same shape. group: the
-    ranks sharing the prompt (None: DeepSpeed's sequence-parallel group, else the world, a world started with
-    ``torch.distributed.init_process_group`` alone included: ``groups.generation_group``).
-    max_seqlen: the ``InferenceParams``' max_seqlen (default: the prompt's length; Mamba2 layers do not use
-    it). config: the ``"mamba_sequence_parallel"`` options for the op (backend, tile_length, ...; a ds_config
-    or a MambaSequenceParallelConfig), default the defaults. Returns ``Prefill(logits (batch, vocab) after
-    the prompt's last token, InferenceParams with seqlen_offset = seqlen)``, identical on every rank; under
-    ``torch.no_grad``. Errors are raised on every rank alike.
+    input_ids_shard: (batch, seqlen/cp), this rank's contiguous shard, the same shape on every rank. group: None
+    is ``groups.generation_group``'s. max_seqlen: the ``InferenceParams``' (default: the prompt's length).
+    config: the op's options (a ds_config or a MambaSequenceParallelConfig; default the defaults). Returns
+    ``Prefill(logits (batch, vocab) after the prompt's last token, InferenceParams with seqlen_offset =
+    seqlen)``, identical on every rank; under ``torch.no_grad``. Errors are raised on every rank alike.
     """
     from ds_mamba_spcp.config import load_mamba_sp_config
 
@@ -220,12 +215,10 @@ def _tile_mixer_forward(mixer, wrapper, carries: dict, backend: str, u, seqlen=N
 
 def chunked_prefill_mamba(model: nn.Module, input_ids: torch.Tensor, tile_length: int, *, backend: str = "auto",
                           max_seqlen: int | None = None) -> Prefill:  # fmt: skip
-    """A prompt prefilled on one device in tiles of ``tile_length`` tokens through the whole model, every
-    Mamba2 layer's state and conv tail carried from tile to tile (``forward.tile_forward``): the activations
-    of one tile at a time, so the prompt's length is bounded by its token ids, not by activations.
-
-    Returns ``Prefill(logits (batch, vocab) after the last token, InferenceParams)`` as
-    ``sequence_parallel_prefill_mamba`` does (the same states up to roundoff), under ``torch.no_grad``."""
+    """A prompt prefilled on one device in tiles of ``tile_length`` tokens through the whole model, every Mamba2
+    layer's state and conv tail carried (``forward.tile_forward``): one tile's activations at a time. Returns
+    ``Prefill(logits (batch, vocab) after the last token, InferenceParams)`` as ``sequence_parallel_prefill_mamba``
+    does (the same states up to roundoff), under ``torch.no_grad``."""
     mixers = _mixers(model)
     problem = _model_problem(model, mixers)
     if problem is not None:

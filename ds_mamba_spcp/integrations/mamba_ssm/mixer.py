@@ -1,16 +1,10 @@
 """The mamba-ssm adapter: ``DistributedMamba2``, mamba-ssm's ``Mamba2`` mixer on a sequence shard, shaped like
 DeepSpeed's ``DistributedAttention``.
 
-The wrapper runs the math of ``Mamba2.forward`` (its memory-efficient path: in_proj, the mixer core,
-out_proj) with the wrapped module's own parameters, through the adapter core both adapters share
-(``integrations/core.py``): the mixer core is the sequence-parallel op that the
-``"mamba_sequence_parallel"`` section's entry of the table of modes names (``ds_mamba_spcp.engine.modes``).
-
-The wrapper is transparent to checkpoints: it shares the wrapped module's parameter, buffer and
-submodule registries (the same dict objects), so ``state_dict()``, ``named_parameters()``,
-``load_state_dict()`` and ``.to()`` see exactly the unwrapped module's names and tensors, and a
-checkpoint of the unwrapped model loads unchanged (and vice versa). Wrapping can therefore happen
-before or after ``deepspeed.initialize`` (the parameters stay the same objects).
+The wrapper runs the math of ``Mamba2.forward`` (in_proj, the mixer core, out_proj) with the wrapped module's
+own parameters, through ``integrations/core.py``. It shares the wrapped module's parameter, buffer and
+submodule registries (the same dict objects), so ``state_dict()``, ``load_state_dict()`` and ``.to()`` see the
+unwrapped module's names and tensors, and wrapping may happen before or after ``deepspeed.initialize``.
 """
 
 from __future__ import annotations
@@ -64,31 +58,17 @@ class DistributedMamba2(nn.Module):
     """mamba-ssm's ``Mamba2`` mixer run on this rank's shard of the sequence.
 
     Arguments:
-        local_mixer: a ``mamba_ssm.modules.mamba2.Mamba2``; its parameters are used (and stay its
-            own): the wrapper adds none.
-        sequence_process_group: the ranks that share one sequence, or None to look it up at the
-            first forward (DeepSpeed's sequence-parallel group, else the world group when its size
-            equals the configured ``sequence_parallel_size``; see :mod:`ds_mamba_spcp.groups`), so the
-            wrapper may be built before ``deepspeed.initialize`` creates DeepSpeed's groups.
-        config: a ds_config holding the ``"mamba_sequence_parallel"`` section (a dict, a path to a JSON
-            file, a DeepSpeed engine or DeepSpeedConfig) or a :class:`MambaSequenceParallelConfig`.
+        local_mixer: a ``mamba_ssm.modules.mamba2.Mamba2``; its parameters are used (the wrapper adds none).
+        sequence_process_group: the ranks that share one sequence, or None to look it up at the first
+            forward (:mod:`ds_mamba_spcp.groups`; the wrapper may then precede ``deepspeed.initialize``).
+        config: anything :func:`load_mamba_sp_config` reads.
 
-    ``forward(u)``: u (batch, local_seqlen, d_model), this rank's shard in the configured
-    ``input_layout``, or (batch*local_seqlen, d_model) with ``seqlen=local_seqlen`` as in Mamba2.
-    Returns the shard of the output in the same layout and shape.
-
-    With ``enabled`` false the wrapper is the mixer: ``forward`` calls the mixer's own forward with
-    the same arguments. With a group of one rank it is the single-device computation: the mixer's
-    own forward when the backend is Triton, the same math on the plain-PyTorch reference op
-    otherwise (mamba-ssm's forward cannot run on CPU). Parameter gradients are each rank's local
-    contribution; DeepSpeed's gradient reduction over the ranks adds them up.
-
-    Packed rows: ``seq_idx`` (this rank's shard of the document labels) or ``cu_seqlens`` (the row's
-    document lengths, batch 1), as ``Mamba2.forward`` takes them.
-
-    Not supported (NotImplementedError): Mamba2's gated-MLP part (d_ssm < d_inner), Mamba2's own
-    tensor-parallel process_group, decoding with ``inference_params``, and shards of different lengths
-    on different ranks.
+    ``forward(u)``: u (batch, local_seqlen, d_model), this rank's shard in the configured ``input_layout``, or
+    (batch*local_seqlen, d_model) with ``seqlen=local_seqlen``; returns the output's shard, same layout and shape.
+    With ``enabled`` false ``forward`` is the mixer's own; in a group of one, the mixer's own on Triton, the same
+    math on the reference op otherwise. Parameter gradients are each rank's local contribution. Packed rows:
+    ``seq_idx`` or ``cu_seqlens``. Not supported (NotImplementedError): d_ssm < d_inner, Mamba2's own
+    tensor-parallel process_group, ``inference_params``, shards of different lengths.
     """
 
     _ds_mamba_spcp_sharded = True  # integrations.core.SHARDED_ATTR
@@ -103,19 +83,13 @@ class DistributedMamba2(nn.Module):
         self.config = load_mamba_sp_config(config)
         if self.config.enabled:
             _check_mixer_supported(local_mixer)
-        # Transparency: share the mixer's registries instead of registering it as a child, so that
-        # the parameter names are the unwrapped ones (no "local_mixer." prefix) for state_dict,
-        # named_parameters (ZeRO's checkpoint name maps) and load_state_dict, with no key remapping;
-        # and a parameter swap through either module (.to(), load_state_dict(assign=True)) is seen by
-        # both. (ZeRO-3 later replaces this module's _parameters with its own dict holding the same
-        # Parameter objects; forward reads parameters through the wrapper, so that stays correct.)
+        # share the mixer's registries instead of registering it as a child: the unwrapped parameter names, and a
+        # parameter swap through either module is seen by both (forward reads them through the wrapper)
         for name in _SHARED_REGISTRIES:
             self.__dict__[name] = local_mixer.__dict__[name]
         self.__dict__["local_mixer"] = local_mixer  # a plain attribute, not a child
-        # ZeRO-3 gathers a module's parameters in its forward pre-hook. The mixer core reads the conv1d
-        # and norm weights without calling those submodules, and the disabled / group-of-one paths call
-        # the mixer, which DeepSpeed never sees (it is not a child); as a ZeRO-3 leaf, the wrapper's
-        # pre-hook gathers every parameter below it.
+        # a ZeRO-3 leaf: its pre-hook gathers every parameter below it (the core reads conv1d and norm weights
+        # without calling them; the mixer, not a child, is never seen by DeepSpeed)
         self._z3_leaf = True
         self._group_arg = sequence_process_group
         self._group = _UNRESOLVED
@@ -154,8 +128,7 @@ class DistributedMamba2(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            # Drop-in: public attributes and methods of the mixer (d_model, layer_idx,
-            # allocate_inference_cache, ...) read through; private ones and DeepSpeed's ds_* markers do not.
+            # drop-in: the mixer's public attributes read through; private ones and DeepSpeed's ds_* markers do not
             mixer = self.__dict__.get("local_mixer")
             if mixer is None or name.startswith(("_", "ds_")):
                 raise
@@ -215,8 +188,7 @@ class DistributedMamba2(nn.Module):
     def _core(self) -> MixerCore:
         """The mixer core's parameters and options, read off the wrapped Mamba2 as its forward does."""
         m = self.local_mixer
-        # Mamba2 takes A_log.float() so that fp16 weights cannot overflow to A = -inf; promoting (instead
-        # of casting) is the same for fp16/bf16/fp32 and keeps an fp64 model in fp64.
+        # Mamba2 takes A_log.float(); promoting is the same for fp16/bf16/fp32 and keeps fp64 in fp64
         A = -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))
         return MixerCore(
             conv1d_weight=rearrange(self.conv1d.weight, "d 1 w -> d w"), conv1d_bias=self.conv1d.bias,
@@ -228,14 +200,8 @@ class DistributedMamba2(nn.Module):
 
 
 def wrap_mamba_ssm_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
-    """Replaces every mamba-ssm ``Mamba2`` submodule of ``model`` with a :class:`DistributedMamba2`, in place.
-
-    The config is read once and shared. A mixer registered at several places is wrapped once and the
-    same wrapper put at each; mixers already wrapped are left alone. Returns the number of mixers
-    wrapped. State_dict keys do not change, so this can run before or after loading a checkpoint, and
-    before or after ``deepspeed.initialize`` (the parameters stay the same objects).
-    ``ds_mamba_spcp.module.wrap_mamba2_mixers`` calls this and the transformers adapter's twin.
-    """
+    """Replaces every mamba-ssm ``Mamba2`` submodule of ``model`` with a :class:`DistributedMamba2`, in place (one
+    wrapper per mixer, wrapped ones left alone); returns the number wrapped. State_dict keys do not change."""
     mamba2 = mamba2_class()
     if isinstance(model, mamba2):
         raise ValueError(

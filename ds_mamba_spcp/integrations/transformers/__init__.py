@@ -1,5 +1,4 @@
-"""Hugging Face transformers' Mamba2-style models: training with sequence parallelism, generation with a sharded
-prefill, and the Trainer / TRL / accelerate hooks. Everything about transformers lives in this folder:
+"""Hugging Face transformers' Mamba2-style models: training, sharded-prefill generation, the Trainer hooks.
 
     adapter.py      the six mixers made sequence-parallel through the shared core (``integrations/core.py``),
                     DeepSpeed's Ulysses attention per attention module, ``prepare_sequence_parallel``,
@@ -9,8 +8,7 @@ prefill, and the Trainer / TRL / accelerate hooks. Everything about transformers
                     ``sequence_parallel_generate``
     accelerate.py   the same models under the Trainer, TRL and accelerate: ``enable()``
 
-This module gathers the public names of the first two (none of them imports it); docs/huggingface.md is the
-user's page.
+This module gathers the public names of the first two; docs/huggingface.md is the user's page.
 """
 
 from __future__ import annotations

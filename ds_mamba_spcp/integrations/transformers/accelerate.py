@@ -1,10 +1,8 @@
 """Hugging Face ``Trainer``, TRL's ``SFTTrainer`` and accelerate: sequence parallelism for Mamba2 models, one call.
 
-transformers' ``Trainer`` (and TRL's trainers, built on it) reach DeepSpeed's Ulysses / ALST sequence parallelism
-through accelerate: ``TrainingArguments(deepspeed=ds_config, parallelism_config=ParallelismConfig(sp_backend=
-"deepspeed", sp_size=N, ...))``. Unchanged, that path refuses the Mamba2 families whose config lists
-``linear_attention`` layers and trains Falcon-H1 wrong (each rank's Mamba layers restart from a zero state).
-A script adds one call before it builds the ``Trainer``, ``SFTTrainer`` or ``Accelerator``::
+The Trainer reaches DeepSpeed's Ulysses sequence parallelism through accelerate (``TrainingArguments(deepspeed=
+ds_config, parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=N, ...))``), which refuses most
+Mamba2 families and trains Falcon-H1 wrong. A script adds one call before it builds the ``Trainer``::
 
     from ds_mamba_spcp.integrations import accelerate as mamba_sp
     mamba_sp.enable()
@@ -12,53 +10,27 @@ A script adds one call before it builds the ``Trainer``, ``SFTTrainer`` or ``Acc
                       parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)), ...)
     trainer.train()
 
-``enable()`` puts this package in at the six places where accelerate and the Trainer decide something about
-sequence parallelism; for a model that holds none of transformers' Mamba2 mixers (or a ds_config whose
-``"mamba_sequence_parallel"`` section says ``"enabled": false``) each of them does what it did before::
+``enable()`` replaces six hooks of accelerate and the Trainer; for a model without transformers' Mamba2 mixers
+(or with ``"enabled": false``) each does what it did before::
 
     accelerate  Accelerator._prepare_deepspeed
       _refuse_recurrent_layers_under_sequence_parallelism(model)  ──> lets the model pass
-      UlyssesSPAttentionHF.register_with_transformers(model, ...)  ──> prepare_sequence_parallel(model, section):
-            DeepSpeed's sequence-parallel group (the mpu handed to deepspeed.initialize); DeepSpeed's Ulysses
-            attention in front of each attention module of this model, once (not also through a process-wide
-            registration: one Ulysses exchange per attention layer); this package's Mamba2 mixers. A model
-            prepared again (a second Trainer) keeps all of it, hooks included
+      UlyssesSPAttentionHF.register_with_transformers(model, ...)  ──> prepare_sequence_parallel(model, section),
+            once per model (its group is the mpu handed to deepspeed.initialize)
       UlyssesSPDataLoaderAdapter(loader)  ──> for the model just prepared: the same, gathering rows of different
-            lengths on any backend (gloo too), checking every row's length on every rank, dropping whole-row varlen
-            metadata, numbering rows that come without position_ids as whole rows, and keeping a row's trailing
-            padding out of the documents (``_padding_as_tail``); DeepSpeed's own adapter for any other model
+            lengths on any backend, checked on every rank (``_adapter_class``); DeepSpeed's own for any other model
     transformers  Trainer
       deepspeed_sp_compute_loss  ──> the same global mean, its gradient scaled for the ZeRO stage
-      skip_first_batches (resume mid-epoch)  ──> the adapter skips its own micro-batches (accelerate's would
-            rebuild a plain DataLoader without it)
-      Trainer._set_signature_columns_if_needed  ──> keeps the dataset's position_ids column, which
-            ``remove_unused_columns`` dropped for Mamba2ForCausalLM (its forward takes them in ``**kwargs`` only)
+      skip_first_batches (resume mid-epoch)  ──> the adapter skips its own micro-batches
+      Trainer._set_signature_columns_if_needed  ──> keeps the dataset's position_ids column
 
-The prepared model gets two more forward hooks: calls in ``eval()`` mode run unsharded (evaluation and
-``generate`` on whole sequences, as accelerate asks of DeepSpeed's attention with ``disable_in_eval``), and a
-training call whose ``position_ids`` restart inside a row (packed documents) gets the matching ``seq_idx``
-(``packed_seq_idx``); with an attention that cannot keep documents apart (sdpa under Ulysses masks causally
-over the whole gathered row) the model-level check of ``prepare_sequence_parallel`` then refuses the call.
-
-The gradient scale (issue: at ZeRO-2 the reported grad_norm was 2x the one-process value). The Trainer's loss is
-the group's token-weighted mean of the ranks' losses, combined with a differentiable all-gather, whose backward
-*sums* the group's gradients: every rank's loss gets ``sp`` times its share. DeepSpeed 0.19 then sums the group's
-parameter gradients at ZeRO 0, 1 and 2 (it divides by ``world / sp``) and averages them at ZeRO-3 with
-``reduce_scatter`` (it divides by the world): right at ZeRO-3, ``sp`` times too large below. The replacement gives
-each rank's loss ``grad_scale_for_engine(engine) x`` its share (1 at ZeRO 0-2, ``sp`` at ZeRO-3), so the reduced
-gradient is the one-process gradient at every stage; ZeRO-3 with ``"reduce_scatter": false`` (some buckets
-summed, others averaged: no factor is right) is refused when the model is prepared. The logged loss is the
-global mean, unchanged. Only ``Trainer.compute_loss``'s sequence-parallel branch is touched; a hand-written
-accelerate loop scores its shards with ``ds_mamba_spcp.data.sequence_parallel_cross_entropy(..., grad_scale=
-grad_scale_for_engine(engine))``.
-
-The ``"mamba_sequence_parallel"`` section of the ds_config the Trainer is given decides the mode and options
-(``ds_mamba_spcp.config``); absent, or without an ``"enabled"`` key, the defaults with ``"enabled": true`` (state
-passing): here only ``"enabled": false`` turns it off (``load_mamba_sp_config`` elsewhere defaults to false). Its
-size, if it names one, must equal ``sp_size``; its ``input_layout`` must be contiguous (DeepSpeed's data-loader
-adapter cuts every row into contiguous shards). Errors are raised on every rank alike, before any collective.
-
-Tested with accelerate 1.15.0, transformers 5.24, TRL 1.16.0 and DeepSpeed 0.19.8 (tests/test_accelerate.py).
+The prepared model gets two more forward hooks: calls in ``eval()`` mode run unsharded, and a training call
+whose ``position_ids`` restart inside a row gets the matching ``seq_idx`` (``packed_seq_idx``). The loss gives
+each rank ``grad_scale_for_engine(engine) x`` its share (1 at ZeRO 0-2, ``sp`` at ZeRO-3), so that the reduced
+gradient is the one-process one at every stage. The ds_config's ``"mamba_sequence_parallel"`` section decides the
+mode; absent or without ``"enabled"``, it means ``"enabled": true`` here. Errors are raised on every rank alike,
+before any collective. Why each replacement, the settings refused, the tests: docs/huggingface.md, "Trainer,
+TRL and accelerate" (tested with ``TESTED``).
 """
 
 from __future__ import annotations
@@ -82,28 +54,23 @@ from ds_mamba_spcp.integrations.transformers.adapter import (
 TESTED = {"accelerate": "1.15.0", "transformers": "5.24", "trl": "1.16.0", "deepspeed": "0.19.8"}
 _INSTALL = "pip install 'ds_mamba_spcp[hf]'"
 
-# keys of a packed row that describe the whole row: no shard can use them (the adapter cannot even cut the 1-D
-# ones); the document structure travels in position_ids, from which DeepSpeed's attention and seq_idx are derived
+# keys describing a whole packed row, which no shard can use: the documents travel in position_ids
 _WHOLE_ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 _STATE_ATTR = "_ds_mamba_spcp_accelerate"  # a prepared model's _Covered, in its __dict__
 
 _patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) of what enable() replaced, in order
-# whether the model accelerate prepared last is one this package shards: the data-loader adapter accelerate builds
-# next (in the same prepare call, or the Trainer's deepspeed_ulysses_dl_adapter right after it) is then this
-# package's, else DeepSpeed's own
+# whether this package shards the model accelerate prepared last (then the next data-loader adapter is ours)
 _adapter_is_ours = False
 
 
-# ---------------------------------------------------------------------------------------------------
-# enable / disable
-# ---------------------------------------------------------------------------------------------------
+# -- enable / disable -------------------------------------------------------------------------------
 
 
 def enable() -> None:
-    """Makes accelerate's DeepSpeed sequence parallelism (and so the Trainer's and TRL's) shard transformers'
+    """Makes accelerate's DeepSpeed sequence parallelism (so the Trainer's and TRL's) shard transformers'
     Mamba2-style models with this package; call once per process, before the ``Trainer``, ``SFTTrainer`` or
-    ``Accelerator`` is built. Calling it again does nothing; ``disable()`` undoes it. See the module docstring
-    for what it replaces; models without one of ``MIXER_CLASSES`` keep accelerate's behaviour exactly."""
+    ``Accelerator`` is built. Idempotent; ``disable()`` undoes it. Models without one of ``MIXER_CLASSES`` keep
+    accelerate's behaviour exactly."""
     if _patches:
         return
     try:
@@ -157,9 +124,7 @@ def _original(attr: str):
     )
 
 
-# ---------------------------------------------------------------------------------------------------
-# which models, which settings
-# ---------------------------------------------------------------------------------------------------
+# -- which models, which settings -------------------------------------------------------------------
 
 
 def _ds_config() -> dict:
@@ -242,9 +207,7 @@ def _covered_state(model: nn.Module) -> _Covered | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------
-# the replacements
-# ---------------------------------------------------------------------------------------------------
+# -- the replacements -------------------------------------------------------------------------------
 
 
 def _refuse_unless_covered(model: nn.Module) -> None:
@@ -264,8 +227,8 @@ def _register_with_transformers(
     disable_in_eval=False,
     max_length=None,
 ):
-    """DeepSpeed's registration for other models; for a covered one, ``prepare_sequence_parallel``, once per model: a
-    model prepared again (a second Trainer, or accelerator.prepare again) keeps its mixers, hooks and group."""
+    """DeepSpeed's registration for other models; for a covered one, ``prepare_sequence_parallel``, once per model
+    (prepared again, it keeps its mixers, hooks and group)."""
     global _adapter_is_ours
     model = model_name_or_path
     section = None
@@ -303,8 +266,8 @@ def _register_with_transformers(
 
 
 def _init_deepspeed_comm() -> None:
-    """accelerate starts torch.distributed itself on CPU (gloo), not deepspeed.comm, whose group DeepSpeed's
-    sequence-parallel state asserts: bring deepspeed.comm up on the existing process group."""
+    """accelerate starts torch.distributed on CPU, not deepspeed.comm, which DeepSpeed's sequence-parallel state
+    asserts: bring deepspeed.comm up on the existing process group."""
     import deepspeed
     import deepspeed.comm as dist
 
@@ -375,13 +338,10 @@ def _refuse_local_aux_losses(model: nn.Module, kwargs: dict) -> None:
 
 
 def packed_seq_idx(position_ids: torch.Tensor, group, sp: int) -> torch.Tensor | None:
-    """Document labels (batch, local_seqlen) int32 of this rank's contiguous shard of packed rows, numbered along
-    the whole row, from ``position_ids`` that restart at 0 at every document (Hugging Face's padding-free
-    convention); None when no rank's shard has a restart (no row is packed). One all-gather of (batch,) counts.
-
-    A label counts the restarts before a token in the whole row (the first token excluded), so a document that
-    crosses the border from rank r-1 keeps its label on rank r, and one that starts exactly at the border gets a
-    new one."""
+    """Document labels (batch, local_seqlen) int32 of this rank's contiguous shard of packed rows, from
+    ``position_ids`` that restart at 0 at every document; None when no rank's shard has a restart. A label counts
+    the restarts before a token in the whole row (one all-gather of (batch,) counts), so a document crossing the
+    border keeps its label and one starting at the border gets a new one."""
     import deepspeed.comm as dist
 
     rank = dist.get_rank(group=group)
@@ -399,18 +359,17 @@ def packed_seq_idx(position_ids: torch.Tensor, group, sp: int) -> torch.Tensor |
 
 
 def _skip_first_batches(dataloader, num_batches=0):
-    """accelerate's skip_first_batches (the Trainer's resume), which rebuilds a plain DataLoader from the one it is
-    given and so loses DeepSpeed's adapter: the adapter skips its own micro-batches instead."""
+    """accelerate's skip_first_batches (the Trainer's resume) would rebuild a plain DataLoader without the adapter:
+    the adapter skips its own micro-batches instead."""
     if hasattr(dataloader, "skip") and hasattr(dataloader, "micro_batches"):
         return dataloader.skip(num_batches)
     return _original("skip_first_batches")(dataloader, num_batches)
 
 
 def _set_signature_columns(trainer) -> None:
-    """The Trainer's list of the dataset columns it keeps (the model forward's arguments), with ``position_ids`` for
-    a model holding the mixers under DeepSpeed's sequence parallelism. ``Mamba2ForCausalLM.forward`` does not name
-    ``position_ids`` (it takes them in ``**kwargs``), so ``remove_unused_columns`` dropped them from the dataset: packed
-    rows would reach the adapter without their documents."""
+    """The Trainer's kept dataset columns, with ``position_ids`` for a model holding the mixers under DeepSpeed's
+    sequence parallelism (``Mamba2ForCausalLM.forward`` takes them in ``**kwargs`` only, so
+    ``remove_unused_columns`` would drop the documents of packed rows)."""
     _original("_set_signature_columns_if_needed")(trainer)
     pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
     columns = trainer._signature_columns
@@ -458,24 +417,17 @@ def _compute_loss(accelerator, model, inputs, return_outputs, pc):
     return (loss, outputs) if return_outputs else loss
 
 
-# ---------------------------------------------------------------------------------------------------
-# the data: DeepSpeed's adapter, with rows of any length on any backend, checked on every rank
-# ---------------------------------------------------------------------------------------------------
+# -- the data: DeepSpeed's adapter, with rows of any length on any backend, checked on every rank ---
 
 
 def _adapter_class(base: type) -> type:
-    """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` with its own ``refill``, for a model this package shards (built
-    right after accelerate prepared one, ``_adapter_is_ours``; any other model gets DeepSpeed's adapter itself). The
-    adapter collects one batch from every rank of the group and hands each rank its contiguous shard of every one
-    of them in turn, labels shifted before the cut (``shift_labels``). DeepSpeed's refill all-gathers each rank's
-    tensors at that rank's own length, which gloo refuses (its all-gather needs equal sizes: CPU runs, or ranks
-    sharing a GPU, break as soon as two ranks' rows differ in length); this one pads to the group's longest row and
-    batch, gathers, and crops. It raises, on every rank, for a row the group cannot cut evenly (naming the fix) and
-    for packed rows without ``position_ids``; rows without ``position_ids`` are otherwise unpacked rows (a row is
-    one document) and get ``0 .. seqlen-1``, the positions the model gives a whole row. It drops the whole-row
-    varlen keys (``_WHOLE_ROW_KEYS``), which no shard can use: the documents of a packed row travel in
-    ``position_ids``, from which DeepSpeed's attention and this package's ``seq_idx`` are derived. A row's trailing
-    padding is not a document (``_padding_as_tail``)."""
+    """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` with its own ``refill``, for a model this package shards
+    (``_adapter_is_ours``; any other model gets DeepSpeed's adapter itself). Each rank gets its contiguous shard of
+    every rank's batch in turn, labels shifted before the cut. Unlike DeepSpeed's (gloo refuses unequal sizes) it
+    pads to the group's longest row and batch, gathers, and crops. It raises, on every rank, for a row the group
+    cannot cut evenly and for packed rows without ``position_ids``; rows without them are whole documents and get
+    ``0 .. seqlen-1``. It drops ``_WHOLE_ROW_KEYS``; a row's trailing padding is not a document
+    (``_padding_as_tail``)."""
 
     class UlyssesSPDataLoaderAdapter(base):
         __doc__ = base.__doc__
@@ -562,13 +514,10 @@ def _adapter_class(base: type) -> type:
 
 def _padding_as_tail(batch: dict) -> None:
     """In place, on one batch of whole rows (labels not yet shifted): a row's trailing tokens that no loss sees are
-    not a document. Right padding (TRL's collator, ``pad_to_multiple_of``) gives them labels -100, position 0 (a
-    restart, which would read as a packed document: refused with sdpa) and zeros in ``attention_mask`` (refused as
-    padding). From the first position restart inside the trailing run of labels -100 to the row's end, positions
-    continue those before it instead, and an ``attention_mask`` whose zeros all lie in that run is dropped. Exact:
-    those tokens come after every scored one, so causal attention and the Mamba2 layers carry nothing from them to a
-    scored token, and their own outputs are scored nowhere (their gradient is zero), whatever they compute. A
-    restart before the run (a document with scored tokens) stays a document."""
+    not a document. From the first position restart inside the trailing run of labels -100 to the row's end,
+    positions continue those before it, and an ``attention_mask`` whose zeros all lie in that run is dropped.
+    Exact: those tokens come after every scored one, so nothing flows from them to a scored token. A restart
+    before the run stays a document."""
     labels, positions = batch["labels"], batch.get("position_ids")
     if not (torch.is_tensor(labels) and torch.is_tensor(positions) and labels.dim() == 2 and positions.dim() == 2):
         return

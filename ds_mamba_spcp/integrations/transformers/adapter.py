@@ -1,21 +1,15 @@
 """The transformers adapter: sequence-parallel Mamba2 mixers and DeepSpeed's Ulysses attention, in one call.
 
-transformers' Mamba2-style models (Mamba2, Bamba, Nemotron-H, GraniteMoeHybrid = Granite-4.0-H, Falcon-H1,
-Zamba2) run their Mamba layers through six mixer classes (``MIXER_CLASSES``) that share attribute names but
-no base class. ``prepare_sequence_parallel(model, ds_config)``, called once before ``deepspeed.initialize``,
-creates DeepSpeed's sequence-parallel group, puts DeepSpeed's ``UlyssesSPAttentionHF`` in front of the
-attention layers (per module, behind the model's attention key), makes every Mamba2 mixer sequence-parallel
-through the shared adapter core (``integrations/core.py``) and checks every model call before any collective.
+``prepare_sequence_parallel(model, ds_config)``, called once before ``deepspeed.initialize``, creates DeepSpeed's
+sequence-parallel group, puts DeepSpeed's ``UlyssesSPAttentionHF`` in front of each attention module, makes the
+six families' mixers (``MIXER_CLASSES``: shared attribute names, no base class) sequence-parallel through
+``integrations/core.py``, and checks every model call before any collective.
 
-A wrapped mixer keeps its class and its place in the model; only its instance ``forward`` is replaced (the
-previous one runs every call that is not sharded), so state_dict keys, isinstance checks, PEFT and
-``generate`` see the unwrapped model; it is a ZeRO-3 leaf (the core reads ``conv1d.weight`` and
-``norm.weight`` without calling those submodules). A call is sharded when the config is enabled, the group
-has more than one rank and no ``sequence_parallel_disabled(model)`` block is open.
-
-docs/huggingface.md is the user's page: the API, what is followed exactly per mixer, what is refused and the
-way out, where transformers' own paths disagree, the import order on CPU, and the tests. docs/design.md,
-"Adapters", places this module beside the mamba-ssm adapter.
+A wrapped mixer keeps its class and place; only its instance ``forward`` is replaced (the previous one runs
+every unsharded call), so state_dict keys, isinstance, PEFT and ``generate`` see the unwrapped model; it is a
+ZeRO-3 leaf (the core reads ``conv1d.weight`` and ``norm.weight`` without calling those submodules). A call is
+sharded when the config is enabled, the group has more than one rank and no ``sequence_parallel_disabled``
+block is open. The user's page: docs/huggingface.md.
 """
 
 from __future__ import annotations
@@ -85,9 +79,7 @@ def mixer_classes() -> tuple[type, ...]:
     return tuple(found)
 
 
-# ---------------------------------------------------------------------------------------------------
-# when a call is sharded
-# ---------------------------------------------------------------------------------------------------
+# -- when a call is sharded -------------------------------------------------------------------------
 
 
 class _Sharding:
@@ -125,10 +117,9 @@ class _Sharding:
 
 @contextlib.contextmanager
 def sequence_parallel_disabled(model: nn.Module) -> Iterator[nn.Module]:
-    """Inside the block, ``model`` runs as if it were not wrapped: every mixer and attention layer wrapped
-    by this module runs its own forward, with no collective and no check. For ``model.generate`` or an
-    evaluation on whole (unsharded) sequences, on one rank or on every rank alike. Blocks nest.
-    (mamba-ssm ``Mamba2`` mixers wrapped in ``DistributedMamba2`` are not affected.)"""
+    """Inside the block, ``model`` runs as if it were not wrapped (every mixer and attention layer wrapped by this
+    module runs its own forward, no collective, no check): for ``generate`` or evaluation on whole sequences.
+    Blocks nest. (mamba-ssm's ``DistributedMamba2`` is not affected.)"""
     switches = {}
     for module in model.modules():
         for key in (_MIXER_ATTR, _ATTN_ATTR, _MODEL_ATTR):
@@ -164,9 +155,7 @@ def _padding_error(where: str) -> NotImplementedError:
     )
 
 
-# ---------------------------------------------------------------------------------------------------
-# the mixers
-# ---------------------------------------------------------------------------------------------------
+# -- the mixers -------------------------------------------------------------------------------------
 
 
 def _norm_group_size(norm: nn.Module, d_inner: int) -> int | None:
@@ -242,8 +231,7 @@ class _MixerAdapter:
             raise _padding_error(f"an attention_mask with zeros reached {name}")
         seq_idx = rest.get("seq_idx")
         if seq_idx is None and self.model_state is not None:
-            # transformers' Mamba2ForCausalLM does not pass its **kwargs (seq_idx) on to its backbone: take the
-            # prepared model's call's (the same forward, or its recomputation under gradient checkpointing)
+            # Mamba2ForCausalLM does not pass its **kwargs (seq_idx) to its backbone: take the model call's
             seq_idx = self.model_state.seq_idx
         if seq_idx is not None and tuple(seq_idx.shape) != tuple(hidden_states.shape[:2]):
             raise ValueError(
@@ -312,13 +300,10 @@ def _mixer_forward(mixer: nn.Module, *args, **kwargs):
 def _hidden_states_positional(mixer: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook of a wrapped mixer: passes ``hidden_states`` positionally when the caller named it.
 
-    ZeRO-3 reduces a leaf module's gradients in a full backward hook (``register_full_backward_hook``), and
-    torch fires such a hook once the gradients of the module's positional tensor inputs are computed, or, when
-    it has none, as soon as those of its outputs are. Bamba, Zamba2, Falcon-H1 and GraniteMoeHybrid call their
-    mixer with ``hidden_states=`` as a keyword: the hook would then run before the mixer's own backward, reduce
-    and partition the gradients, and the first backward would fail on the partitioned ``out_proj`` weight.
-    Forward pre-hooks run before torch sets up the backward hook, so the hook below makes it wait for the
-    gradient of ``hidden_states``, as it does for Mamba2 and Nemotron-H, which pass it positionally."""
+    ZeRO-3 reduces a leaf's gradients in a full backward hook, which torch fires after the gradients of the
+    module's positional tensor inputs, or, without any, as soon as its outputs' (before the mixer's own
+    backward: the first backward then fails on the partitioned ``out_proj`` weight). Bamba, Zamba2, Falcon-H1
+    and GraniteMoeHybrid pass ``hidden_states=`` by keyword."""
     if not args and "hidden_states" in kwargs:
         kwargs = dict(kwargs)
         return (kwargs.pop("hidden_states"),), kwargs
@@ -327,14 +312,12 @@ def _hidden_states_positional(mixer: nn.Module, args: tuple, kwargs: dict):
 
 def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
     """Makes every transformers Mamba2-style mixer in ``model`` (``MIXER_CLASSES``, the model itself included)
-    sequence-parallel, in place; returns how many it wrapped (mixers already wrapped are left alone).
+    sequence-parallel, in place; returns how many it wrapped (wrapped ones are left alone).
 
-    ``sequence_process_group``: the group sharing each sequence, or None to resolve it at the first forward
-    (see :mod:`ds_mamba_spcp.groups`); ``config``: a ds_config or a ``MambaSequenceParallelConfig``. The wrapped
-    mixer takes transformers' forward signature (``hidden_states`` (batch, local_seqlen, hidden_size), this rank's
-    shard in ``config.input_layout``; ``cache``; ``attention_mask``; ``seq_idx`` (batch, local_seqlen) int32 in
-    ``**kwargs`` for packed rows) and returns its shard of the output. ``ds_mamba_spcp.wrap_mamba2_mixers`` calls
-    this for models that hold such mixers.
+    ``sequence_process_group``: the group sharing each sequence, or None to resolve it at the first forward;
+    ``config``: a ds_config or a ``MambaSequenceParallelConfig``. The wrapped mixer keeps transformers' forward
+    signature (``hidden_states`` (batch, local_seqlen, hidden_size), this rank's shard in ``config.input_layout``;
+    ``seq_idx`` (batch, local_seqlen) int32 in ``**kwargs``) and returns its shard of the output.
     """
     classes = mixer_classes()
     if not classes:
@@ -356,9 +339,7 @@ def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config:
     return len(todo)
 
 
-# ---------------------------------------------------------------------------------------------------
-# the attention layers: DeepSpeed's Ulysses attention, per module
-# ---------------------------------------------------------------------------------------------------
+# -- the attention layers: DeepSpeed's Ulysses attention, per module --------------------------------
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -390,8 +371,7 @@ class _UlyssesAttention:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         if kwargs.get("position_ids") is None:
-            # DeepSpeed's attention all-gathers position_ids (flash attention finds packed documents in them);
-            # GraniteMoeHybrid (no rotary embedding) does not pass them down: take the model call's.
+            # DeepSpeed's attention all-gathers position_ids; GraniteMoeHybrid (no rotary) does not pass them down
             kwargs["position_ids"] = self.model_state.position_ids
         batch = query.shape[0]
         uattn = self._by_batch.get(batch)
@@ -439,8 +419,8 @@ def _dispatcher(core_fn):
 
 
 def _install_dispatcher(implementation: str):
-    """Puts the dispatcher behind ``implementation`` in transformers' attention registry (once per process;
-    the attention modules look the function up at every call). Returns the function it stands in front of."""
+    """Puts the dispatcher behind ``implementation`` in transformers' attention registry (once per process).
+    Returns the function it stands in front of."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     current = ALL_ATTENTION_FUNCTIONS[implementation]
@@ -486,9 +466,7 @@ def _check_attention(module: nn.Module, config: MambaSequenceParallelConfig, cp:
     return implementation
 
 
-# ---------------------------------------------------------------------------------------------------
-# the whole model
-# ---------------------------------------------------------------------------------------------------
+# -- the whole model --------------------------------------------------------------------------------
 
 
 class _PreparedModel:
@@ -582,19 +560,13 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     ``deepspeed.initialize``.
 
     ``ds_config``: the ds_config (dict, path, ...) with ``sequence_parallel_size`` and the
-    ``"mamba_sequence_parallel"`` section. Creates DeepSpeed's sequence-parallel group
-    (``parallel_state_sp.initialize_sequence_parallel``, or reuses one of that size), puts DeepSpeed's
-    Ulysses attention in front of the model's attention layers (if any; contiguous shards; the model must
-    use attn_implementation 'sdpa', a flash attention or flex_attention), makes every Mamba2 mixer
-    sequence-parallel (``wrap_mamba2_mixers``) and adds the model-level checks. Returns
-    ``deepspeed.runtime.sequence_parallel.parallel_state_sp``, the ``mpu`` for
-    ``deepspeed.initialize(..., mpu=...)`` and the source of ``get_sequence_parallel_group()``; or None when
-    the config leaves sequence parallelism off (``enabled`` false or a size of 1), the model then untouched.
+    ``"mamba_sequence_parallel"`` section. Attention must be 'sdpa', a flash attention or flex_attention.
+    Returns ``parallel_state_sp``, the ``mpu`` for ``deepspeed.initialize(..., mpu=...)``; or None when the
+    config leaves sequence parallelism off (the model then untouched).
 
-    The prepared model takes this rank's shard of every sequence (``ds_mamba_spcp.data.shard_batch``):
-    ``input_ids`` (batch, seqlen/cp), ``position_ids`` (the global positions, needed with attention), no
-    labels, no cache, no padding; it returns this rank's shard of the logits. ``sequence_parallel_disabled``
-    gives back the unwrapped behaviour (generation).
+    The prepared model takes this rank's shard of every sequence (``data.shard_batch``): ``input_ids`` (batch,
+    seqlen/cp), ``position_ids`` (global, needed with attention), no labels, cache or padding; it returns this
+    rank's shard of the logits. ``sequence_parallel_disabled`` gives back the unwrapped behaviour.
     """
     cfg = load_mamba_sp_config(ds_config)
     cp = cfg.resolved_sequence_parallel_size

@@ -2,13 +2,11 @@
 
     sequence_parallel_generate(model, input_ids, group)      every rank: the same whole prompt
         -> checks, raised alike on every rank (prompt, mask, kwargs, model; the same random state to sample)
-        -> the padding mask generate runs with: the attention_mask given, or the one it derives from
-           pad_token_id (transformers' own _prepare_attention_mask_for_generation); left padding only
+        -> the padding mask generate runs with (given, or derived from pad_token_id); left padding only
         -> sequence_parallel_prefill(model, this rank's shard of prompt[:, :n*cp] and of the mask, group),
            n = (seqlen - 2) // cp
-        -> model.generate(input_ids, cache=<the whole prompt's cache but its last 2..cp+1 tokens>,
-           use_cache=True): transformers' own generate feeds the tokens the cache lacks (at least two, see
-           ``_FED``) and decodes, on every rank alike
+        -> model.generate(input_ids, cache=<the prompt's cache but its last 2..cp+1 tokens (``_FED``)>,
+           use_cache=True): transformers feeds the tokens the cache lacks and decodes, on every rank alike
         -> the same tokens on every rank (checked), those of model.generate(input_ids) in one process
 
     sequence_parallel_prefill(model, input_ids_shard, group, attention_mask_shard)  every rank: its shard
@@ -19,47 +17,13 @@
                         in training; ``cache.update`` gathers every rank's K/V into each rank's cache
         -> (the last prompt token's logits, from the last rank, and the cache), on every rank
 
-Left padding, as transformers computes it. Its Mamba2 mixers zero the padded positions' input (before
-in_proj) and their conv output, so a row's prompt starts from the zero state with zero conv columns before
-it; the op gets the same by packed-row labels (``seq_idx``: the padding 0, the prompt 1), each row's state
-and conv tail taken from its last document (zero while the prefilled part is all padding). Its attention
-masks the padded keys: after Ulysses' all-to-all each rank holds the whole prefix for some heads, and the
-kernel runs each row's prompt alone, causally (no (L, L) mask is built). Positions are generate's
-(``cumsum(mask) - 1``). A mask with a zero after a one (right padding, a pad id inside the prompt) is
-refused: there transformers lets the state decay across the masked position, which no document
-boundary reproduces. Also refused with padding at cp > 1: an in_proj bias (transformers feeds it from the
-padding into the prompt's conv) and flex_attention (DeepSpeed rebuilds its block mask as a causal one).
-
-transformers 5.24 keeps decode state in ``DynamicCache(config=...)``: a ``LinearAttentionLayer`` per Mamba
-layer (``conv_states``: the last d_conv pre-conv columns; ``recurrent_states``: the SSM state, fp32 as
-transformers' own prefill leaves it), a ``DynamicLayer`` per attention layer and Falcon-H1's combined
-``LinearAttentionAndFullAttentionLayer``. The sharded prefill fills those layers through their own
-``update_conv_state`` / ``update_recurrent_state`` / ``update`` methods, as the mixers and attention
-layers do in one process. Checked in one process (and by the tests): prefilling ``prompt[:, :-k]`` with
-``use_cache=True`` and then ``model.generate(prompt, cache=cache, ...)`` gives the tokens of a plain
-``generate``.
-
-A cache with no attention layer (Mamba2, an attention-free Nemotron-H) cannot tell transformers its
-length (``get_seq_length`` counts attention K/V), so transformers' ``generate`` either feeds the whole
-prompt again on top of it (all layers linear: Mamba2) or raises (Nemotron-H, whose MLP layers are
-``DummyLayer``s; its plain ``generate`` fails the same way). ``PrefilledCache`` then counts its tokens
-itself (``tokens``, advanced by ``sequence_parallel_generate`` after every forward) and holds one
-trailing ``DummyLayer`` when every layer is linear, so that ``generate`` asks it for its length and feeds
-only the tokens it lacks. With that, the attention-free Nemotron-H generates too.
-
-Every rank decodes the same tokens from the same cache (the state and the gathered K/V are identical
-on every rank): greedy decoding needs nothing more. Sampling draws from each rank's random generator,
-so ``sequence_parallel_generate`` refuses to sample unless every rank's generator is in the same state
-(``torch.manual_seed(s)`` alike on every rank), and it checks at the end that every rank has the same
-tokens (a mismatch raises on every rank).
-
-Refused: caches passed in, ``inputs_embeds``, and models this package cannot shard
-(``integrations.transformers``' checks). ``use_cache=False`` (a fine-tuning generation_config often carries
-it) is overridden: generate decodes from the prefilled cache, which gives the tokens of its uncached
-recomputation up to roundoff. The group (None) is a prepared model's, DeepSpeed's sequence-parallel group,
-or the world, a world started with ``torch.distributed.init_process_group`` alone included
-(``groups.generation_group``). A prepared model
-(``prepare_sequence_parallel``) works too: its sharding steps aside while this module drives it.
+Left-padded rows run as packed rows (``seq_idx``: the padding 0, the prompt 1; each row keeps its last
+document's state and conv tail), their attention each row's prompt alone after the all-to-all, at generate's
+positions (``cumsum(mask) - 1``). The cache layers (transformers >= 5.24) are filled through their own
+``update_conv_state`` / ``update_recurrent_state`` / ``update``, the state in fp32. What is refused (a zero
+after a one in a mask, an in_proj bias or flex_attention with padding at cp > 1, caches or ``inputs_embeds``
+passed in), the token count of attention-free caches, sampling and the group: docs/huggingface.md,
+"Generation: the prompt prefilled sharded".
 """
 
 from __future__ import annotations
@@ -99,10 +63,10 @@ except ImportError:  # transformers before the LinearAttentionLayer cache (5.17 
 class PrefilledCache(DynamicCache):
     """``DynamicCache(config=...)`` filled by a sharded prefill.
 
-    With an attention layer it is a plain ``DynamicCache``. Without one it answers ``get_seq_length`` and
-    ``get_mask_sizes`` from ``tokens`` (the tokens it holds: set by the prefill, advanced by
-    ``sequence_parallel_generate``; advance it yourself when decoding it another way), and a cache whose
-    every layer is linear gets one trailing ``DummyLayer`` (see the module docstring)."""
+    With an attention layer it is a plain ``DynamicCache``. Without one (transformers cannot count its length)
+    it answers ``get_seq_length`` and ``get_mask_sizes`` from ``tokens`` (set by the prefill, advanced by
+    ``sequence_parallel_generate``; advance it yourself when decoding it another way), and a cache whose every
+    layer is linear gets one trailing ``DummyLayer``, so that generate feeds only the tokens it lacks."""
 
     def __init__(self, config, tokens: int = 0) -> None:
         super().__init__(config=config)
@@ -127,14 +91,12 @@ class PrefilledCache(DynamicCache):
         return super().get_mask_sizes(query_length, layer_idx)
 
 
-# ---------------------------------------------------------------------------------------------------
-# checks, on every rank alike
-# ---------------------------------------------------------------------------------------------------
+# -- checks, on every rank alike --------------------------------------------------------------------
 
 
 def _resolve_group(model: nn.Module, group):
-    """The group: the one given, a prepared model's, DeepSpeed's sequence-parallel group, or the world (a world
-    started with ``torch.distributed.init_process_group`` alone too: ``groups.generation_group``)."""
+    """The group given, a prepared model's, DeepSpeed's sequence-parallel group, or the world
+    (``groups.generation_group``)."""
     adopt_torch_distributed()  # before a prepared model resolves its group through deepspeed.comm
     if group is None:
         state = model.__dict__.get(hf._MODEL_ATTR)
@@ -210,14 +172,12 @@ def _check_shards(ids: torch.Tensor, group, device) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------------
-# the sharded forward
-# ---------------------------------------------------------------------------------------------------
+# -- the sharded forward ----------------------------------------------------------------------------
 
 
 def _mixer_forward(adapter, group, cfg, padding, *args, **kwargs):
-    """A mixer's forward during the prefill: the op on the shard, the cache's layer filled. Left-padded rows
-    (``padding``) run as packed rows, the padding one document and the prompt the next."""
+    """A mixer's forward during the prefill: the op on the shard, the cache's layer filled; left-padded rows
+    (``padding``) as packed rows."""
     hidden, cache, mask, rest = hf._mixer_call(args, kwargs)
     m = adapter.mixer
     if mask is not None or rest.get("seq_idx") is not None:
@@ -272,10 +232,9 @@ class _Ulysses:
 
 
 def _unpadded_attention(core_fn, padding, module, query, key, value, attention_mask, *args, **kwargs):
-    """The attention kernel after Ulysses' all-to-all (the whole prefix, a subset of heads), for left-padded rows:
-    each row's prompt alone, causally (rows with as much padding together), which is what a padding mask gives
-    its tokens; the padded queries get zeros (their outputs reach no prompt token: the Mamba2 layers restart
-    at the prompt, and the prompt's queries never see them). No (batch, L, L) mask is built.
+    """The attention kernel after Ulysses' all-to-all for left-padded rows: each row's prompt alone, causally
+    (rows with as much padding together; no (batch, L, L) mask); the padded queries get zeros (they reach no
+    prompt token: the Mamba2 layers restart at the prompt).
 
     query, key, value: (batch, heads, L, head_dim); returns ((batch, L, heads, head_dim), None), as the kernel."""
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
@@ -293,11 +252,9 @@ def _unpadded_attention(core_fn, padding, module, query, key, value, attention_m
 
 
 class _LeftPadding:
-    """A left-padded prefix on every rank: the labels that make each row's padding a document of its own, and
-    which of the op's per-document states is each row's.
-
-    mask: (batch, L) the whole prefix's mask (zeros, then ones, in every row; checked before), identical on every
-    rank; rank, local: this rank's shard [rank*local, (rank+1)*local)."""
+    """A left-padded prefix: the labels that make each row's padding a document of its own, and which of the op's
+    per-document states is each row's. mask: (batch, L), the whole prefix's (zeros then ones in every row),
+    identical on every rank; rank, local: this rank's shard [rank*local, (rank+1)*local)."""
 
     def __init__(self, mask: torch.Tensor, rank: int, local: int) -> None:
         mask = mask.to(torch.int32)
@@ -309,8 +266,8 @@ class _LeftPadding:
         self.groups = [(p, torch.tensor([b for b, q in enumerate(pads) if q == p])) for p in sorted(set(pads))]
 
     def rows(self, per_document: torch.Tensor) -> torch.Tensor:
-        """(ndocs, ...) -> (batch, ...): each row's last document, zero where the row is still padding (what
-        transformers' masked layers leave: nothing entered the state, the conv saw zero columns)."""
+        """(ndocs, ...) -> (batch, ...): each row's last document, zero where the row is still padding (as
+        transformers' masked layers leave it)."""
         picked = per_document[self.last.to(per_document.device)]
         keep = self.keep.to(picked.device).view(-1, *([1] * (picked.dim() - 1)))
         return picked * keep.to(picked.dtype)
@@ -370,9 +327,7 @@ def _forward_kwargs(model: nn.Module, **values) -> dict:
     return {k: v for k, v in values.items() if k in names and v is not None}
 
 
-# ---------------------------------------------------------------------------------------------------
-# the public functions
-# ---------------------------------------------------------------------------------------------------
+# -- the public functions ---------------------------------------------------------------------------
 
 
 def _mask_problem(mask: Any, ids: torch.Tensor, what: str) -> Exception | None:
@@ -432,18 +387,15 @@ def sequence_parallel_prefill(model: nn.Module, input_ids_shard: torch.Tensor, g
     """Prefills a prompt sharded across ``group``; returns, on every rank, the logits after its last token and
     the decode cache of the whole prompt.
 
-    input_ids_shard: (batch, seqlen/cp), this rank's contiguous shard of the prompt (rank r holds tokens
-    [r*seqlen/cp, (r+1)*seqlen/cp)); every rank the same shape. attention_mask_shard: None, or this rank's shard
-    of the prompt's 2-D padding mask (the same shape; 1 a token, 0 padding), left padding only (in every row
-    zeros, then ones, over the whole prompt); its positions (RoPE) are those ``generate`` gives a left-padded
-    row (``cumsum(mask) - 1``, 0 on the padding). group: the ranks sharing the prompt (None: a prepared model's
-    group, DeepSpeed's sequence-parallel group, or the world; a world started with
-    ``torch.distributed.init_process_group`` alone too). Returns ``Prefill(logits (batch, vocab), cache)``, the
-    cache a ``PrefilledCache`` (a transformers ``DynamicCache``) to pass to ``model.generate(prompt_and_more,
-    cache=cache)`` (with the same mask, extended) or to the model's forward, identical on every rank. Runs under
-    ``torch.no_grad``. A group of one is the model's own forward with ``use_cache=True``. Errors (an
-    unsupported model, shards of different shapes, padding that is not on the left) are raised on every rank
-    alike.
+    input_ids_shard: (batch, seqlen/cp), this rank's contiguous shard (rank r holds tokens
+    [r*seqlen/cp, (r+1)*seqlen/cp)), the same shape on every rank. attention_mask_shard: None, or this rank's
+    shard of the prompt's 2-D padding mask (1 a token, 0 padding), left padding only; positions are generate's
+    (``cumsum(mask) - 1``). group: the ranks sharing the prompt (None: a prepared model's, DeepSpeed's
+    sequence-parallel group, or the world). Returns ``Prefill(logits (batch, vocab), cache)``, the cache a
+    ``PrefilledCache`` identical on every rank, for ``model.generate(prompt_and_more, cache=cache)`` (with the
+    same mask, extended) or the model's forward. Runs under ``torch.no_grad``; a group of one is the model's own
+    forward with ``use_cache=True``. Errors (an unsupported model, shards of different shapes, padding not on
+    the left) are raised on every rank alike.
     """
     group, rank, cp = _resolve_group(model, group)
     device = input_ids_shard.device if torch.is_tensor(input_ids_shard) else None
@@ -480,11 +432,8 @@ def sequence_parallel_prefill(model: nn.Module, input_ids_shard: torch.Tensor, g
     return Prefill(broadcast_from_last(logits, group), cache)
 
 
-# The prompt tokens left to transformers' generate after the sharded prefill: at least two, so that its first
-# forward runs them in the model's prefill (chunked) form, as the whole prompt runs in one process's generate. One
-# token would take the model's decode step instead, which for Zamba2 and Nemotron-H is another computation: their
-# chunked form floors dt at time_step_min (dt_limit) and their decode step does not, so the last prompt token, and
-# every token after it, would differ from one process's (by ~1e-2 of the logits wherever the floor binds).
+# prompt tokens left to generate: at least two, so that its first forward takes the model's chunked form, as one
+# process's does (Zamba2's and Nemotron-H's decode step does not floor dt; docs/huggingface.md, "Generation")
 _FED = 2
 
 _REFUSED = {
@@ -558,17 +507,12 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
     """``model.generate(input_ids, **generate_kwargs)`` with the prompt prefilled sharded across ``group``.
 
     Every rank passes the same whole prompt ``input_ids`` (batch, seqlen) and ``attention_mask`` if any
-    (checked); left padding (in every row zeros, then ones) is supported, and pad ids in the prompt are masked
-    as ``generate`` masks them (only where they lead a row; one after a token is refused, see the module
-    docstring). The first ``n*cp`` tokens (n = (seqlen - 2) // cp) are prefilled sharded
-    (``sequence_parallel_prefill``); transformers' own ``generate`` then feeds the other 2..cp+1 tokens on
-    top of that cache and decodes, on every rank, from that cache whatever ``use_cache`` says. A prompt of at
-    most 2 tokens in a group of one is plain ``generate``; at cp > 1 the prompt needs cp * (d_conv - 1) + 2
-    tokens (a shorter one is refused, the least length named). Returns on every rank what ``model.generate``
-    returns in one process (the same tokens; checked across ranks, a mismatch raises on every rank). group:
-    see ``sequence_parallel_prefill``.
-    Sampling (``do_sample``) needs every rank's random generator in the same state (``torch.manual_seed``
-    alike on every rank; checked). Errors are raised on every rank alike.
+    (checked); left padding only, pad ids masked as ``generate`` masks them. The first ``n*cp`` tokens
+    (n = (seqlen - 2) // cp) are prefilled sharded; ``generate`` feeds the other 2..cp+1 and decodes from that
+    cache whatever ``use_cache`` says. At cp > 1 the prompt needs cp * (d_conv - 1) + 2 tokens; a group of one
+    with at most 2 is plain ``generate``. Returns on every rank what ``model.generate`` returns in one process
+    (the ranks' tokens compared). Sampling needs every rank's random generator in the same state (checked).
+    group: see ``sequence_parallel_prefill``. Errors are raised on every rank alike.
     """
     group, rank, cp = _resolve_group(model, group)
     device = input_ids.device if torch.is_tensor(input_ids) else None
@@ -606,9 +550,7 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
         return out
     shard = slice(rank * n, (rank + 1) * n)
     cache = sequence_parallel_prefill(model, input_ids[:, shard], group, None if mask is None else mask[:, shard]).cache
-    # decode from the prefilled cache whatever use_cache says: without it generate would feed the whole sequence
-    # again on top of the cache; with it, its tokens are those of its uncached recomputation up to roundoff.
-    # A mask generate derives from pad ids it derives again (the same call as _generation_mask).
+    # use_cache=False would feed the whole sequence again on top of the cache
     kwargs = {**generate_kwargs, "use_cache": True, _cache_key(model): cache}
     hook = None
     if cache.attention_free:

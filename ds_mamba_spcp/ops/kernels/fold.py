@@ -67,16 +67,10 @@ def fold_chunks(x, dA_last, *, reverse: bool, seq_idx=None, chunk_size=None, log
     x: (b, c, h, p, n) per-chunk values; dA_last: (b, h, c) each chunk's total log-decay; s_c =
     exp(dA_last[c]), zeroed for a chunk whose last token starts or lies in another document than the
     previous chunk's last token (seq_idx: (b, seqlen) canonical labels, with chunk_size, or None).
-    Forward (chunk states): the state after the segment's last chunk when it starts from zero,
-    S_ext. reverse (gradients reaching the states entering each chunk): the gradient reaching the
-    state entering the segment when its end receives none, L. The same recurrences, in the same
-    order and precision, as mamba-ssm's _state_passing_fwd (final_states) and _state_passing_bwd
-    (dinitial_states), but the per-chunk outputs those write and we would throw away are never
-    stored: one read of x. log_a=True: also returns the segment's total log-decay (b, h) fp32 from
-    the same launch, the sum of dA_last over the chunks (-inf for a row whose labels end past 0).
-    init (reverse, known mode): dS_out, the gradient reaching the state after the segment; the fold then
-    returns dS_in = L + exp(log_a) dS_out, carried through the chunks as _state_passing_bwd carries
-    dfinal_states, in fp32 (its own dinitial_states would be in the compute dtype).
+    Forward (x: chunk states): S_ext; reverse (x: gradients reaching the states entering each chunk): L. The
+    recurrences, order and precision of mamba-ssm's _state_passing_fwd / _bwd, without storing their per-chunk
+    outputs. log_a=True: also the segment's total log-decay (b, h) fp32 (-inf for a row whose labels end past
+    0). init (reverse, known mode): dS_out; the fold then returns dS_in = L + exp(log_a) dS_out, in fp32.
     """
     b, nchunks, h, p, n = x.shape
     flat = x.reshape(b, nchunks, h, p * n)
@@ -123,12 +117,9 @@ def _ddA_tail_kernel(
 
 
 def ddA_tail(ddA, ddA_next, ddA_prev, ddA_chunk):
-    """ddA += ddA_next + reverse-cumsum(ddA_prev with ddA_chunk added at each chunk's last position), in place.
-
-    ddA, ddA_next, ddA_prev: (b, h, c, chunk_size) fp32, ddA_chunk: (b, h, c): the gradients of the cumulative
-    log-decays that upstream's backward sums with ``ddA_prev[..., -1] += ddA_chunk`` and
-    ``ddA += ddA_next + ddA_prev.flip(-1).cumsum(-1).flip(-1)``, in one launch (ddA_prev is not modified).
-    """
+    """ddA += ddA_next + reverse-cumsum(ddA_prev with ddA_chunk added at each chunk's last position), in place, in
+    one launch (ddA_prev unmodified). ddA, ddA_next, ddA_prev: (b, h, c, chunk_size) fp32, ddA_chunk: (b, h, c):
+    the cumulative log-decays' gradients upstream's backward sums in six small ops."""
     b, h, c, chunk_size = ddA.shape
     with torch.cuda.device(ddA.device.index):
         _ddA_tail_kernel[(b, h, c)](

@@ -1,14 +1,9 @@
 """The state passing over a segment's chunks, forward and backward, with the next chunks' loads in flight.
 
-mamba-ssm's ``_state_passing_fwd`` / ``_state_passing_bwd`` run one program per (block of the state, row, head),
-each a loop over the chunks that loads a chunk's values and uses them at once: a grid has one chunk's states
-(2 MiB for nheads=64, headdim=64, dstate=128) in flight at a time. The tiles and the segments of ranks run them
-once per tile: 8 launches per 32K step in 8K tiles against mamba-ssm's 2 on the whole row.
-
-The kernels here compute the same recurrences, in the same order and precision (their results equal upstream's
-bitwise, the ddA partial sums aside, which are summed over blocks of another size:
-``tests/test_triton_interpreter.py`` at upstream's block, ``benchmarks/probes/probe_state_passing.py`` on an H200
-against upstream at its usual block of 256), but walk the chunks in groups of four and issue the next group's loads
+mamba-ssm's ``_state_passing_fwd`` / ``_state_passing_bwd`` load a chunk's values and use them at once (one
+chunk's states in flight per grid). The kernels here compute the same recurrences in the same order and
+precision (bitwise equal to upstream's, the ddA partial sums aside, summed over blocks of another size:
+``tests/test_triton_interpreter.py``), but walk the chunks in groups of four and issue the next group's loads
 before the current group is computed.
 
     forward   out[0] = S_in; S <- exp(dA_c) S + states[c]; out[c + 1] = S (c < nchunks - 1), final = S (the last)
@@ -19,14 +14,9 @@ before the current group is computed.
 exp(dA_c) is zeroed where chunk c's last token lies in another document than the previous chunk's last token
 (seq_idx: canonical labels; label 0 before the first chunk), as upstream does.
 
-Measured on one H200 (benchmarks/results/pass_states_h200x1/probe_state_passing_b256.json, nheads=64, a state of
-8192 per head, 64 to 1024 chunks), ours / upstream's time per launch with the block and warps below: forward with
-a bf16 output 0.70-0.91, forward in fp32 0.96-1.00 (both kernels near the H200's bandwidth there: ~3.8 TB/s),
-backward 0.77-0.82. Upstream's kernels run near the bandwidth already on long rows; the gain is largest on short
-tiles (0.70 at 64 chunks against 0.91 at 1024 for the bf16 forward).
-
-The kernels are launched with a fixed block (``BLOCK``, ``NUM_WARPS``: no autotuning, so the same launch
-everywhere and nothing to warm up); the ddA partial sums are then per block of that size.
+Time per launch, ours / upstream's, on one H200 at 64-1024 chunks: forward 0.70-1.00, backward 0.77-0.82
+(benchmarks/results/pass_states_h200x1/probe_state_passing_b256.json). A fixed block (``BLOCK``, ``NUM_WARPS``;
+no autotuning: the same launch everywhere, nothing to warm up).
 """
 
 from __future__ import annotations
@@ -321,13 +311,11 @@ def state_passing_bwd(states, dA_last, dout, dfinal_states=None, seq_idx=None, *
 
 def state_passing_bwd_fp32_dinit(states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, *, dstates_dtype,
                                   states_dtype, chunk_size):  # fmt: skip
-    """mamba-ssm's ``_state_passing_bwd`` (``has_initial_states``; ``ops/pass_states.py``'s kernel unless
-    DS_MAMBA_SPCP_STATE_PASSING=upstream) with the gradient of the initial states stored in fp32: the kernel
-    carries it in fp32 and stores it in its buffer's dtype, which upstream's wrapper makes the compute dtype.
-    Known mode takes it as the segment's dS_in (the gradient the tile before receives), which
-    ``_fold_chunks(..., init=dS_out)`` computed in a launch of its own: the same recurrence over the same values in
-    fp32. With ranks it is discarded (L, folded before dS_out arrived, went instead). -> (dstates,
-    ddA_chunk_cumsum, dinitial_states fp32 (b, h, dim), the states converted to ``states_dtype`` or None)."""
+    """mamba-ssm's ``_state_passing_bwd`` (``has_initial_states``; this module's kernel unless
+    DS_MAMBA_SPCP_STATE_PASSING=upstream) with the initial states' gradient stored in fp32 (upstream's wrapper
+    stores it in the compute dtype): known mode's dS_in, the recurrence ``fold.fold_chunks(..., init=dS_out)``
+    computes too; with ranks it is discarded. -> (dstates, ddA_chunk_cumsum, dinitial_states fp32 (b, h, dim),
+    the states converted to ``states_dtype`` or None)."""
     if enabled():  # this module's kernel: the same recurrence, its loads ahead
         return state_passing_bwd(
             states, dA_chunk_cumsum, dout, dfinal_states, seq_idx, has_initial_states=True,

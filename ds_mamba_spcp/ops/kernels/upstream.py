@@ -1,36 +1,20 @@
 """Imports of mamba-ssm submodules that work whether or not its CUDA extension was built.
 
-``import mamba_ssm`` runs ``mamba_ssm/__init__.py``, which imports ``selective_scan_cuda`` and
-fails on builds without the CUDA extension (CPU machines, the Triton-only wheels). Everything
-this package needs (the Triton SSD pieces, ``Mamba2``) lives in submodules that do not need it.
-``mamba_module(name)`` imports the submodule under a bare package object for ``mamba_ssm`` (its
-``__path__`` set to the installed folder, ``__init__`` not executed) when the real import fails. When
-the real import works, nothing is bypassed.
+``import mamba_ssm`` imports ``selective_scan_cuda`` and fails on builds without the CUDA extension (CPU
+machines, the Triton-only wheels); what this package needs lives in submodules that do not need it.
+``mamba_module(name)`` then imports the submodule under a bare package object (its ``__path__`` the installed
+folder, ``__init__`` not run); when the real import works, nothing is bypassed.
 
-The bare package does not stay in ``sys.modules``: other libraries decide whether mamba-ssm is usable by
-importing it (transformers' ``use_kernel_func_from_hub_with_fallback`` binds a model class to
-``mamba_ssm``'s kernels when ``importlib.import_module("mamba_ssm")`` succeeds), and a half-imported
-package would make them bind CUDA-only kernels on a machine where mamba-ssm cannot run them. So the
-bare package and every submodule imported under it are put into ``sys.modules`` only for the duration
-of an import and kept aside between imports (the same module objects each time: one copy of every
-submodule and its Triton kernels). ``expose_mamba_package()`` leaves them in ``sys.modules`` for good,
-for a caller that wants other libraries to bind mamba-ssm's Triton kernels on a GPU without the CUDA
-extension (``tests/test_hf_gpu.py``).
+The bare package is in ``sys.modules`` only during an import (the same module objects each time): libraries
+probe ``import mamba_ssm`` (transformers binds its kernels when that succeeds), and a half-imported package
+would make them bind CUDA-only kernels. ``expose_mamba_package()`` leaves it there for good.
 
-mamba-ssm's model file (``models/mixer_seq_simple.py``, ``MambaLMHeadModel``) imports ``modules/mamba_simple.py``
-(Mamba-1), whose ``ops/selective_scan_interface.py`` does ``import selective_scan_cuda``: the CUDA extension
-that CPU builds and the Triton-only wheels lack, and that Mamba2 layers never call. Where that import finds
-nothing, ``mamba_module`` lends it a placeholder for the duration of its imports (``selective_scan_placeholder``):
-a module whose every function raises a RuntimeError naming the missing build, so that ``MambaLMHeadModel``
-with Mamba2 layers imports and runs, and only a Mamba-1 layer's scan fails, clearly. A real
-``selective_scan_cuda`` is never shadowed, and the placeholder never stays in ``sys.modules`` (a library
-that probes for the extension still finds none).
+``MambaLMHeadModel``'s imports reach Mamba-1's ``import selective_scan_cuda``; where no real extension exists
+it finds a placeholder during the import only, whose every function raises a RuntimeError naming the missing
+build (docs/huggingface.md, "The op's forward-only path, packed prompts, mamba-ssm's model").
 
-The Triton backend calls private functions of mamba-ssm and causal-conv1d (``_chunk_state_fwd``,
-``causal_conv1d_cuda.causal_conv1d_bwd``, ...), whose signatures and semantics change between releases
-without notice: ``check_pinned_versions`` refuses versions other than the ones it was written and
-tested against (``PINNED``), so that a different release fails loudly instead of computing wrong
-gradients.
+The Triton backend calls private functions of mamba-ssm and causal-conv1d, whose signatures change between
+releases: ``check_pinned_versions`` refuses other versions than ``PINNED``.
 """
 
 from __future__ import annotations
@@ -218,16 +202,9 @@ def check_pinned_versions() -> None:
 def causal_conv1d_functions():
     """causal-conv1d's conv forward and backward, with the signatures and results of its
     ``causal_conv1d_fwd_function`` / ``causal_conv1d_bwd_function``; ImportError when its CUDA extension
-    is missing.
-
-    Those two wrap the extension's C++ functions (``causal_conv1d_cuda``) in torch.library custom ops,
-    whose dispatch costs the host far more than the C++ call itself: on an H200 host, in a step, 97-241 us of
-    Python per call against 14-21 us in the C++ call (``benchmarks/probe_launch_cost.py``,
-    ``benchmarks/results/conv_direct_d3a1fe9_h200x1/``), three calls per segment. Eager calls here allocate what
-    the custom ops' wrappers allocate and call the C++ functions straight; under torch.compile (which
-    traces the custom ops, not the extension) the custom-op functions run as they are. The outputs are
-    fresh tensors or the caller's ``dx`` buffer; nothing here bumps version counters, as nothing saved
-    for autograd is written.
+    is missing. Eager calls go straight to the C++ functions (the custom ops' dispatch cost the host ~100-240 us
+    per call against ~15-20 us in C++ on an H200: benchmarks/results/README.md); under torch.compile the custom
+    ops run. The outputs are fresh tensors or the caller's ``dx``; nothing saved for autograd is written.
     """
     import causal_conv1d_cuda
     import torch
