@@ -116,7 +116,12 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _check_combination(self) -> MambaSequenceParallelConfig:
-        self.entry()  # the table of modes raises for a combination it lacks (key, value, fix)
+        entry = self.entry()  # the table of modes raises for a combination it lacks (key, value, fix)
+        if self.summary_exchange == exchange.SCAN and entry.strategy != modes.STATE_PASSING:
+            raise ValueError(
+                f'"{SECTION}.summary_exchange" is "scan" with mode "{self.mode}", which exchanges no state summaries; '
+                'use mode "state_passing", or summary_exchange "auto".'
+            )
         return self
 
     def entry(self) -> modes.Entry:

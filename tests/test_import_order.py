@@ -34,7 +34,7 @@ config = {"train_micro_batch_size_per_gpu": 1,
 ids = torch.randint(0, hf_models.VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
 mamba2 = hf_models.build("mamba2", attention=False)
 wrapped = wrap_mamba2_mixers(mamba2, None, config)
-from ds_mamba_spcp import _upstream
+from ds_mamba_spcp.ops.kernels import upstream as _upstream
 loaded = getattr(_upstream, "mamba_modules_loaded", lambda p: [k for k in sys.modules if k.startswith(p)])
 bamba = hf_models.build("bamba")
 with torch.no_grad():

@@ -147,7 +147,7 @@ def _tensors(res: dict) -> dict:
 
 
 def _prefill(rank, world, seqlen, seed, bug=False):
-    from ds_mamba_spcp.integrations.mamba_ssm.mixer import generation as mamba_ssm
+    from ds_mamba_spcp.integrations.mamba_ssm import generation as mamba_ssm
 
     model = tiny_mamba_lm(seed)
     ids = prompt(seqlen, seed)
@@ -201,7 +201,7 @@ def _started_by_torch(rank, world):
     import deepspeed.comm as dist
 
     from ds_mamba_spcp import comm
-    from ds_mamba_spcp.integrations.mamba_ssm.mixer import generation as mamba_ssm
+    from ds_mamba_spcp.integrations.mamba_ssm import generation as mamba_ssm
 
     before, sizes, original = dist.is_initialized(), [], mamba_ssm.mixer_prefill
 

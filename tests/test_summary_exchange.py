@@ -103,6 +103,18 @@ def test_auto_picks_the_all_gather_inside_a_node_and_the_scan_past_it():
     assert method == "scan" and "InfiniBand" in why
 
 
+def test_scan_with_ulysses_is_refused():
+    from ds_mamba_spcp.config import MambaSequenceParallelConfig
+    from ds_mamba_spcp.op import mixer_core
+
+    with pytest.raises(ValueError, match="summary_exchange"):
+        MambaSequenceParallelConfig(mode="ulysses", summary_exchange="scan")
+    tensors, _ = make_inputs(batch=1, seqlen=8, nheads=NHEADS, headdim=HEADDIM, ngroups=2, dstate=DSTATE, d_conv=4)
+    with pytest.raises(ValueError, match='summary_exchange="scan" with mode "ulysses"'):
+        call_op(mixer_core, tensors, dict(ngroups=2, chunk=4), headdim=HEADDIM, mode="ulysses",
+                summary_exchange="scan")  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # the distributed exchange
 # ---------------------------------------------------------------------------------------------
