@@ -202,8 +202,7 @@ def compare_routes(t, opts, group, seq_layout, rank, world):
 def _documents(rank, world, name, opts, bug=False):
     import deepspeed.comm as dist
 
-    from ds_mamba_spcp.engine import layout
-    from ds_mamba_spcp.engine.strategies import state_passing
+    from ds_mamba_spcp.engine import exchange, layout
     from ds_mamba_spcp.inference import forward
 
     opts = dict(opts)
@@ -221,16 +220,16 @@ def _documents(rank, world, name, opts, bug=False):
     else:
         labels["seq_idx"] = layout.shard_sequence(seq_idx, rank, world, lay)
     params = [t[k] for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D")]
-    original = state_passing._SummaryExchange._keep
+    original = exchange.AllGatherExchange._keep
     if bug:  # the state restarts at every rank border
-        state_passing._SummaryExchange._keep = lambda self, s: s if self.plan.rank == 0 else torch.zeros_like(s)
+        exchange.AllGatherExchange._keep = lambda self, s: s if self.plan.rank == 0 else torch.zeros_like(s)
     try:
         _, states, tails = forward.mixer_core_prefill(
             local, *params, CHUNK, headdim=HEADDIM, ngroups=NGROUPS, rmsnorm_weight=t["rmsnorm_weight"],
             process_group=dist.get_world_group(), initial_states=init, backend="reference", **labels, **opts,
         )  # fmt: skip
     finally:
-        state_passing._SummaryExchange._keep = original
+        exchange.AllGatherExchange._keep = original
     res = {
         "ndocs": (states.shape[0], tails.shape[0], want_states.shape[0]),
         "states": [rel_err(s, w) for s, w in zip(states, want_states)],

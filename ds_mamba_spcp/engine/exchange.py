@@ -32,7 +32,7 @@ import math
 import torch
 
 from ds_mamba_spcp import comm
-from ds_mamba_spcp.engine import layout
+from ds_mamba_spcp.engine import layout, scan
 
 ALLGATHER, SCAN, AUTO = "allgather", "scan", "auto"
 SUMMARY_EXCHANGES = (ALLGATHER, SCAN, AUTO)
@@ -167,15 +167,13 @@ class _Scan:
         return self.owner_of_pos[self.nseg - 1]
 
 
-class ScanExchange:
-    """The ``scan`` method with the interface of the all-gather exchange (``state_passing._SummaryExchange``):
-    ``post(S_ext, log_a)`` -> handle to this rank's S_in rows, ``post_grad(L)`` -> handle to its dS_out rows,
-    and ``final_states`` / ``dinitial_states`` / ``log_a_all`` after them. ``log_a_all`` holds this rank's
-    segments' decays only ((nlocal, b, h), the -inf of document starts applied): the backward's scan carries
-    the others' in its messages."""
+class _Exchange:
+    """What both methods share: this rank's local segments sit on the batch axis (row i*nlocal + k is batch
+    element i's local segment k, ``layout.pack_segments``); ``post(S_ext, log_a)`` -> a handle to this rank's
+    S_in rows, ``post_grad(L)`` -> a handle to its dS_out rows, and ``final_states`` / ``dinitial_states`` /
+    ``log_a_all`` after them. start0: (b*nlocal,) bool, the segments that begin a document, or None."""
 
-    def __init__(self, plan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None, start0=None,
-                 need_final: bool = True):  # fmt: skip
+    def __init__(self, plan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None, start0=None):
         self.plan, self.batch = plan, batch
         self.initial_states, self.log_a_all, self.dfinal_states, self.start0 = (
             initial_states,
@@ -183,12 +181,70 @@ class ScanExchange:
             dfinal_states,
             start0,
         )
-        self.need_final = need_final
         self.S_in = self.final_states = self.dinitial_states = None
-        self.scan = None  # the last _Scan (its ``sent`` count: the traffic tests)
 
     def _keep(self, t):
+        """Zeroes what reaches a segment that begins a document (the incoming state stops there)."""
         return t if self.start0 is None else t * (~self.start0).to(t.dtype)[:, None, None, None]
+
+
+class AllGatherExchange(_Exchange):
+    """The ``allgather`` method: every segment's summary to every rank in one all-gather, then the local scan
+    (``scan.exclusive_scan``); ``log_a_all`` keeps every segment's decays (nseg, b, h) for the backward's reverse
+    scan. With ranks only (a group of one runs in known mode)."""
+
+    def post(self, S_ext, log_a):
+        """S_ext (b*nlocal, h, p, n), log_a (b*nlocal, h), both fp32 or wider."""
+        cdtype = torch.promote_types(S_ext.dtype, torch.float32)
+        S_ext, log_a = S_ext.to(cdtype), log_a.to(cdtype)
+        if self.start0 is not None:
+            log_a = torch.where(self.start0[:, None], float("-inf"), log_a)
+        numel = S_ext[0].numel()
+        packed = torch.cat([S_ext.flatten(1), log_a], dim=1)  # one buffer, one collective
+        handle = self.plan.gather_ordered(self.plan.split(packed))
+        return _Deferred(lambda: self._finish_fwd(handle.wait(), numel, S_ext.shape[1:], cdtype))
+
+    def _finish_fwd(self, rows, numel, state_shape, cdtype):
+        S_ext_all = rows[..., :numel].reshape(*rows.shape[:2], *state_shape)
+        self.log_a_all = rows[..., numel:].clone()  # only the decays outlive the gathered buffer
+        init = None if self.initial_states is None else self.initial_states.to(cdtype)
+        S_in, self.final_states = scan.exclusive_scan(S_ext_all, self.log_a_all, init, rows=self.plan.local_ids)
+        # its own buffer: a view would keep the scan's whole output (final_states too) alive until backward
+        self.S_in = self._keep(layout.segments_to_rows(S_in).clone())
+        return self.S_in
+
+    def post_grad(self, L):
+        """L (b*nlocal, h, p, n): gradient reaching the incoming states from this rank's outputs."""
+        cdtype = torch.promote_types(L.dtype, torch.float32)
+        L = self.plan.split(self._keep(L.to(cdtype)))
+        if self.dfinal_states is not None:
+            # final_states is returned on every rank: the gradients that reach its copies add up
+            extra = torch.zeros_like(L)
+            extra[0] = self.dfinal_states.to(cdtype)  # once per rank, on its first local segment
+            L = torch.cat([L, extra], dim=1)
+        handle = self.plan.gather_ordered(L)
+        return _Deferred(lambda: self._finish_bwd(handle.wait()))
+
+    def _finish_bwd(self, rows):
+        dfinal = None
+        if self.dfinal_states is not None:
+            rows, extra = rows[:, : self.batch], rows[:, self.batch :]
+            dfinal = extra.sum(dim=0)
+        dS_out, self.dinitial_states = scan.reverse_scan(
+            rows, self.log_a_all.to(rows.dtype), dfinal, rows=self.plan.local_ids
+        )
+        return layout.segments_to_rows(dS_out)
+
+
+class ScanExchange(_Exchange):
+    """The ``scan`` method. ``log_a_all`` holds this rank's segments' decays only ((nlocal, b, h), the -inf of
+    document starts applied): the backward's scan carries the others' in its messages. ``need_final``: broadcast
+    the state after the last segment (asked for by return_final_states)."""
+
+    def __init__(self, plan, batch: int, need_final: bool = True, **kwargs):
+        super().__init__(plan, batch, **kwargs)
+        self.need_final = need_final
+        self.scan = None  # the last _Scan
 
     def post(self, S_ext, log_a):
         cdtype = torch.promote_types(S_ext.dtype, torch.float32)

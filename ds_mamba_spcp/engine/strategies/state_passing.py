@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_mamba_spcp import comm
-from ds_mamba_spcp.engine import documents, exchange, layout, modes, scan, traffic
+from ds_mamba_spcp.engine import documents, exchange, layout, modes, traffic
 from ds_mamba_spcp.ops import tiles as tiling
 from ds_mamba_spcp.ops.autograd import first_order_only
 from ds_mamba_spcp.ops.segment import (
@@ -172,78 +172,6 @@ class _HaloGrad:
         return self.plan.local(nxt)
 
 
-# -- the summary exchange ---------------------------------------------------------------------
-
-
-class _SummaryExchange:
-    """Where the backend's summaries go: post the local ones, wait for S_in (and the mirror in backward); with
-    ranks only (a group of one runs in known mode). Row i*nlocal + k is batch element i's local segment k
-    (layout.pack_segments). start0: (b*nlocal,) bool, the segments that begin a document, or None."""
-
-    def __init__(self, plan: SegmentPlan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None,
-                 start0=None):  # fmt: skip
-        self.plan, self.batch = plan, batch
-        self.initial_states = initial_states
-        self.log_a_all = log_a_all  # [nseg, b, h], kept from forward for the reverse scan
-        self.dfinal_states = dfinal_states
-        self.start0 = start0
-        self.S_in = self.final_states = self.dinitial_states = None
-
-    def _keep(self, t):
-        """Zeroes what reaches a segment that begins a document (the incoming state stops there)."""
-        return t if self.start0 is None else t * (~self.start0).to(t.dtype)[:, None, None, None]
-
-    def post(self, S_ext, log_a):
-        """S_ext (b*nlocal, h, p, n), log_a (b*nlocal, h), both fp32 or wider."""
-        cdtype = torch.promote_types(S_ext.dtype, torch.float32)
-        S_ext, log_a = S_ext.to(cdtype), log_a.to(cdtype)
-        if self.start0 is not None:
-            log_a = torch.where(self.start0[:, None], float("-inf"), log_a)
-        numel = S_ext[0].numel()
-        packed = torch.cat([S_ext.flatten(1), log_a], dim=1)  # one buffer, one collective
-        handle = self.plan.gather_ordered(self.plan.split(packed))
-        return _Deferred(lambda: self._finish_fwd(handle.wait(), numel, S_ext.shape[1:], cdtype))
-
-    def _finish_fwd(self, rows, numel, state_shape, cdtype):
-        S_ext_all = rows[..., :numel].reshape(*rows.shape[:2], *state_shape)
-        self.log_a_all = rows[..., numel:].clone()  # only the decays outlive the gathered buffer
-        init = None if self.initial_states is None else self.initial_states.to(cdtype)
-        S_in, self.final_states = scan.exclusive_scan(S_ext_all, self.log_a_all, init, rows=self.plan.local_ids)
-        # its own buffer: a view would keep the scan's whole output (final_states too) alive until backward
-        self.S_in = self._keep(layout.segments_to_rows(S_in).clone())
-        return self.S_in
-
-    def post_grad(self, L):
-        """L (b*nlocal, h, p, n): gradient reaching the incoming states from this rank's outputs."""
-        cdtype = torch.promote_types(L.dtype, torch.float32)
-        L = self.plan.split(self._keep(L.to(cdtype)))
-        if self.dfinal_states is not None:
-            # final_states is returned on every rank: the gradients that reach its copies add up
-            extra = torch.zeros_like(L)
-            extra[0] = self.dfinal_states.to(cdtype)  # once per rank, on its first local segment
-            L = torch.cat([L, extra], dim=1)
-        handle = self.plan.gather_ordered(L)
-        return _Deferred(lambda: self._finish_bwd(handle.wait()))
-
-    def _finish_bwd(self, rows):
-        dfinal = None
-        if self.dfinal_states is not None:
-            rows, extra = rows[:, : self.batch], rows[:, self.batch :]
-            dfinal = extra.sum(dim=0)
-        dS_out, self.dinitial_states = scan.reverse_scan(
-            rows, self.log_a_all.to(rows.dtype), dfinal, rows=self.plan.local_ids
-        )
-        return layout.segments_to_rows(dS_out)
-
-
-class _Deferred:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def wait(self):
-        return self.fn()
-
-
 # -- forward and backward of the sharded core -------------------------------------------------
 
 
@@ -261,7 +189,7 @@ class _Static:
         """The summary exchange of this call (``summary_exchange``): the all-gather's or the scan's."""
         if self.summary_exchange == exchange.SCAN:
             return exchange.ScanExchange(self.plan, batch, need_final=self.return_final_states, **kwargs)
-        return _SummaryExchange(self.plan, batch, **kwargs)
+        return exchange.AllGatherExchange(self.plan, batch, **kwargs)
 
     def tiles(self, rows: torch.Tensor):
         """The tiles of the (b*nlocal, m, d) segment rows, or None (one call of the backend)."""
