@@ -78,7 +78,7 @@ def test_each_rank_receives_log_many_summaries(cp):
     summary = traffic.summary_bytes(batch=1, nheads=64, headdim=64, dstate=128)
     for chain, nlocal in (("contiguous", 1), ("zigzag", 2)):
         bound = math.ceil(math.log2(cp * nlocal))  # per segment a rank holds
-        got = exchange.received_per_direction(cp, chain, exchange.SCAN)
+        got = exchange.summaries_moved(cp, chain, exchange.SCAN)[1]
         sent = traffic.summaries_sent(cp, chain, exchange.SCAN)
         assert max(got.values()) <= nlocal * bound and max(sent.values()) <= nlocal * bound, (chain, got, sent)
         if chain == "contiguous":
@@ -88,8 +88,8 @@ def test_each_rank_receives_log_many_summaries(cp):
         gather = traffic.exchange_cost(exchange.ALLGATHER, cp=cp, summary=summary, chain=chain)
         assert gather["summaries_received"] == (cp - 1) * nlocal
     if cp == 64:
-        assert max(exchange.received_per_direction(64, "contiguous", exchange.SCAN).values()) == 6
-        assert max(exchange.received_per_direction(64, "zigzag", exchange.SCAN).values()) <= 2 * 7
+        assert max(exchange.summaries_moved(64, "contiguous", exchange.SCAN)[1].values()) == 6
+        assert max(exchange.summaries_moved(64, "zigzag", exchange.SCAN)[1].values()) <= 2 * 7
 
 
 def test_auto_picks_the_all_gather_inside_a_node_and_the_scan_past_it():

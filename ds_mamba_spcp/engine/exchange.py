@@ -101,7 +101,7 @@ class _Scan:
     ``wait`` finishes the rounds. Elements are (S (b, h, p, n), a (b, h)) per local segment, in local order."""
 
     def __init__(self, plan, elements, reverse: bool):
-        self.plan, self.reverse = plan, reverse
+        self.plan = plan
         self.nseg = plan.cp * plan.nlocal
         owners = _owners(plan.cp, plan.layout)
         # positions along the scan: causal order, or reversed for the backward's scan
@@ -112,7 +112,6 @@ class _Scan:
         self.before = dict.fromkeys(self.local)
         self.schedule = rounds(self.nseg)
         self.shape = elements[0][0].shape  # (b, h, p, n)
-        self.sent = 0  # summaries this rank sent (for the traffic tests)
         self.round, self.handle = 0, None
         if self.schedule:
             self.handle = self._post(0)
@@ -128,7 +127,6 @@ class _Scan:
             elif dst in mine:
                 recvs.setdefault(self.owner_of_pos[src], []).append(dst)
         payloads = [(self._pack([self.running[p] for p in ps]), peer) for peer, ps in sorted(sends.items())]
-        self.sent += sum(len(ps) for ps in sends.values())
         self.expect = sorted(recvs.items())  # (peer, receiving positions, ascending: the senders' order too)
         like = self._pack([self.running[self.local[0]]])[0]
         shapes = [((len(ps), *like.shape), peer) for peer, ps in self.expect]
@@ -296,19 +294,25 @@ class _Deferred:
         return self.fn()
 
 
-def received_per_direction(cp: int, chain: str, method: str) -> dict[int, int]:
-    """Summaries each group rank receives per layer and direction (the scan's messages, or the all-gather's rows
-    from the other ranks), from the schedule alone: {rank: count}."""
+def summaries_moved(cp: int, chain: str, method: str, reverse: bool = False) -> tuple[dict, dict]:
+    """Summaries each group rank sends and receives per layer and direction (``reverse``: the backward's), from the
+    schedule alone: ({rank: sent}, {rank: received}). The all-gather's ring forwards and receives cp - 1 pieces of
+    nlocal summaries; the scan moves what its schedule says (a summary between two segments of one rank, under
+    ``virtual``, stays local)."""
     nlocal = len(layout.segment_ids(0, cp, chain))
     if method == ALLGATHER:
-        return {r: (cp - 1) * nlocal for r in range(cp)}
+        each = {r: (cp - 1) * nlocal for r in range(cp)}
+        return each, dict(each)
+    nseg = cp * nlocal
     owners = _owners(cp, chain)
-    got = dict.fromkeys(range(cp), 0)
-    for messages in rounds(cp * nlocal):
+    at = (lambda p: owners[nseg - 1 - p]) if reverse else owners.__getitem__  # the backward scans from the end
+    sent, got = dict.fromkeys(range(cp), 0), dict.fromkeys(range(cp), 0)
+    for messages in rounds(nseg):
         for src, dst in messages:
-            if owners[src] != owners[dst]:
-                got[owners[dst]] += 1
-    return got
+            if at(src) != at(dst):
+                sent[at(src)] += 1
+                got[at(dst)] += 1
+    return sent, got
 
 
 def rounds_needed(nseg: int) -> int:

@@ -77,20 +77,8 @@ def ulysses_bytes(**sizes) -> int:
 
 
 def summaries_sent(cp: int, chain: str, method: str, reverse: bool = False) -> dict[int, int]:
-    """Summaries each group rank sends per layer and direction (``reverse``: the backward's): {rank: count}. The
-    all-gather's ring forwards cp - 1 pieces of nlocal summaries; the scan sends what its schedule says (a summary
-    that stays on its rank, between the two segments of ``virtual``, costs nothing)."""
-    nlocal = len(layout.segment_ids(0, cp, chain))
-    if method == exchange.ALLGATHER:
-        return {r: (cp - 1) * nlocal for r in range(cp)}
-    nseg = cp * nlocal
-    owner = {s: r for r in range(cp) for s in layout.segment_ids(r, cp, chain)}
-    at = (lambda p: owner[nseg - 1 - p]) if reverse else owner.__getitem__  # the backward scans from the end
-    sent = dict.fromkeys(range(cp), 0)
-    for messages in exchange.rounds(nseg):
-        for src, dst in messages:
-            sent[at(src)] += at(src) != at(dst)
-    return sent
+    """Summaries each group rank sends per layer and direction: ``exchange.summaries_moved``'s first half."""
+    return exchange.summaries_moved(cp, chain, method, reverse)[0]
 
 
 @dataclass(frozen=True)
@@ -127,7 +115,7 @@ def exchange_cost(method: str, *, cp: int, summary: int, chain: str = modes.CONT
     elif method == exchange.SCAN:
         messages, piece = exchange.rounds_needed(nseg), nlocal * summary
         sent = max(summaries_sent(cp, chain, exchange.SCAN).values())
-        received = max(exchange.received_per_direction(cp, chain, exchange.SCAN).values())
+        received = max(exchange.summaries_moved(cp, chain, exchange.SCAN)[1].values())
         work = messages * (KERNEL + 3 * nlocal * summary / HBM_BANDWIDTH)
     else:
         raise ValueError(f"method must be {exchange.ALLGATHER!r} or {exchange.SCAN!r}, got {method!r}")
