@@ -29,6 +29,46 @@ _TOP_LEVEL_SP_SIZE = "sequence_parallel_size"
 _OP = {"op": True}  # a field that is also an option of the op: it becomes a field of ``Options`` (below)
 
 
+class LongContext(DeepSpeedConfigModel):
+    """The ``"long_context"`` key of the section: per-token memory that stays flat in the sequence length for the
+    layers of transformers' Mamba2 families (``integrations/transformers/long_context.py``). Each part can be turned
+    off alone; ``true`` in the ds_config means every default below."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, frozen=True)
+
+    tile_tokens: int = Field(default=32768, ge=1, strict=True)
+    """Tokens per tile of this rank's shard, for the layer recompute, the MLPs and the loss."""
+
+    tiled_layers: bool = True
+    """Decoder layers whose sequence mixer is a Mamba2 mixer are their own activation checkpoint and are recomputed
+    in backward tile by tile, the conv halo and the fp32 state carried (norms, mixer, residuals and the layer's MLP);
+    every other decoder layer is checkpointed whole. Needs ZeRO stage 0-2."""
+
+    tiled_mlp: bool = True
+    """The MLPs outside tiled layers run tile by tile, recomputed in backward (DeepSpeed's ``TiledMLP``)."""
+
+    fused_loss: bool = True
+    """In training, the causal-LM loss is computed tile by tile from the last hidden states and the head's weight,
+    never holding the (tokens x vocab) logits; the model then returns no logits."""
+
+    offload_gpu_budget_gib: float | None = Field(default=None, ge=0)
+    """Layer checkpoints (each layer's input) kept on the GPU up to this many GiB per pass; the rest go to pinned
+    host memory, checked before the first step (``memory/offload.py``). ``None``: all stay on the GPU."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_bool(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            allowed = cls.model_fields
+            unknown = [k for k in data if k not in allowed]
+            if unknown:
+                raise ValueError(
+                    f'unknown key(s) {", ".join(map(repr, unknown))} in "{SECTION}.long_context"; allowed keys: '
+                    f"{', '.join(allowed)}."
+                )
+        return data
+
+
 class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     """Sequence parallelism for Mamba2 mixers, read from ``ds_config["mamba_sequence_parallel"]``; fields and
     cross-field rules are checked when it is built, the model's shapes in :meth:`validate_for_mixer`."""
@@ -96,6 +136,12 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     """Tokens per tile of the tiled block recompute (``ds_mamba_spcp.memory.tiled_block``; docs/usage.md, "Tiled
     block recompute"). The wrapper does not act on it: a model's block calls ``tiled_block`` with it
     (``examples/model.py``). ``None``: off. A group of one rank and ZeRO 0-2 only."""
+    long_context: LongContext | None = None
+    """Flat memory per token for transformers models trained through the Trainer, TRL, accelerate or
+    ``prepare_sequence_parallel`` (``ds_mamba_spcp.integrations.transformers.long_context``; docs/huggingface.md,
+    "Long context"). ``true`` turns every part on with its defaults, an object sets them one by one, ``null`` /
+    ``false`` (default) leaves the model as transformers runs it. Applies at sequence_parallel_size 1 too."""
+
     cuda_graphs: bool = Field(default=False, json_schema_extra=_OP)
     """A group of one on CUDA only: replay the mixer core's forward and backward from CUDA graphs captured per
     shape on first use, removing its host time (``ds_mamba_spcp.engine.graphs``)."""
@@ -104,6 +150,10 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
         # DeepSpeedConfigModel.__init__(strict=False) drops every value equal to "auto" (mode="auto" would become
         # the default) and swallows a "strict" key: keys are checked first and strict is always on.
         _check_keys(data)
+        if data.get("long_context") is True:
+            data = {**data, "long_context": {}}
+        elif data.get("long_context") is False:
+            data = {**data, "long_context": None}
         super().__init__(strict=True, **data)
 
     @model_validator(mode="before")
