@@ -171,7 +171,7 @@ def _drop_state(tile):
 
 def _drop_halo(tile):
     def without_halo(self, k, x_ext, S_in):
-        nhalo = self.halo_rows(k)
+        nhalo = self.tiles.halo_rows(k)
         x_ext = torch.cat([torch.zeros_like(x_ext[:, :nhalo]), x_ext[:, nhalo:]], dim=1)
         return tile(self, k, x_ext, S_in)
 
@@ -190,11 +190,11 @@ def test_negative_control_carry_lost(monkeypatch, bug):
 
 
 def _graph_of_tiles(block, x, *params):
-    """The tiles of ``_TiledBlockFn.forward`` with a graph and nothing recomputed (patched in for
-    ``_TiledBlockFn.apply``): the function the tiled forward computes, differentiated by autograd."""
+    """The tiles of ``TiledFn.forward`` with a graph and nothing recomputed (patched in for
+    ``TiledFn.apply``): the function the tiled forward computes, differentiated by autograd."""
     outs, S = [], None
-    for k, (s, e) in enumerate(block.spans):
-        out_k, S = block.tile(k, x[:, s - block.halo_rows(k) : e], S)
+    for k, (s, e) in enumerate(block.tiles.spans):
+        out_k, S = block.tile(k, x[:, s - block.tiles.halo_rows(k) : e], S)
         outs.append(out_k)
     return torch.cat(outs, dim=1)
 
@@ -231,7 +231,7 @@ def test_recompute_under_the_forwards_autocast(monkeypatch, tiles):
                    x, dout)  # fmt: skip
         assert [k for k in ref if not torch.equal(ref[k], plain[k])] == [], "torch's checkpoint is not exact here"
     else:
-        monkeypatch.setattr(tiled_block_module._TiledBlockFn, "apply", _graph_of_tiles)
+        monkeypatch.setattr(tiled_block_module.TiledFn, "apply", _graph_of_tiles)
         ref = _run(block, under_autocast(tiled), x, dout)
         monkeypatch.undo()
     assert ref["out"].dtype == torch.float32 and got["out"].dtype == torch.float32
@@ -267,7 +267,7 @@ def test_recompute_replays_each_tiles_draws(monkeypatch):
     assert err <= TOL, f"one tile with dropout: {key} is {err:.2e} off torch's checkpoint"
     got = _run(block, tiled(10), x, dout)
     after = torch.get_rng_state()
-    monkeypatch.setattr(tiled_block_module._TiledBlockFn, "apply", _graph_of_tiles)
+    monkeypatch.setattr(tiled_block_module.TiledFn, "apply", _graph_of_tiles)
     ref = _run(block, tiled(10), x, dout)
     assert torch.equal(after, torch.get_rng_state()), "the backward moved the caller's generator"
     err, key = _worst(got, ref)

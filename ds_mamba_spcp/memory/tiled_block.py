@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,15 +40,18 @@ from ds_mamba_spcp.ops.autograd import first_order_only
 from ds_mamba_spcp.ops.segment import canonical_seq_idx, run_bwd_known, run_fwd_known, zero_state
 from ds_mamba_spcp.ops.spec import CoreSpec
 
+if TYPE_CHECKING:
+    from ds_mamba_spcp.engine.call import MixerCore
+
 KEY = "mamba_sequence_parallel.block_tile_tokens"
 
-__all__ = ["tiled_block", "tile_spans"]
+__all__ = ["Tiles", "TiledFn", "make_tiles", "refuse_partitioned", "tile_spans", "tiled_block"]
 
 
-def tile_spans(seqlen: int, tile_tokens: int) -> tuple:
+def tile_spans(seqlen: int, tile_tokens: int, key: str = KEY) -> tuple:
     """The tiles [(s, e)] of a shard of ``seqlen`` tokens, ``tile_tokens`` each, the last one shorter."""
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
-        raise ValueError(f'"{KEY}" must be a positive int (tokens per tile), got {tile_tokens!r}')
+        raise ValueError(f'"{key}" must be a positive int (tokens per tile), got {tile_tokens!r}')
     return tuple((s, min(s + tile_tokens, seqlen)) for s in range(0, seqlen, tile_tokens))
 
 
@@ -84,15 +88,15 @@ class _TileCore(torch.autograd.Function):
         return None, None, None, None, dzxbcdt, dhalo, *dparams, dS_in.to(S_in.dtype)
 
 
-# -- one tile of the block --------------------------------------------------------------------
+# -- the tiles of one shard, and the core of one tile ----------------------------------------------
 
 
 @dataclass
-class _Block:
-    """What the tiles of one block call share: its modules, the core's sizes, the backend and the tiles' labels."""
+class Tiles:
+    """What the tiles of one shard share: the core's sizes, the backend, the spans and, for packed rows, each
+    tile's labels. A block (here, or a transformers decoder layer: integrations/transformers/long_context.py) calls
+    ``core`` from inside its tile's computation with in_proj's output of the tile and its halo rows."""
 
-    norm: torch.nn.Module
-    mixer: torch.nn.Module
     spec: CoreSpec
     backend: object
     spans: tuple
@@ -100,19 +104,15 @@ class _Block:
     labels: list  # per tile: canonical labels (batch, T) int32, or None
     starts: list  # per tile: (batch,) bool, the tile begins on a document start, or None
     halo_masks: list  # per tile: (batch, nhalo) bool, the halo rows of the tile's first document, or None
-    params: list
-    preserve_rng: bool
 
     def halo_rows(self, k: int) -> int:
         s, _ = self.spans[k]
         return min(s, self.spec.d_conv - 1)
 
-    def tile(self, k: int, x_ext, S_in):
-        """x_ext: (batch, nhalo + T, d_model), the tile's tokens after its nhalo halo rows; S_in: the state
-        entering the tile (fp32), or None (the row's start). Returns (x + mixer(norm(x)) on the tile, S_out)."""
-        spec, mixer = self.spec, self.mixer
-        nhalo, K = self.halo_rows(k), spec.d_conv
-        zx = mixer.in_proj(self.norm(x_ext))
+    def core(self, k: int, zx, core: MixerCore, S_in):
+        """zx: in_proj's output on tile k and its halo rows (batch, nhalo + T, d_in_proj); S_in: the state entering
+        the tile (fp32) or None (the row's start). Returns (y (batch, T, d_inner), S_out)."""
+        spec, nhalo, K = self.spec, self.halo_rows(k), self.spec.d_conv
         zxbcdt = zx[:, nhalo:]
         halo = None
         if k > 0 and K > 1:
@@ -121,34 +121,75 @@ class _Block:
                 halo = halo * self.halo_masks[k][..., None].to(halo.dtype)
             if nhalo < K - 1:  # a tile closer than K-1 tokens to the row's start: zeros before it
                 halo = F.pad(halo, (0, 0, K - 1 - nhalo, 0))
-        core = mixer._core()
         if S_in is None:
             S_in = zero_state(zxbcdt, spec)
         if self.starts[k] is not None:  # a tile that begins a document gets no state
             S_in = S_in * (~self.starts[k]).to(S_in.dtype)[:, None, None, None]
         with torch.autocast(device_type=zxbcdt.device.type, enabled=False):
-            y, S_out = _TileCore.apply(
+            return _TileCore.apply(
                 self.backend, spec, self.labels[k], self.keep_y and torch.is_grad_enabled(), zxbcdt, halo,
                 core.conv1d_weight, core.conv1d_bias, core.dt_bias, core.A, core.D, core.rmsnorm_weight, S_in,
             )  # fmt: skip
+
+
+def make_tiles(core: MixerCore, backend, batch: int, seqlen: int, tile_tokens: int, seq_idx, keep_y: bool,
+               key: str = KEY) -> Tiles:  # fmt: skip
+    """The tiles of a shard (batch, seqlen) of ``core``'s mixer; raises (naming ``key``) for tiles the backend
+    cannot take in one call, and for labels of another shape."""
+    spans = tile_spans(seqlen, tile_tokens, key)
+    spec = core.spec(torch.empty(batch, 1, core.d_in_proj, device="meta"))
+    limit = backend.max_tokens_per_call(spec)
+    tokens_per_tile = batch * min(tile_tokens, seqlen)
+    if limit is not None and tokens_per_tile > limit:
+        raise ValueError(
+            f'"{key}" is {tile_tokens}: batch x tile = {tokens_per_tile} tokens per tile, more than one call of the '
+            f"{backend.NAME} backend takes ({limit} at this shape, int32 offsets). Use at "
+            f"most {limit // spec.chunk_size * spec.chunk_size} tokens per tile divided by the batch."
+        )
+    if seq_idx is not None and tuple(seq_idx.shape) != (batch, seqlen):
+        raise ValueError(f"seq_idx must be (batch, seqlen) = {(batch, seqlen)}, got {tuple(seq_idx.shape)}")
+    labels, starts, masks = _labels(seq_idx, spans, spec.d_conv)
+    return Tiles(spec, backend, spans, keep_y, labels, starts, masks)
+
+
+# -- one tile of the block --------------------------------------------------------------------
+
+
+@dataclass
+class _Block:
+    """A pre-norm block ``x + mixer(norm(x))`` in tiles: the tiles, its modules and parameters."""
+
+    tiles: Tiles
+    norm: torch.nn.Module
+    mixer: torch.nn.Module
+    params: list
+    preserve_rng: bool
+
+    def tile(self, k: int, x_ext, S_in):
+        """x_ext: (batch, nhalo + T, d_model), the tile's tokens after its nhalo halo rows; S_in: the state
+        entering the tile (fp32), or None (the row's start). Returns (x + mixer(norm(x)) on the tile, S_out)."""
+        mixer, nhalo = self.mixer, self.tiles.halo_rows(k)
+        y, S_out = self.tiles.core(k, mixer.in_proj(self.norm(x_ext)), mixer._core(), S_in)
         return x_ext[:, nhalo:] + mixer.out_proj(y), S_out
 
 
-class _TiledBlockFn(torch.autograd.Function):
-    """x -> x + mixer(norm(x)) tile by tile; see the module docstring. ``params`` are inputs so that the output
-    requires grad whenever a parameter does, and their gradients leave through ``backward`` once."""
+class TiledFn(torch.autograd.Function):
+    """x -> block(x) tile by tile, for a ``block`` with ``tiles``, ``tile(k, x_ext, S_in) -> (out, S_out)``,
+    ``params`` and ``preserve_rng`` (``_Block``; a transformers decoder layer in long_context.py); see the module
+    docstring. ``params`` are inputs so that the output requires grad whenever a parameter does, and their
+    gradients leave through ``backward`` once."""
 
     @staticmethod
     def forward(ctx, block: _Block, x, *params):
         out = torch.empty_like(x)
         states, S_in, rngs = [], None, []
         with torch.no_grad():
-            for k, (s, e) in enumerate(block.spans):
+            for k, (s, e) in enumerate(block.tiles.spans):
                 if k > 0:
                     states.append(S_in)
                 if block.preserve_rng:
                     rngs.append(rng_state(x.device))
-                out_k, S_in = block.tile(k, x[:, s - block.halo_rows(k) : e], S_in)
+                out_k, S_in = block.tile(k, x[:, s - block.tiles.halo_rows(k) : e], S_in)
                 out[:, s:e] = out_k
         # backward runs the tiles in reverse: each replays its forward's generator state (if anything drew)
         ctx.rngs = None if not rngs or rngs[0].same_as(rng_state(x.device)) else rngs
@@ -166,9 +207,9 @@ class _TiledBlockFn(torch.autograd.Function):
         dx = torch.zeros_like(x)
         sums = [None] * len(block.params)
         dS = None  # the gradient reaching the S_out of the tile in hand (none after the shard's last token)
-        for k in reversed(range(len(block.spans))):
-            s, e = block.spans[k]
-            lo = s - block.halo_rows(k)
+        for k in reversed(range(len(block.tiles.spans))):
+            s, e = block.tiles.spans[k]
+            lo = s - block.tiles.halo_rows(k)
             replay = ctx.rngs[k].replay() if ctx.rngs is not None else contextlib.nullcontext()
             with torch.enable_grad(), replay, ctx.autocast.context():
                 x_ext = x[:, lo:e].detach().requires_grad_()
@@ -203,7 +244,7 @@ def _block_params(norm, mixer) -> list:
     return out
 
 
-def _check(mixer, params, tile_tokens, tokens_per_tile, backend, spec) -> None:
+def _check(mixer, params, tile_tokens) -> None:
     """Refusals, alike on every rank of a group (they read the configuration, not the data)."""
     cp = mixer.sequence_parallel_size
     if cp > 1:
@@ -212,18 +253,15 @@ def _check(mixer, params, tile_tokens, tokens_per_tile, backend, spec) -> None:
             "runs on a group of one only (a shard's incoming state comes from the ranks' exchange, which the tiles "
             f'do not run). Unset "{KEY}", or train with sequence_parallel_size 1.'
         )
+    refuse_partitioned(params, f'"{KEY}" is {tile_tokens}', f'unset "{KEY}"')
+
+
+def refuse_partitioned(params, what: str, fix: str) -> None:
+    """ZeRO stage 3 partitions parameters between module calls; the tiles' recompute does not gather them."""
     if any(hasattr(p, "ds_id") for p in params):
         raise ValueError(
-            f'"{KEY}" is {tile_tokens} under ZeRO stage 3, which partitions the parameters between module calls '
-            'and which the tiled block recompute does not gather. Set "zero_optimization.stage" to 0, 1 or 2, or '
-            f'unset "{KEY}".'
-        )
-    limit = backend.max_tokens_per_call(spec)
-    if limit is not None and tokens_per_tile > limit:
-        raise ValueError(
-            f'"{KEY}" is {tile_tokens}: batch x tile = {tokens_per_tile} tokens per tile, more than one call of the '
-            f"{backend.NAME} backend takes ({limit} at this shape, int32 offsets). Use at "
-            f"most {limit // spec.chunk_size * spec.chunk_size} tokens per tile divided by the batch."
+            f"{what} under ZeRO stage 3, which partitions the parameters between module calls and which the tiled "
+            f'block recompute does not gather. Set "zero_optimization.stage" to 0, 1 or 2, or {fix}.'
         )
 
 
@@ -262,15 +300,10 @@ def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None, preserve_rng_sta
     if x.dim() != 3:
         raise ValueError(f"tiled_block expects x (batch, seqlen, d_model), got shape {tuple(x.shape)}")
     batch, seqlen, _ = x.shape
-    spans = tile_spans(seqlen, tile_tokens)
-    core = mixer._core()
-    spec = core.spec(torch.empty(batch, 1, core.d_in_proj, device="meta"))
-    backend = get_backend(mixer.config.backend, x.device)
     params = _block_params(norm, mixer)
-    _check(mixer, params, tile_tokens, batch * min(tile_tokens, seqlen), backend, spec)
-    if seq_idx is not None and tuple(seq_idx.shape) != (batch, seqlen):
-        raise ValueError(f"seq_idx must be (batch, seqlen) = {(batch, seqlen)}, got {tuple(seq_idx.shape)}")
-    labels, starts, masks = _labels(seq_idx, spans, spec.d_conv)
-    block = _Block(norm, mixer, spec, backend, spans, not mixer.config.recompute_output, labels, starts, masks,
-                   params, preserve_rng_state)  # fmt: skip
-    return _TiledBlockFn.apply(block, x, *params)
+    _check(mixer, params, tile_tokens)
+    core = mixer._core()
+    backend = get_backend(mixer.config.backend, x.device)
+    tiles = make_tiles(core, backend, batch, seqlen, tile_tokens, seq_idx, not mixer.config.recompute_output)
+    block = _Block(tiles, norm, mixer, params, preserve_rng_state)
+    return TiledFn.apply(block, x, *params)
