@@ -61,6 +61,28 @@ def adopt_torch_distributed() -> bool:
     return True
 
 
+_GROUP_OF_ONE: list = []  # this rank's group of one, made once per process
+
+
+def group_of_one():
+    """A process group holding this rank alone (a sequence shard of one rank: long_context at
+    sequence_parallel_size 1): None without deepspeed.comm, the world when it has one rank, else the group of
+    ``new_group([r])`` for this rank. Collective the first time in a world of several ranks: every rank calls
+    it at the same point (a model's preparation)."""
+    dist = _dist()
+    if not dist.is_initialized():
+        return None
+    if dist.get_world_size() == 1:
+        return dist.get_world_group()
+    if not _GROUP_OF_ONE:
+        rank = dist.get_rank()
+        for r in range(dist.get_world_size()):
+            group = dist.new_group([r])
+            if r == rank:
+                _GROUP_OF_ONE.append(group)
+    return _GROUP_OF_ONE[0]
+
+
 def generation_group(group=None):
     """The group a sharded prefill or generation runs over: ``group`` when given; else DeepSpeed's
     sequence-parallel group; else the world (adopted first: ``adopt_torch_distributed``). None (a group of one)

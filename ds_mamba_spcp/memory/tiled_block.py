@@ -181,7 +181,7 @@ class TiledFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block: _Block, x, *params):
-        out = torch.empty_like(x)
+        out = None  # of the first tile's dtype: a block may return another (a residual kept in fp32)
         states, S_in, rngs = [], None, []
         with torch.no_grad():
             for k, (s, e) in enumerate(block.tiles.spans):
@@ -190,6 +190,8 @@ class TiledFn(torch.autograd.Function):
                 if block.preserve_rng:
                     rngs.append(rng_state(x.device))
                 out_k, S_in = block.tile(k, x[:, s - block.tiles.halo_rows(k) : e], S_in)
+                if out is None:
+                    out = x.new_empty(x.shape, dtype=out_k.dtype)
                 out[:, s:e] = out_k
         # backward runs the tiles in reverse: each replays its forward's generator state (if anything drew)
         ctx.rngs = None if not rngs or rngs[0].same_as(rng_state(x.device)) else rngs

@@ -83,6 +83,7 @@ def enable() -> None:
             f"with {TESTED})."
         ) from e
     targets = [
+        (accelerator_mod.Accelerator, "_prepare_deepspeed", _prepare_deepspeed),
         (accelerator_mod, "_refuse_recurrent_layers_under_sequence_parallelism", _refuse_unless_covered),
         (ulysses_sp.UlyssesSPAttentionHF, "register_with_transformers", classmethod(_register_with_transformers)),
         (ulysses_sp, "UlyssesSPDataLoaderAdapter", _adapter_class(ulysses_sp.UlyssesSPDataLoaderAdapter)),
@@ -208,6 +209,38 @@ def _covered_state(model: nn.Module) -> _Covered | None:
 
 
 # -- the replacements -------------------------------------------------------------------------------
+
+
+def _prepare_deepspeed(accelerator, *args):
+    """accelerate's ``Accelerator._prepare_deepspeed``; before it, without DeepSpeed's sequence parallelism, a model
+    holding the mixers gets the section's ``"long_context"`` on a group of one (``prepare_long_context``)."""
+    pc = accelerator.parallelism_config
+    sp_on = pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled and pc.sp_size > 1
+    if not sp_on:
+        for obj in args:
+            if isinstance(obj, nn.Module):
+                _long_context_alone(obj)
+    return _original("_prepare_deepspeed")(accelerator, *args)
+
+
+def _long_context_alone(model: nn.Module) -> None:
+    section = _covered_section(model)
+    if section is None or section.get("long_context") in (None, False):
+        return
+    from ds_mamba_spcp.integrations.transformers.adapter import prepare_long_context
+
+    ds_config = _ds_config()
+    sizes = (section.get("sequence_parallel_size"), ds_config.get("sequence_parallel_size"))
+    if any(isinstance(n, int) and n > 1 for n in sizes):
+        raise ValueError(
+            "the ds_config sets a sequence_parallel_size above 1 but accelerate's ParallelismConfig has no DeepSpeed "
+            'sequence parallelism: set ParallelismConfig(sp_backend="deepspeed", sp_size=N), or drop the key.'
+        )
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        _init_deepspeed_comm()
+    cfg = load_mamba_sp_config({SECTION: {**section, "sequence_parallel_size": 1}})
+    zero = ds_config.get("zero_optimization") or {}
+    prepare_long_context(model, cfg, int(zero.get("stage", 0)))
 
 
 def _refuse_unless_covered(model: nn.Module) -> None:

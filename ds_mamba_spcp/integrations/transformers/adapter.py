@@ -45,8 +45,9 @@ if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release
 
 from ds_mamba_spcp import comm  # noqa: E402
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config  # noqa: E402
-from ds_mamba_spcp.groups import group_size, resolve_sequence_process_group  # noqa: E402
+from ds_mamba_spcp.groups import group_of_one, group_size, resolve_sequence_process_group  # noqa: E402
 from ds_mamba_spcp.integrations.core import SHARDED_ATTR, MixerCore, is_sharded, mixer_forward  # noqa: E402
+from ds_mamba_spcp.integrations.transformers import long_context  # noqa: E402
 
 # The Mamba2-style mixer classes of transformers (class name -> modeling module).
 MIXER_CLASSES = {
@@ -107,6 +108,14 @@ class _Sharding:
             return False
         self.group()
         return self.size > 1
+
+    def routes_op(self) -> bool:
+        """True when a mixer call runs this package's op: sequence-parallel, or ``long_context`` on a group of
+        one (the op's tiles take any length, mamba-ssm's kernels not: int32 offsets)."""
+        if not self.config.enabled or self.paused:
+            return False
+        self.group()
+        return self.size > 1 or self.config.long_context is not None
 
     def __deepcopy__(self, memo):
         # a copied model shares the process group (a handle, not copyable) and the frozen config
@@ -216,23 +225,26 @@ class _MixerAdapter:
         self.original_forward = mixer.forward  # the class's forward, or a hook's wrapper of it
         self.sharding = _Sharding(group, config, self._validate)
         self.model_state: _PreparedModel | None = None  # set by prepare_sequence_parallel
+        self.tile = None  # inside a tiled decoder layer: its tile in hand (long_context.py)
 
     def _validate(self, size: int) -> None:
         self.sharding.config.validate_for_mixer(nheads=self.mixer.num_heads, ngroups=self.mixer.n_groups, cp=size)
 
     def __call__(self, *args, **kwargs):
         hidden_states, cache, attention_mask, rest = _mixer_call(args, kwargs)
-        if not self.sharding.active():
+        if self.tile is not None:
+            return self.tile.mixer_call(self, hidden_states, cache, attention_mask)
+        if not self.sharding.routes_op():
+            return self.original_forward(*args, **kwargs)
+        if self.sharding.size == 1 and (cache is not None or attention_mask is not None):
+            # long_context on a group of one: generation and padded rows are transformers' own
             return self.original_forward(*args, **kwargs)
         name = f"{type(self.mixer).__qualname__} (layer {self.mixer.layer_idx})"
         if cache is not None:
             raise _cache_error(name)
         if attention_mask is not None:
             raise _padding_error(f"an attention_mask with zeros reached {name}")
-        seq_idx = rest.get("seq_idx")
-        if seq_idx is None and self.model_state is not None:
-            # Mamba2ForCausalLM does not pass its **kwargs (seq_idx) to its backbone: take the model call's
-            seq_idx = self.model_state.seq_idx
+        seq_idx = self.seq_idx(rest)
         if seq_idx is not None and tuple(seq_idx.shape) != tuple(hidden_states.shape[:2]):
             raise ValueError(
                 f"{name}: seq_idx has shape {tuple(seq_idx.shape)} but this rank's hidden_states hold (batch, "
@@ -242,6 +254,14 @@ class _MixerAdapter:
             hidden_states, self._in_proj, self.mixer.out_proj, self.core(), self.sharding.config, self.sharding.group(),
             seq_idx=seq_idx,
         )  # fmt: skip
+
+    def seq_idx(self, kwargs: dict):
+        """The call's document labels: its ``seq_idx``, else the model call's (Mamba2ForCausalLM does not pass
+        its **kwargs to its backbone), else None."""
+        seq_idx = kwargs.get("seq_idx")
+        if seq_idx is None and self.model_state is not None:
+            seq_idx = self.model_state.seq_idx
+        return seq_idx
 
     def _in_proj(self, hidden: torch.Tensor) -> torch.Tensor:
         m = self.mixer
@@ -577,8 +597,13 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
                 "sequence with the Mamba2 layers unwrapped would restart their state at every shard (right-looking "
                 'losses, wrong gradients). Set "enabled": true, or drop sequence_parallel_size.'
             )
+        if cfg.long_context is not None:
+            raise ValueError(f'"{SECTION}.long_context" is set but "{SECTION}.enabled" is false; set "enabled": true.')
         return None
+    zero_stage = _zero_stage(ds_config)
     if cp == 1:
+        if cfg.long_context is not None:
+            prepare_long_context(model, cfg, zero_stage)
         return None
     import deepspeed.comm as dist
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
@@ -633,4 +658,29 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
             adapter.model_state = state
     model.__dict__[_MODEL_ATTR] = state
     model.register_forward_pre_hook(_check_model_call, with_kwargs=True)
+    long_context.install(model, cfg, cp, zero_stage)
     return parallel_state_sp
+
+
+def _zero_stage(ds_config: Any) -> int:
+    """The ds_config's ZeRO stage (0 when it is not a whole ds_config)."""
+    from ds_mamba_spcp.config import ds_config_dict
+
+    if isinstance(ds_config, MambaSequenceParallelConfig):
+        return 0
+    zero = ds_config_dict(ds_config).get("zero_optimization") or {}
+    return int(zero.get("stage", 0))
+
+
+def prepare_long_context(model: nn.Module, config: MambaSequenceParallelConfig, zero_stage: int) -> None:
+    """``"long_context"`` on a group of one (sequence_parallel_size 1): the mixers run this package's op on this
+    rank alone, and ``long_context.install`` does the rest. Once per model."""
+    if long_context.installed(model):
+        return
+    wrap_hf_mamba2_mixers(model, group_of_one(), config)
+    if not any(is_sharded(m) for m in model.modules()):
+        raise ValueError(
+            f'"{SECTION}.long_context" is set but {type(model).__qualname__} holds no Mamba2 mixer this package '
+            f"wraps (transformers' {', '.join(MIXER_CLASSES)})."
+        )
+    long_context.install(model, config, 1, zero_stage)

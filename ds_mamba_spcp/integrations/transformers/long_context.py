@@ -1,0 +1,392 @@
+"""Long context for transformers' Mamba2 families: memory per token that stays flat in the sequence length.
+
+``install(model, config, group, zero_stage)`` acts on the section's ``"long_context"`` key
+(``config.LongContext``); ``prepare_sequence_parallel`` and ``enable()`` (the Trainer, TRL, accelerate) call it,
+at sequence_parallel_size 1 too. In training (``model.train()``, grad enabled), each part can be turned off alone::
+
+    decoder layer with a Mamba2 mixer, no attention   its own checkpoint, recomputed in backward tile by tile
+      (tiled_layers)                                   through the layer's own forward: the mixer reads its tile
+                                                       and conv halo rows, the fp32 state carried between tiles
+                                                       (memory/tiled_block.py: Tiles, TiledFn)
+    every other decoder layer                          one checkpoint of the whole layer (torch.utils.checkpoint,
+                                                       or the offloading one below)
+    MLP / MoE blocks outside tiled layers (tiled_mlp)  DeepSpeed's TiledMLP
+    the causal-LM loss (fused_loss)                    fused_loss.py: tiles of logits, never (tokens x vocab)
+    each layer's checkpoint (its input)                on the GPU up to offload_gpu_budget_gib per pass, then
+                                                       pinned host memory (memory/offload.py), the host checked
+                                                       before the first pass at each new longest shape
+
+Outside training, or with a cache, every layer runs as transformers runs it. The mixers run this package's op
+(on a group of one: ``routes_op``), which tiles past mamba-ssm's int32 offsets. Tiled layers need a group of one
+rank and ZeRO stage 0-2 (the tiles' incoming state would come from the ranks' exchange; ZeRO-3 partitions the
+parameters the recompute reads): both are refused by name. docs/huggingface.md, "Long context".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig
+from ds_mamba_spcp.memory import offload as offload_mod
+from ds_mamba_spcp.memory.tiled_block import TiledFn, make_tiles, refuse_partitioned
+from ds_mamba_spcp.ops import get_backend
+
+KEY = f"{SECTION}.long_context"
+_STATE_ATTR = "_ds_mamba_spcp_long_context"  # a model's _LongContext, in its __dict__
+_MIXER_ATTR = "_ds_mamba_spcp_mixer"  # adapter.py's: a wrapped mixer's _MixerAdapter
+
+__all__ = ["install", "installed", "memory_report"]
+
+
+def _gradient_checkpointing_layer() -> type:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return GradientCheckpointingLayer
+
+
+def _raw_forward(cls: type):
+    """The class's forward without transformers' checkpointing wrapper (``GradientCheckpointingLayer``)."""
+    forward = cls.forward
+    return getattr(forward, "__wrapped__", forward)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The outermost ``GradientCheckpointingLayer`` modules of ``model``, in forward (module) order."""
+    base = _gradient_checkpointing_layer()
+    found, inner = [], set()
+    for m in model.modules():
+        if id(m) in inner or not isinstance(m, base):
+            continue
+        found.append(m)
+        inner.update(id(c) for c in m.modules() if c is not m)
+    return found
+
+
+def _decoder_layers_within(layer: nn.Module) -> list[nn.Module]:
+    base = _gradient_checkpointing_layer()
+    return [m for m in layer.modules() if m is not layer and isinstance(m, base)]
+
+
+def _mlps(module: nn.Module) -> list[nn.Module]:
+    """transformers' per-token feed-forward blocks (``...MLP``, ``...MoE``) in ``module``."""
+    return [
+        m
+        for m in module.modules()
+        if type(m).__module__.startswith("transformers.models.") and type(m).__name__.endswith(("MLP", "MoE"))
+    ]
+
+
+# -- one tile of a decoder layer -------------------------------------------------------------------
+
+
+class _TileCall:
+    """What the mixer of a tiled layer computes on tile ``k``: in_proj on the tile and its halo rows, the core
+    from ``S_in``, out_proj; the halo rows' outputs are zeros (the layer's caller drops those rows)."""
+
+    def __init__(self, tiles, k: int, S_in):
+        self.tiles, self.k, self.S_in, self.S_out = tiles, k, S_in, None
+
+    def mixer_call(self, adapter, hidden, cache, attention_mask):
+        name = f"{type(adapter.mixer).__qualname__} (layer {adapter.mixer.layer_idx})"
+        if cache is not None or attention_mask is not None:
+            raise NotImplementedError(
+                f"{name} got a {'cache' if cache is not None else 'padding mask'} inside a tiled decoder layer "
+                f"({KEY}.tiled_layers): a tile cannot honour it. Train on full or packed rows without padding, or set "
+                f'"{KEY}": {{"tiled_layers": false}}.'
+            )
+        zx = adapter._in_proj(hidden)
+        y, self.S_out = self.tiles.core(self.k, zx, adapter.core(), self.S_in)
+        out = adapter.mixer.out_proj(y)
+        nhalo = self.tiles.halo_rows(self.k)
+        return F.pad(out, (0, 0, nhalo, 0)) if nhalo else out
+
+
+class _LayerTiles:
+    """A decoder layer as ``TiledFn``'s block: ``tile(k, x_ext, S_in)`` runs the layer's own forward on the
+    tile's rows (its halo rows first) with the mixer reading the tile (``_TileCall``)."""
+
+    def __init__(self, layer: _Layer, tiles, args: tuple, kwargs: dict, params: list):
+        self.layer, self.tiles, self.args, self.kwargs, self.params = layer, tiles, args, kwargs, params
+        self.preserve_rng = True
+
+    def tile(self, k: int, x_ext, S_in):
+        call = _TileCall(self.tiles, k, S_in)
+        adapter = self.layer.adapter
+        adapter.tile = call
+        try:
+            out = self.layer.raw(self.layer.module, x_ext, *self.args, **self.kwargs)
+        finally:
+            adapter.tile = None
+        hidden = self.layer.hidden_of(out)
+        return hidden[:, self.tiles.halo_rows(k) :], call.S_out
+
+
+# -- the decoder layers ----------------------------------------------------------------------------
+
+
+class _Layer:
+    """The training forward of one decoder layer (installed as the instance's ``forward``)."""
+
+    def __init__(self, module: nn.Module, state: _LongContext, adapter):
+        self.module, self.state, self.adapter = module, state, adapter  # adapter: the mixer's, when tiled
+        self.raw = _raw_forward(type(module))
+        self.extra: tuple | None = None  # what the layer returns beside the hidden states (all None)
+
+    def hidden_of(self, out):
+        """The hidden states of the layer's output; the rest must be None (attention weights not asked for)."""
+        if not isinstance(out, tuple):
+            self.extra = None
+            return out
+        if any(o is not None for o in out[1:]):
+            raise NotImplementedError(
+                f"{type(self.module).__qualname__} returned more than hidden states in training (attention "
+                f"weights or router logits, asked for by output_attentions / output_router_logits): {KEY} "
+                "recomputes each layer and keeps only its hidden states. Do not ask for them in training."
+            )
+        self.extra = out[1:]
+        return out[0]
+
+    def rebuild(self, hidden):
+        return hidden if self.extra is None else (hidden, *self.extra)
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        if not (module.training and torch.is_grad_enabled()):
+            return self.raw(module, *args, **kwargs)
+        if args:
+            hidden, args = args[0], args[1:]
+        else:
+            hidden = kwargs.pop("hidden_states")
+        for name in ("cache", "past_key_values", "cache_params", "layer_past"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = None  # as transformers' gradient checkpointing: no cache in a recomputed layer
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        if self.adapter is not None:
+            return self._tiled(hidden, args, kwargs)
+        return self._checkpointed(hidden, args, kwargs)
+
+    def _tiled(self, hidden, args, kwargs):
+        adapter, state = self.adapter, self.state
+        if not adapter.sharding.routes_op():  # paused (sequence_parallel_disabled): the whole layer
+            return self._checkpointed(hidden, args, kwargs)
+        cfg = adapter.sharding.config
+        params = state.params_of(self.module)
+        refuse_partitioned(params, f'"{KEY}.tiled_layers" is on', f'set "{KEY}": {{"tiled_layers": false}}')
+        core = adapter.core()
+        backend = get_backend(cfg.backend, hidden.device)
+        batch, seqlen = hidden.shape[:2]
+        tiles = make_tiles(core, backend, batch, seqlen, state.lc.tile_tokens, adapter.seq_idx(kwargs),
+                           not cfg.recompute_output, key=f"{KEY}.tile_tokens")  # fmt: skip
+        runner = _LayerTiles(self, tiles, args, kwargs, params)
+        hooks = state.offloader.saved_tensors_hooks(hidden) if state.offloader else contextlib.nullcontext()
+        with hooks:
+            out = TiledFn.apply(runner, hidden, *runner.params)
+        return self.rebuild(out)
+
+    def _checkpointed(self, hidden, args, kwargs):
+        def fn(x):
+            return self.hidden_of(self.raw(self.module, x, *args, **kwargs))
+
+        offloader = self.state.offloader
+        # the offloading checkpoint differentiates its input only: a layer that also reads another tensor with a
+        # gradient (Zamba2's hybrid layers read the embeddings) takes torch's checkpoint, which follows any
+        closed_over = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.requires_grad]
+        if offloader is not None and not closed_over:
+            out = offload_mod.OffloadedCheckpoint(offloader)(fn, hidden)
+        else:
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(fn, hidden, use_reentrant=False)
+        return self.rebuild(out)
+
+
+class _MLP:
+    """The training forward of one MLP or MoE block: DeepSpeed's ``TiledMLP`` over tiles of the sequence."""
+
+    def __init__(self, module: nn.Module, tile_tokens: int):
+        self.module, self.tile_tokens = module, tile_tokens
+        self.raw = type(module).forward
+
+    def __call__(self, x, *args, **kwargs):
+        module = self.module
+        tokens = x.shape[0] * x.shape[1] if x.dim() == 3 else 0
+        if args or kwargs or not (module.training and torch.is_grad_enabled()) or tokens <= self.tile_tokens:
+            return self.raw(module, x, *args, **kwargs)
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+        shards = min(math.ceil(tokens / self.tile_tokens), x.shape[1])
+        params = [p for p in module.parameters() if p.requires_grad]
+        return TiledMLP.apply(self._per_token, module, x, shards, params)
+
+    def _per_token(self, module, x):
+        # TiledMLP's backward hands (tokens, hidden) tiles of the flattened batch: one row of them
+        return self.raw(module, x[None])[0] if x.dim() == 2 else self.raw(module, x)
+
+
+# -- the model -------------------------------------------------------------------------------------
+
+
+class _LongContext:
+    """What ``install`` keeps on a model (its ``__dict__``)."""
+
+    def __init__(self, lc, layers: list, mlps: list, offloader):
+        self.lc, self.layers, self.mlps, self.offloader = lc, layers, mlps, offloader
+        self.planned: tuple | None = None  # (batch, tokens) the host was last checked for
+        self.plan: offload_mod.OffloadPlan | None = None
+        self._params: dict = {}
+
+    def params_of(self, module: nn.Module) -> list:
+        params = self._params.get(id(module))
+        if params is None:
+            seen, params = set(), []
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+            self._params[id(module)] = params
+        return params
+
+
+def installed(model: nn.Module) -> bool:
+    return _STATE_ATTR in model.__dict__
+
+
+def _refuse_tiled_layers(cp: int, zero_stage: int) -> None:
+    if cp > 1:
+        raise ValueError(
+            f'"{KEY}.tiled_layers" is on with a sequence-parallel group of {cp} ranks: a tiled decoder layer runs on a '
+            "group of one only (a shard's incoming state comes from the ranks' exchange, which the tiles do not run). "
+            f'Set "{KEY}": {{"tiled_layers": false}} (the other parts work at any size), or sequence_parallel_size 1.'
+        )
+    if zero_stage >= 3:
+        raise ValueError(
+            f'"{KEY}.tiled_layers" is on under ZeRO stage 3, which partitions the parameters between module calls and '
+            'which the tiles\' recompute does not gather. Set "zero_optimization.stage" to 0, 1 or 2, or '
+            f'"{KEY}": {{"tiled_layers": false}} (the other parts work under ZeRO-3).'
+        )
+
+
+def install(model: nn.Module, config: MambaSequenceParallelConfig, cp: int, zero_stage: int) -> bool:
+    """Installs ``config.long_context`` on ``model`` (its mixers already wrapped by adapter.py); a no-op when the
+    key is unset or the model was installed before. Returns whether it installed."""
+    lc = config.long_context
+    if lc is None or installed(model):
+        return False
+    from ds_mamba_spcp.integrations.transformers.adapter import attention_modules
+
+    offloader = None
+    if lc.offload_gpu_budget_gib is not None:
+        offloader = offload_mod.CheckpointOffloader(int(lc.offload_gpu_budget_gib * offload_mod.GiB))
+    state = _LongContext(lc, [], [], offloader)
+    layers = []
+    for layer in _decoder_layers(model):
+        adapters = [m.__dict__[_MIXER_ATTR] for m in layer.modules() if _MIXER_ATTR in m.__dict__]
+        tiled = lc.tiled_layers and len(adapters) == 1 and not attention_modules(layer)
+        layers.append((layer, adapters[0] if tiled else None))
+    if any(adapter is not None for _, adapter in layers):
+        _refuse_tiled_layers(cp, zero_stage)
+    in_tiled = set()
+    for layer, adapter in layers:
+        tiled = adapter is not None
+        wrapper = _Layer(layer, state, adapter)
+        layer.forward = wrapper
+        for inner in _decoder_layers_within(layer):  # checkpointed with their layer: not again by transformers
+            inner.forward = types.MethodType(_raw_forward(type(inner)), inner)
+        state.layers.append(wrapper)
+        if tiled:
+            in_tiled.update(id(m) for m in layer.modules())
+    if lc.tiled_mlp:
+        for mlp in _mlps(model):
+            if id(mlp) not in in_tiled:
+                wrapper = _MLP(mlp, lc.tile_tokens)
+                mlp.forward = wrapper
+                state.mlps.append(wrapper)
+    if lc.fused_loss:
+        from ds_mamba_spcp.integrations.transformers.fused_loss import install_fused_loss
+
+        install_fused_loss(model, lc.tile_tokens)
+    model.__dict__[_STATE_ATTR] = state
+    if offloader is not None:
+        model.register_forward_pre_hook(_check_host, with_kwargs=True)
+    return True
+
+
+def _check_host(model: nn.Module, args: tuple, kwargs: dict):
+    """Before a training pass of a longer shape than any before: the plan of this pass's layer checkpoints and
+    the host check (``HostMemoryError`` on every rank alike before anything is offloaded); the pool's slots are
+    allocated for it (a failure to pin shows now)."""
+    state = model.__dict__[_STATE_ATTR]
+    if not (model.training and torch.is_grad_enabled()):
+        return None
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if not torch.is_tensor(tokens) or tokens.dim() < 2:
+        return None
+    shape = (int(tokens.shape[0]), int(tokens.shape[1]))
+    if state.planned is not None and shape[0] * shape[1] <= state.planned[0] * state.planned[1]:
+        return None
+    config = getattr(model, "config", None)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    if hidden == 0:
+        raise ValueError(f"{KEY}.offload_gpu_budget_gib: cannot size the layer checkpoints of a model without "
+                         "config.hidden_size")  # fmt: skip
+    dtype = next(model.parameters()).dtype
+    itemsize = max(torch.empty(0, dtype=dtype).element_size(), 4 if getattr(config, "residual_in_fp32", False) else 0)
+    sizes = offload_mod.block_checkpoint_bytes(shape[1], hidden, len(state.layers), itemsize, batch=shape[0])
+    plan = offload_mod.plan_offload(sizes, state.offloader.gpu_budget_bytes)
+    offload_mod.check_host_memory(plan)
+    offloader = state.offloader
+    offloader.host_limit_bytes = plan.host_bytes
+    if offloader.pool is not None:
+        offloader.pool.clear()
+        offloader.pool.limit_bytes = plan.host_bytes
+    device = next(model.parameters()).device
+    offloader.reserve(plan, pin=device.type == "cuda")
+    state.planned, state.plan = shape, plan
+    return None
+
+
+def memory_report(model: nn.Module) -> dict[str, Any]:
+    """What ``install`` did to ``model`` and where its layer checkpoints went in the last pass planned."""
+    m = getattr(model, "module", model)  # a DeepSpeed engine holds the model
+    state = m.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return {"installed": False}
+    report = {
+        "installed": True,
+        "tile_tokens": state.lc.tile_tokens,
+        "layers_tiled": sum(layer.adapter is not None for layer in state.layers),
+        "layers_checkpointed": sum(layer.adapter is None for layer in state.layers),
+        "mlps_tiled": len(state.mlps),
+        "fused_loss": state.lc.fused_loss,
+        "offload_gpu_budget_bytes": None if state.offloader is None else state.offloader.gpu_budget_bytes,
+    }
+    plan = state.plan
+    if plan is not None:
+        report.update(
+            checkpoint_bytes=sum(plan.checkpoint_bytes),
+            checkpoint_gpu_bytes=plan.gpu_bytes,
+            checkpoint_host_bytes=plan.host_bytes,
+            checkpoints_on_host=len(plan.on_host),
+        )
+    if state.offloader is not None and state.offloader.pool is not None:
+        pool = state.offloader.pool
+        report.update(pool_reserved_bytes=pool.reserved_bytes, pool_peak_in_use_bytes=pool.peak_in_use_bytes)
+        report.update({f"offload_{k}": v for k, v in state.offloader.stats.items()})
+    return report
+
+
+def warn_unused(model: nn.Module, config: MambaSequenceParallelConfig) -> None:
+    """A warning when the key is set but the model holds nothing it acts on."""
+    if config.long_context is not None and not _decoder_layers(model):
+        warnings.warn(f"{KEY} is set but {type(model).__qualname__} has no transformers decoder layers", stacklevel=3)

@@ -1,0 +1,294 @@
+"""``"long_context"`` (integrations/transformers/long_context.py) on transformers' six Mamba2 families, on CPU.
+
+In one process (sequence_parallel_size 1, ``prepare_sequence_parallel``): tiny models of ``tests/hf_models.py``
+whose rows of 30 tokens run in tiles of 7 (5 tiles, the last shorter, none a multiple of the chunk size 8). The
+objective is ``sum(logits * w)`` for a fixed random ``w``. Compared: the objective and every parameter's gradient,
+as relative errors, against the same op on whole layers (``tiled_layers`` off) and against transformers' own path.
+
+fp32, not fp64: transformers' RMSNorms compute in fp32 and cast back (a downcast in an fp64 model), so the
+gradient of a tile's halo rows, summed from two tiles after that cast instead of before it, rounds at the fp32
+level whatever the dtype. Bound TOL = 5e-5: errors seen are 6.7e-7..4.9e-6 (the largest on a norm weight's and
+A_log's gradients, long sums), the same size as those of the whole-layer op against transformers' own path
+(7.2e-7..3.9e-6); a carried state or halo lost is off by 1e-2..1 (the negative controls).
+
+The Trainer's runs (losses, grad_norms, updates against the same run without the key) are at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import time
+
+import pytest
+import torch
+
+from tests import hf_models
+
+hf_models.import_models()
+
+from tests.dist_utils import run_ranks  # noqa: E402
+
+TOL = 5e-5
+SEQ, TILE = 30, 7
+
+
+def _section(**lc) -> dict:
+    lc = {"tile_tokens": TILE, "fused_loss": False, **lc}
+    return {"mamba_sequence_parallel": {"enabled": True, "long_context": lc}}
+
+
+def _prepared(model, **lc):
+    from ds_mamba_spcp.integrations.transformers import prepare_sequence_parallel
+
+    model = copy.deepcopy(model)
+    assert prepare_sequence_parallel(model, _section(**lc)) is None  # a group of one: no mpu
+    return model
+
+
+def _run(model, ids, w, **kw) -> dict:
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, use_cache=False, **kw).logits
+    objective = (logits * w).sum()
+    objective.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"objective": objective.detach(), **grads}
+
+
+def _worst(got: dict, ref: dict) -> tuple[float, str]:
+    assert set(got) == set(ref), set(got) ^ set(ref)
+    errs = {k: float((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)) for k in ref}
+    key = max(errs, key=errs.get)
+    return errs[key], key
+
+
+def _inputs(batch: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, hf_models.VOCAB, (batch, SEQ), generator=g)
+    w = torch.randn(batch, SEQ, hf_models.VOCAB, generator=g)
+    return ids, w
+
+
+@pytest.mark.parametrize("family", list(hf_models.MODULES))
+def test_tiled_layers_match_whole_layers(family):
+    """The key's tiled layers against the same op on whole layers, and against transformers' own path."""
+    from ds_mamba_spcp.integrations.transformers.long_context import memory_report
+
+    ref = hf_models.build(family, dtype=torch.float32)
+    model, whole = _prepared(ref), _prepared(ref, tiled_layers=False)
+    report = memory_report(model)
+    # Falcon-H1's every layer has attention beside its mixer: checkpointed whole, its MLPs tiled
+    assert report["layers_tiled"] >= (0 if family == "falcon_h1" else 1), report
+    assert report["layers_tiled"] + report["layers_checkpointed"] >= 2, report
+    ids, w = _inputs()
+    got, want = _run(model, ids, w), _run(whole, ids, w)
+    err, key = _worst(got, want)
+    assert err < TOL, f"{family}: {key} is {err:.2e} off"
+    err, key = _worst(got, _run(ref, ids, w))
+    assert err < TOL, f"{family} against transformers: {key} is {err:.2e} off"
+
+
+def _drop_state(monkeypatch):
+    from ds_mamba_spcp.integrations.transformers import long_context
+
+    init = long_context._TileCall.__init__
+    monkeypatch.setattr(long_context._TileCall, "__init__", lambda self, tiles, k, S_in: init(self, tiles, k, None))
+
+
+def _drop_halo(monkeypatch):
+    tiled_block = importlib.import_module("ds_mamba_spcp.memory.tiled_block")
+    halo_rows = tiled_block.Tiles.halo_rows
+    monkeypatch.setattr(tiled_block.Tiles, "core", _core_without_halo(tiled_block.Tiles.core, halo_rows))
+
+
+def _core_without_halo(core, halo_rows):
+    def without(self, k, zx, mixer_core, S_in):
+        n = halo_rows(self, k)
+        return core(self, k, torch.cat([torch.zeros_like(zx[:, :n]), zx[:, n:]], dim=1), mixer_core, S_in)
+
+    return without
+
+
+@pytest.mark.parametrize("bug", [_drop_state, _drop_halo])
+def test_negative_control_carry_lost(monkeypatch, bug):
+    base = hf_models.build("bamba", dtype=torch.float32)
+    ref, model = _prepared(base, tiled_layers=False), _prepared(base)
+    ids, w = _inputs()
+    want = _run(ref, ids, w)
+    bug(monkeypatch)
+    err, key = _worst(_run(model, ids, w), want)
+    assert err > 1e-3, f"{bug.__name__}: the tiles still match ({key} {err:.2e})"
+
+
+@pytest.mark.parametrize("family", ["bamba", "nemotron_h"])
+def test_packed_rows_in_tiles(family):
+    """Packed rows (seq_idx in the call): documents of 9, 4, 11 and 6 tokens cut by the tiles of 7 anywhere
+    (one begins on a tile's first token, one ends inside a tile's halo rows). transformers' own path ignores
+    seq_idx, so the reference is the op on whole layers (``tiled_layers`` off), which keeps documents apart."""
+    base = hf_models.build(family, dtype=torch.float32)
+    whole = _prepared(base, tiled_layers=False)
+    tiled = _prepared(base)
+    ids, w = _inputs()
+    seq_idx = torch.tensor([0] * 9 + [1] * 4 + [2] * 11 + [3] * 6, dtype=torch.int32).expand(2, SEQ).contiguous()
+    err, key = _worst(_run(tiled, ids, w, seq_idx=seq_idx), _run(whole, ids, w, seq_idx=seq_idx))
+    assert err < TOL, f"{key} is {err:.2e} off"
+    # the documents matter: the same rows unpacked differ at O(1)
+    unpacked, _ = _worst(_run(tiled, ids, w), _run(whole, ids, w, seq_idx=seq_idx))
+    assert unpacked > 1e-3
+
+
+def test_offloaded_checkpoints():
+    """Every layer checkpoint through the offloader (budget 0: all but the newest to host memory, plain copies on
+    CPU), planned and checked before the pass: the same numbers."""
+    from ds_mamba_spcp.integrations.transformers.long_context import memory_report
+
+    ref = _prepared(hf_models.build("bamba", dtype=torch.float32), tiled_layers=False)
+    model = _prepared(hf_models.build("bamba", dtype=torch.float32), offload_gpu_budget_gib=0)
+    ids, w = _inputs()
+    err, key = _worst(_run(model, ids, w), _run(ref, ids, w))
+    assert err < TOL, f"{key} is {err:.2e} off"
+    report = memory_report(model)
+    layers = report["layers_tiled"] + report["layers_checkpointed"]
+    assert report["checkpoints_on_host"] == layers - 1, report  # the newest stays
+    assert report["offload_offloaded"] == layers - 1 and report["offload_saved"] == layers, report
+
+
+def test_outside_training_the_model_is_unchanged():
+    ref = hf_models.build("zamba2", dtype=torch.float32)
+    model = _prepared(ref).eval()
+    ids, _ = _inputs()
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, ref.eval()(input_ids=ids).logits
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # generation keeps transformers' cache path
+        a = model.generate(input_ids=ids[:1, :6], max_new_tokens=3, do_sample=False)
+        b = ref.generate(input_ids=ids[:1, :6], max_new_tokens=3, do_sample=False)
+    assert torch.equal(a, b)
+
+
+def test_refusals():
+    from ds_mamba_spcp.config import load_mamba_sp_config
+    from ds_mamba_spcp.integrations.transformers import long_context, prepare_sequence_parallel
+
+    cfg = load_mamba_sp_config(_section())
+    model = hf_models.build("bamba")
+    with pytest.raises(ValueError, match="group of one only"):
+        long_context.install(model, cfg, cp=2, zero_stage=2)
+    with pytest.raises(ValueError, match="ZeRO stage 3"):
+        long_context.install(model, cfg, cp=1, zero_stage=3)
+    with pytest.raises(ValueError, match='enabled" is false'):
+        prepare_sequence_parallel(model, {"mamba_sequence_parallel": {"long_context": True}})
+    with pytest.raises(ValueError, match="unknown key"):
+        load_mamba_sp_config({"mamba_sequence_parallel": {"long_context": {"tiles": 4}}})
+    # a padding mask inside a tiled layer: refused by name, never silently ignored
+    padded = _prepared(hf_models.build("mamba2"))
+    ids, _ = _inputs()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(NotImplementedError, match="padding mask inside a tiled decoder layer"):
+        padded(input_ids=ids, attention_mask=mask).logits.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------------
+# through the Trainer (enable()): the same run with the key and without it
+# ---------------------------------------------------------------------------------------------------
+
+# family -> (ZeRO stage, the key's settings) at sp_size 1. Tiles of 7 tokens cut the rows of 18..28 tokens; the
+# offload budget 0 sends every layer checkpoint but the newest through the offloader. ZeRO-3 refuses tiled layers:
+# there the other parts run (whole-layer checkpoints, TiledMLP, the loss).
+LC = {"tile_tokens": 7, "fused_loss": False}
+ONE = {
+    "bamba": (2, {**LC, "offload_gpu_budget_gib": 0}),
+    "granitemoehybrid": (2, LC),
+    "nemotron_h": (1, LC),
+    "zamba2": (3, {**LC, "tiled_layers": False}),
+    "falcon_h1": (3, {**LC, "offload_gpu_budget_gib": 0}),
+}
+# at sp_size 2 tiled layers are refused (the incoming state of a shard comes from the exchange): the other parts
+TWO = {"bamba": (2, {**LC, "tiled_layers": False}), "falcon_h1": (3, {**LC, "tiled_layers": False})}
+
+
+def _acc():
+    return importlib.import_module("tests.test_accelerate")
+
+
+def _count_calls() -> dict:
+    """Counts, per kind, the training calls of the key's parts in this process (which parts a run went through)."""
+    from ds_mamba_spcp.integrations.transformers import long_context as lc
+
+    calls: dict = {}
+    for owner, name in ((lc._Layer, "_tiled"), (lc._Layer, "_checkpointed"), (lc._MLP, "__call__")):
+        original = getattr(owner, name)
+
+        def spy(self, *a, _original=original, _name=f"{owner.__name__}.{name}", **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(self, *a, **kw)
+
+        setattr(owner, name, spy)
+    return calls
+
+
+def _trainer_runs(rank, world, tmp):
+    from transformers import default_data_collator
+
+    from ds_mamba_spcp.integrations.transformers import accelerate as mamba_sp
+
+    acc = _acc()
+    t0 = time.perf_counter()
+    mamba_sp.enable()
+    calls = _count_calls()
+    cases = ONE if world == 1 else TWO
+    out = {}
+    for fam, (stage, lc) in cases.items():
+        for key, section in (("off", None), ("on", {"long_context": lc})):
+            path = os.path.join(tmp, f"{fam}_{key}")
+            calls.clear()
+            out[f"{fam}_{key}"] = acc._train(fam, stage, world, path, section=section, evaluate=key == "on")
+            out[f"{fam}_{key}"]["calls"] = dict(calls)
+    for key, section in (("off", None), ("on", {"long_context": {**LC, "tiled_layers": world == 1}})):
+        model = hf_models.build("mamba2")
+        out[f"packed_{key}"] = acc._train(
+            "mamba2", 2, world, os.path.join(tmp, f"packed_{key}"), default_data_collator, model=model,
+            dataset=acc._packed_rows(), evaluate=False, max_steps=3, section=section,
+        )  # fmt: skip
+    if world > 1:
+        out["refused"] = acc._error(
+            lambda: acc._train("bamba", 2, world, os.path.join(tmp, "e"), section={"long_context": LC})
+        )
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    one = run_ranks(_trainer_runs, 1, str(tmp_path_factory.mktemp("one")), timeout=600)[0]
+    two = run_ranks(_trainer_runs, 2, str(tmp_path_factory.mktemp("two")), timeout=600)
+    print(f"\nlong_context Trainer runs: one process {one['seconds']:.0f} s, two ranks {two[0]['seconds']:.0f} s")
+    return one, two
+
+
+@pytest.mark.parametrize("case", [f"1:{f}" for f in ONE] + [f"2:{f}" for f in TWO] + ["1:packed", "2:packed"])
+def test_trainer_with_the_key_matches_without(trainer_runs, case):
+    """Per-step loss and grad_norm, every parameter's update: the Trainer tests' bound (tests/test_accelerate.py,
+    TOL 1e-4: the runs differ by the order of sums only; a lost state or a doubled gradient is off by 1e-2..1).
+    With the key the model leaves the Trainer's evaluation and generate as they were: the eval loss too."""
+    acc = _acc()
+    sp, fam = case.split(":")
+    runs = trainer_runs[0] if sp == "1" else trainer_runs[1][0]
+    on, off = runs[f"{fam}_on"], runs[f"{fam}_off"]
+    if fam != "packed":  # the parts ran: tiled layers where the settings and the family allow, the rest whole
+        tiled = on["calls"].get("_Layer._tiled", 0)
+        assert (tiled > 0) == (sp == "1" and fam not in ("zamba2", "falcon_h1")), on["calls"]
+        assert on["calls"].get("_Layer._checkpointed", 0) > 0 and on["calls"].get("_MLP.__call__", 0) > 0, on["calls"]
+        assert off["calls"] == {}, off["calls"]
+    errs = acc._errors(on, off)
+    assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, errs
+    if "eval_loss" in off:
+        assert abs(on["eval_loss"] - off["eval_loss"]) / abs(off["eval_loss"]) < acc.TOL
+        assert on["generated"] == off["generated"]
+
+
+def test_tiled_layers_refused_at_two_ranks(trainer_runs):
+    for rank in trainer_runs[1]:
+        assert "group of one only" in rank["refused"], rank["refused"]
