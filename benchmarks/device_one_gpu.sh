@@ -11,6 +11,11 @@
 #   longest      the 130M with block tiles of 32,768 at 3,145,728 and 3,407,872 tokens
 #   offload      the 780M with the pinned pool at 524,288 and 786,432 (budget 0), and 1,048,576 with block tiles and a
 #                GPU budget of 36 GiB
+#   hf_long      benchmarks/train_hf.py: hf-bamba-2b through transformers' Trainer. COMPARE_AT=L: L on both paths
+#                (transformers' and long-context) and the ratio of their last steps; LENGTHS=a,b or
+#                SEARCH="START FACTOR MAX": on the long-context path (LONG=0: transformers' path). BUDGET_GIB=
+#                long_context.offload_gpu_budget_gib, TILE= tile_tokens, STEPS= (2), NAME= of the JSON (hf_long),
+#                TRIAL_TIMEOUT= seconds per trial (530), STAGE_TIMEOUT= seconds in all (560)
 # Results land in $OUT (JSON + Markdown + logs); copy them into benchmarks/results/ with the commit named.
 set -u
 commit=${1:?commit} stage=${2:?stage}
@@ -54,6 +59,18 @@ offload)
     timeout 200 python3 benchmarks/train_runs.py "${O[@]}" --lengths 1048576 --block-tile-tokens 32768 \
         --offload-gpu-budget-gib 36 --trial-timeout 180 > "$out/o3.log" 2>&1
     grep -h "L=" "$out"/o[123].log | cut -c1-200 ;;
+hf_long)
+    H=(--preset hf-bamba-2b --git-commit "$commit" --steps "${STEPS:-2}" --trial-timeout "${TRIAL_TIMEOUT:-530}"
+       --out "$out/${NAME:-hf_long}_h200x1.json")
+    [ "${LONG:-1}" = 1 ] && H+=(--long-context)
+    [ -n "${COMPARE_AT:-}" ] && H+=(--compare-at "$COMPARE_AT")
+    [ -n "${LENGTHS:-}" ] && H+=(--lengths "$LENGTHS")
+    if [ -n "${SEARCH:-}" ]; then read -r s f m <<< "$SEARCH"; H+=(--search "$s" --factor "$f" --max "$m"); fi
+    [ -n "${BUDGET_GIB:-}" ] && H+=(--offload-gpu-budget-gib "$BUDGET_GIB")
+    [ -n "${TILE:-}" ] && H+=(--tile-tokens "$TILE")
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${STAGE_TIMEOUT:-560}" python3 benchmarks/train_hf.py \
+        "${H[@]}" > "$out/${NAME:-hf_long}.log" 2>&1
+    echo "train_hf exit $?"; grep -F "[train_hf]" "$out/${NAME:-hf_long}.log" | cut -c1-400 ;;
 *)
-    echo "unknown stage $stage (tests, cells, pass_states, longest, offload)"; exit 2 ;;
+    echo "unknown stage $stage (tests, cells, pass_states, longest, offload, hf_long)"; exit 2 ;;
 esac
