@@ -68,6 +68,7 @@ hf_long)
     if [ -n "${SEARCH:-}" ]; then read -r s f m <<< "$SEARCH"; H+=(--search "$s" --factor "$f" --max "$m"); fi
     [ -n "${BUDGET_GIB:-}" ] && H+=(--offload-gpu-budget-gib "$BUDGET_GIB")
     [ -n "${TILE:-}" ] && H+=(--tile-tokens "$TILE")
+    [ -n "${PARTS_OFF:-}" ] && H+=(--parts-off "$PARTS_OFF")
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${STAGE_TIMEOUT:-560}" python3 benchmarks/train_hf.py \
         "${H[@]}" > "$out/${NAME:-hf_long}.log" 2>&1
     echo "train_hf exit $?"; grep -F "[train_hf]" "$out/${NAME:-hf_long}.log" | cut -c1-400 ;;

@@ -107,6 +107,8 @@ def long_context_key(args) -> dict:
         key["tile_tokens"] = args.tile_tokens
     if args.offload_gpu_budget_gib is not None:
         key["offload_gpu_budget_gib"] = args.offload_gpu_budget_gib
+    for part in filter(None, args.parts_off.split(",")):
+        key[part] = False
     return key
 
 
@@ -422,6 +424,8 @@ def trial(args, length: int, path: str, workdir: str) -> dict:
         cmd += ["--offload-gpu-budget-gib", str(args.offload_gpu_budget_gib)]
     if args.fail_from_length:
         cmd += ["--fail-from-length", str(args.fail_from_length)]
+    if args.parts_off:
+        cmd += ["--parts-off", args.parts_off]
     t0 = time.monotonic()
     timed_out = stopped = False
     with open(log_path, "w") as log:
@@ -561,6 +565,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tile-tokens", type=int, default=None, help='"long_context.tile_tokens" (default: the key\'s)')
     p.add_argument("--offload-gpu-budget-gib", type=float, default=None,
                    help='"long_context.offload_gpu_budget_gib" (default: no offload)')  # fmt: skip
+    p.add_argument("--parts-off", default="", help='long_context parts turned off, e.g. "fused_loss,tiled_mlp"')
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage")
     p.add_argument("--seed", type=int, default=0)
