@@ -51,6 +51,10 @@ class LongContext(DeepSpeedConfigModel):
     """In training, the causal-LM loss is computed tile by tile from the last hidden states and the head's weight,
     never holding the (tokens x vocab) logits; the model then returns no logits."""
 
+    loss_tile_tokens: int | None = Field(default=None, ge=1, strict=True)
+    """Tokens per tile of the fused loss. ``None``: 2**29 logits per tile (4,194 tokens at a vocabulary of 128,000:
+    3 GiB of bf16 and fp32 logits), at most ``tile_tokens``."""
+
     offload_gpu_budget_gib: float | None = Field(default=None, ge=0)
     """Layer checkpoints (each layer's input) kept on the GPU up to this many GiB per pass; the rest go to pinned
     host memory, checked before the first step (``memory/offload.py``). ``None``: all stay on the GPU."""

@@ -169,14 +169,19 @@ def test_outside_training_the_model_is_unchanged():
 
 def test_refusals():
     from ds_mamba_spcp.config import load_mamba_sp_config
-    from ds_mamba_spcp.integrations.transformers import long_context, prepare_sequence_parallel
+    from ds_mamba_spcp.integrations.transformers import long_context, prepare_sequence_parallel, wrap_hf_mamba2_mixers
 
     cfg = load_mamba_sp_config(_section())
     model = hf_models.build("bamba")
+    wrap_hf_mamba2_mixers(model, None, cfg)
     with pytest.raises(ValueError, match="group of one only"):
         long_context.install(model, cfg, cp=2, zero_stage=2)
     with pytest.raises(ValueError, match="ZeRO stage 3"):
         long_context.install(model, cfg, cp=1, zero_stage=3)
+    # Falcon-H1 has no layer to tile (attention beside every mixer): nothing to refuse at two ranks
+    falcon = hf_models.build("falcon_h1")
+    wrap_hf_mamba2_mixers(falcon, None, cfg)
+    assert long_context.install(falcon, cfg, cp=2, zero_stage=3)
     with pytest.raises(ValueError, match='enabled" is false'):
         prepare_sequence_parallel(model, {"mamba_sequence_parallel": {"long_context": True}})
     with pytest.raises(ValueError, match="unknown key"):
@@ -197,7 +202,7 @@ def test_refusals():
 # family -> (ZeRO stage, the key's settings) at sp_size 1. Tiles of 7 tokens cut the rows of 18..28 tokens; the
 # offload budget 0 sends every layer checkpoint but the newest through the offloader. ZeRO-3 refuses tiled layers:
 # there the other parts run (whole-layer checkpoints, TiledMLP, the loss).
-LC = {"tile_tokens": 7, "fused_loss": False}
+LC = {"tile_tokens": 7, "loss_tile_tokens": 5}
 ONE = {
     "bamba": (2, {**LC, "offload_gpu_budget_gib": 0}),
     "granitemoehybrid": (2, LC),

@@ -256,6 +256,17 @@ class _LongContext:
         return params
 
 
+LOSS_TILE_LOGITS = 2**29
+
+
+def loss_tile_tokens(model: nn.Module, lc) -> int:
+    """The fused loss's tokens per tile: the key's, or LOSS_TILE_LOGITS logits' worth, at most ``tile_tokens``."""
+    if lc.loss_tile_tokens is not None:
+        return lc.loss_tile_tokens
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return max(1, min(lc.tile_tokens, LOSS_TILE_LOGITS // int(config.vocab_size)))
+
+
 def installed(model: nn.Module) -> bool:
     return _STATE_ATTR in model.__dict__
 
@@ -313,7 +324,8 @@ def install(model: nn.Module, config: MambaSequenceParallelConfig, cp: int, zero
     if lc.fused_loss:
         from ds_mamba_spcp.integrations.transformers.fused_loss import install_fused_loss
 
-        install_fused_loss(model, lc.tile_tokens)
+        install_fused_loss(model, loss_tile_tokens(model, lc))
+    state.loss_tile_tokens = loss_tile_tokens(model, lc) if lc.fused_loss else None
     model.__dict__[_STATE_ATTR] = state
     if offloader is not None:
         model.register_forward_pre_hook(_check_host, with_kwargs=True)
@@ -369,6 +381,7 @@ def memory_report(model: nn.Module) -> dict[str, Any]:
         "layers_checkpointed": sum(layer.adapter is None for layer in state.layers),
         "mlps_tiled": len(state.mlps),
         "fused_loss": state.lc.fused_loss,
+        "loss_tile_tokens": state.loss_tile_tokens,
         "offload_gpu_budget_bytes": None if state.offloader is None else state.offloader.gpu_budget_bytes,
     }
     plan = state.plan
