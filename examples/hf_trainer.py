@@ -4,6 +4,7 @@
     accelerate launch --num_processes 2 examples/hf_trainer.py         # the same through accelerate (on CPU: --cpu)
     deepspeed --num_gpus 2 examples/hf_trainer.py                      # the same through DeepSpeed's launcher
     python examples/hf_trainer.py                                      # one process: the reference
+    python examples/hf_trainer.py --long-context --tile-tokens 16      # long context (docs/huggingface.md)
 
 The script is what a Trainer user already writes; the only addition is ``mamba_sp.enable()`` before the
 Trainer is built. Launched on N ranks it asks accelerate for DeepSpeed's sequence parallelism over all of them
@@ -13,6 +14,10 @@ plain ``python`` the same script trains the same model on the same data in one p
 (``--log-json``) can be compared step by step. The model is ``NemotronHForCausalLM`` from a config (Mamba2,
 attention and MLP layers as ``--pattern`` says), the data random token rows whose length changes between
 steps: nothing is downloaded. On CPU (no CUDA) the ranks run on gloo.
+
+``--long-context`` adds the section's ``"long_context"`` key (tiled layers, tiled MLPs, the fused loss; with
+``--offload-gpu-budget-gib`` the layer checkpoints past that budget go to host memory): the same losses, memory per
+token flat in the length. Tiled layers run on a group of one: on N ranks add ``--parts-off tiled_layers``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pattern", default="M*-M-", help="layers: M Mamba2, * attention, - MLP")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--long-context", action="store_true", help='the section\'s "long_context" key')
+    p.add_argument("--tile-tokens", type=int, default=None, help="long_context.tile_tokens (default: the key's)")
+    p.add_argument("--offload-gpu-budget-gib", type=float, default=None, help="long_context.offload_gpu_budget_gib")
+    p.add_argument("--parts-off", default="", help='long_context parts turned off, e.g. "tiled_layers,fused_loss"')
     p.add_argument("--log-json", default=None, help="write one JSON object per step (step, loss, grad_norm)")
     p.add_argument("--output-dir", default=None, help="the Trainer's output_dir (default: a temporary folder)")
     return p.parse_args(argv)
@@ -78,6 +87,20 @@ def collate(rows, longest: int, multiple: int = 8):
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(length).expand_as(ids).clone()}
 
 
+def ds_config(args) -> dict:
+    """The ds_config file, with the section's ``"long_context"`` key when ``--long-context`` asks for it."""
+    with open(args.deepspeed, encoding="utf-8") as f:
+        config = json.load(f)
+    if args.long_context:
+        key = {part: False for part in filter(None, args.parts_off.split(","))}
+        if args.tile_tokens is not None:
+            key["tile_tokens"] = args.tile_tokens
+        if args.offload_gpu_budget_gib is not None:
+            key["offload_gpu_budget_gib"] = args.offload_gpu_budget_gib
+        config.setdefault("mamba_sequence_parallel", {})["long_context"] = key
+    return config
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -90,14 +113,14 @@ def main(argv=None) -> list[dict]:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from ds_mamba_spcp.integrations.transformers import accelerate as mamba_sp
+
+    mamba_sp.enable()  # the one line: before the Trainer is built (in one process it acts on "long_context" only)
     parallelism = None
     if world > 1:
         from accelerate.utils import ParallelismConfig
         from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
 
-        from ds_mamba_spcp.integrations.transformers import accelerate as mamba_sp
-
-        mamba_sp.enable()  # the one line: before the Trainer is built
         parallelism = ParallelismConfig(
             sp_backend="deepspeed", sp_size=world,
             sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
@@ -105,7 +128,7 @@ def main(argv=None) -> list[dict]:
     model = build_model(args)
     cuda = torch.cuda.is_available()
     training = TrainingArguments(
-        output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf_trainer_"), deepspeed=args.deepspeed,
+        output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf_trainer_"), deepspeed=ds_config(args),
         parallelism_config=parallelism, per_device_train_batch_size=2, max_steps=args.steps, learning_rate=args.lr,
         optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no",
         report_to=[], seed=args.seed, use_cpu=not cuda, bf16=False, dataloader_num_workers=0, disable_tqdm=True,
