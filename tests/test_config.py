@@ -22,6 +22,7 @@ FIELDS = (
     "recompute_output",
     "tile_length",
     "block_tile_tokens",
+    "long_context",
     "cuda_graphs",
 )
 
@@ -39,6 +40,14 @@ NON_DEFAULT = {
     "recompute_output": True,
     "tile_length": 4096,
     "block_tile_tokens": 8192,
+    "long_context": {
+        "tile_tokens": 1024,
+        "tiled_layers": False,
+        "tiled_mlp": False,
+        "fused_loss": False,
+        "loss_tile_tokens": 512,
+        "offload_gpu_budget_gib": 4.0,
+    },
     "cuda_graphs": True,
 }
 
@@ -73,6 +82,7 @@ def test_defaults():
         "recompute_output": False,
         "tile_length": None,
         "block_tile_tokens": None,
+        "long_context": None,
         "cuda_graphs": False,
     }
     assert_fields(MambaSequenceParallelConfig(), expected)
@@ -342,6 +352,19 @@ class TestValidateForMixer:
     def test_arguments_are_keyword_only(self):
         with pytest.raises(TypeError):
             MambaSequenceParallelConfig().validate_for_mixer(8, 2, 2)
+
+
+def test_long_context_forms():
+    """``true`` is every default, ``false`` / ``null`` off; unknown or bad keys name themselves."""
+    on = load_mamba_sp_config(ds_config({"long_context": True})).long_context
+    assert on is not None and on.tile_tokens == 32768 and on.tiled_layers and on.fused_loss
+    assert on.offload_gpu_budget_gib is None and on.loss_tile_tokens is None
+    for off in (False, None):
+        assert load_mamba_sp_config(ds_config({"long_context": off})).long_context is None
+    with pytest.raises(pydantic.ValidationError, match="tile_tokens"):
+        load_mamba_sp_config(ds_config({"long_context": {"tile_tokens": 0}}))
+    with pytest.raises(pydantic.ValidationError, match="unknown key"):
+        load_mamba_sp_config(ds_config({"long_context": {"offload": True}}))
 
 
 @pytest.mark.parametrize("bad", [0, -4, 2.0, "8192", True])

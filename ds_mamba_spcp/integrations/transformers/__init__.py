@@ -7,6 +7,8 @@
                     ``inference/``), then transformers' own ``generate``: ``sequence_parallel_prefill``,
                     ``sequence_parallel_generate``
     accelerate.py   the same models under the Trainer, TRL and accelerate: ``enable()``
+    long_context.py the section's ``"long_context"`` key (tiled layers, TiledMLP, offload), with
+    fused_loss.py   the loss without the (tokens x vocab) logits
 
 This module gathers the public names of the first two; docs/huggingface.md is the user's page.
 """
