@@ -140,6 +140,15 @@ class _Layer:
         self.raw = _raw_forward(type(module))
         self.extra: tuple | None = None  # what the layer returns beside the hidden states (all None)
 
+    def params(self) -> list:
+        """The layer's parameters, each once (a shared module's too)."""
+        seen, params = set(), []
+        for p in self.module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        return params
+
     def hidden_of(self, out):
         """The hidden states of the layer's output; the rest must be None (attention weights not asked for)."""
         if not isinstance(out, tuple):
@@ -179,7 +188,7 @@ class _Layer:
         if not adapter.sharding.routes_op():  # paused (sequence_parallel_disabled): the whole layer
             return self._checkpointed(hidden, args, kwargs)
         cfg = adapter.sharding.config
-        params = state.params_of(self.module)
+        params = self.params()
         refuse_partitioned(params, f'"{KEY}.tiled_layers" is on', f'set "{KEY}": {{"tiled_layers": false}}')
         core = adapter.core()
         backend = get_backend(cfg.backend, hidden.device)
@@ -242,18 +251,7 @@ class _LongContext:
         self.lc, self.layers, self.mlps, self.offloader = lc, layers, mlps, offloader
         self.planned: tuple | None = None  # (batch, tokens) the host was last checked for
         self.plan: offload_mod.OffloadPlan | None = None
-        self._params: dict = {}
-
-    def params_of(self, module: nn.Module) -> list:
-        params = self._params.get(id(module))
-        if params is None:
-            seen, params = set(), []
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-            self._params[id(module)] = params
-        return params
+        self.loss_tile_tokens: int | None = None
 
 
 LOSS_TILE_LOGITS = 2**29
