@@ -89,6 +89,31 @@ def test_tiled_layers_match_whole_layers(family):
     assert err < TOL, f"{family} against transformers: {key} is {err:.2e} off"
 
 
+def test_moe_blocks_through_tiled_mlp():
+    """Nemotron-H's MoE layer (a block of its own, checkpointed whole) through DeepSpeed's TiledMLP: routing is per
+    token, so tiles change nothing but sums' order; rows of 2 (the MoE views its input: tiles made contiguous)."""
+    import transformers as tf
+
+    from ds_mamba_spcp.integrations.transformers.long_context import memory_report
+
+    config = tf.NemotronHConfig(
+        vocab_size=hf_models.VOCAB, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+        intermediate_size=20, layers_block_type=["mamba", "moe", "mamba", "attention"], ssm_state_size=5,
+        mamba_num_heads=8, mamba_head_dim=4, n_groups=2, conv_kernel=4, chunk_size=8, tie_word_embeddings=False,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, moe_shared_expert_intermediate_size=12,
+        n_group=1, topk_group=1,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = tf.NemotronHForCausalLM(config)
+    hf_models.randomize(base)
+    model, whole = _prepared(base.train()), _prepared(base, tiled_layers=False, tiled_mlp=False)
+    assert memory_report(model)["mlps_tiled"] == 2  # the MoE and its shared expert's MLP
+    ids, w = _inputs()
+    err, key = _worst(_run(model, ids, w), _run(whole, ids, w))
+    assert err < TOL, f"{key} is {err:.2e} off"
+
+
 def _drop_state(monkeypatch):
     from ds_mamba_spcp.integrations.transformers import long_context
 

@@ -237,7 +237,9 @@ class _MLP:
         return TiledMLP.apply(self._per_token, module, x, shards, params)
 
     def _per_token(self, module, x):
-        # TiledMLP's backward hands (tokens, hidden) tiles of the flattened batch: one row of them
+        # TiledMLP's forward hands (batch, tile, hidden) slices of the rows (not contiguous for batch > 1: Nemotron-H's
+        # MoE views them), its backward (tokens, hidden) tiles of the flattened batch: one row of them
+        x = x.contiguous()
         return self.raw(module, x[None])[0] if x.dim() == 2 else self.raw(module, x)
 
 
