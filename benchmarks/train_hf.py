@@ -1,22 +1,47 @@
-"""Training through transformers' ``Trainer`` on one GPU at given lengths, transformers' own path against the
-long-context one (issue 37): the longest row that trains, step time, tokens/s and what holds the memory.
+"""Training through transformers' ``Trainer`` at given lengths, on one GPU or on ``--sp`` ranks sharing each row,
+transformers' own path against the long-context one (issue 37): the longest row that trains, step time, tokens/s
+and what holds the memory.
 
-Each trial is one fresh process (so one OOM cannot fragment the next trial's memory): a Bamba model of the preset
+Each trial is fresh processes (so one OOM cannot fragment the next trial's memory): a Bamba model of the preset
 (random init, bf16 on GPU / fp32 on CPU), a dataset of one row of L random token ids (labels = input_ids) and a
 plain ``Trainer`` (batch 1, activation checkpointing, AdamW, lr 1e-5, ``--steps`` steps) under DeepSpeed (ZeRO
-``--zero``, bf16, the ``"mamba_sequence_parallel"`` section), started as a one-process torch.distributed job (env
-MASTER_ADDR/PORT, RANK=0, WORLD_SIZE=1: no launcher). Two paths:
+``--zero``, bf16, the ``"mamba_sequence_parallel"`` section), started as a torch.distributed job by this script
+itself (env MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE: no launcher). Two paths:
 
     transformers   the model as transformers runs it, mamba-ssm's Triton kernels bound (imported before
-                   transformers' modeling code on a GPU); nothing of this package touches the model
+                   transformers' modeling code on a GPU); nothing of this package touches the model at --sp 1
     long_context   the section's ``"long_context"`` key (``--tile-tokens``, ``--offload-gpu-budget-gib``) and
                    ``ds_mamba_spcp.integrations.accelerate.enable()`` before the Trainer is built
+
+``--sp N`` (N > 1): N processes per trial, one process group (killed whole at ``--trial-timeout``, and
+``RANK_GRACE_S`` after one rank failed while others still run), the Trainer given DeepSpeed's sequence parallelism
+through accelerate (``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``, variable lengths, SDPA) as
+examples/hf_trainer.py does, and ``enable()`` on both paths (accelerate alone refuses Bamba; on the transformers
+path the section has no ``"long_context"``). L is the whole row's length (each rank holds L/N; L must divide by
+N); tokens/s counts the whole row. Tiled layers run on one rank only, so at N > 1 the key gets
+``"tiled_layers": false`` unless ``--parts-off`` is given (it must then name tiled_layers). Rank r runs on
+cuda:r with nccl; ``--shared-gpu`` puts every rank on cuda:0 with gloo (LOCAL_RANK=0 for all: accelerate and
+DeepSpeed pick the device from it; the process group is up before the Trainer, which keeps it); on CPU, gloo.
+Each rank records its own steps, losses and peaks: the trial's record is rank 0's, every rank's values listed in
+``per_rank``, status "ok" only if every rank's is (else the status and reason of the rank that failed first).
+``--peak-check L`` runs one process at L and N ranks on one GPU at N*L (each rank holding L tokens, the same
+``"long_context"`` key) and records each rank's GPU peak over the one process's (the issue's bound: 1.1x) and the
+same of the transient peaks.
 
     # both paths at 64K and the ratio of their last steps
     python benchmarks/train_hf.py --preset hf-bamba-2b --compare-at 65536 --out /tmp/hf_65k.json
     # the longest row on the long-context path: 131072, x1.5, ... (multiples of 16384) up to 1.6M, first failure stops
     python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --offload-gpu-budget-gib 40 \\
         --search 131072 --factor 1.5 --max 1600000 --out /tmp/hf_long.json
+    # 8 H200s: 8,388,608 tokens, 1,048,576 on each rank (checkpoints past 40 GiB a rank on the host: 8 x 52 GiB)
+    python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --sp 8 --lengths 8388608 --steps 1 \\
+        --offload-gpu-budget-gib 40 --out /tmp/hf_sp8.json
+    # 2 H200s: 2,097,152 tokens, 1,048,576 on each rank
+    python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --sp 2 --lengths 2097152 --steps 1 \\
+        --offload-gpu-budget-gib 16 --out /tmp/hf_sp2.json
+    # one H200: the peak check, one process at 65,536 against 2 ranks sharing the GPU at 131,072
+    python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --sp 2 --peak-check 65536 \\
+        --out /tmp/hf_peak.json
 
 Per trial: status ("ok", "oom": torch's OutOfMemoryError or a CUDA "out of memory", "error": any other exception,
 its type and message, "timeout", "killed": SIGKILL, the host's out-of-memory killer most likely), each step's wall
@@ -28,7 +53,7 @@ master partition and AdamW's moments), the other tensors DeepSpeed's optimizer k
 pinned host bytes (``long_context.memory_report(model)`` where that function exists, else None) and the transient
 peak: the last step's GPU peak less all of those. Storages are counted once each. The JSON (rewritten after every
 trial, records appended to an existing file) and a Markdown table land beside ``--out``; a failed trial's output
-beside them (``<out>_<path>_<L>.log``).
+beside them (``<out>_<path>_<L>.log``, ``<out>_<path>_<L>_sp<N>.log``: every rank's).
 
 Presets: ``hf-bamba-2b`` (1.93B parameters: 24 layers of d_model 2048, attention at layers 6, 12, 18 with 16
 heads / 4 key-value heads, Mamba2 64 heads of 64, d_state 128, one group, chunk 256, MLP 5632, vocab 128000,
@@ -38,6 +63,7 @@ untied head); ``hf-bamba-tiny`` (the CPU smoke's: 3 layers, attention at layer 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -62,6 +88,8 @@ SECTION = "mamba_sequence_parallel"
 PATHS = ("transformers", "long_context")
 MAX_FACTOR = 1.5
 GIB = 2**30
+PEAK_BOUND = 1.1  # --peak-check: each rank's GPU peak at N*L against one process's at L (the issue's bound)
+RANK_GRACE_S = 60.0  # after one rank of a trial fails, the others get this long to end before they are killed
 PRESETS = {
     "hf-bamba-2b": dict(
         vocab_size=128000, hidden_size=2048, num_hidden_layers=24, attn_layer_indices=[6, 12, 18],
@@ -261,8 +289,8 @@ def _failure(exc: BaseException) -> tuple[str, str]:
 
 
 def run_trial(args) -> dict:
-    """One training run of ``args.trial`` tokens on ``args.trial_path``; its record (also written to
-    ``args.trial_out``, whatever happens)."""
+    """One rank's training run of ``args.trial`` tokens (the whole row: each of the ``--sp`` ranks holds its
+    ``1/sp``) on ``args.trial_path``; its record (also written to ``args.trial_out``, whatever happens)."""
     _distributed_env()
     import torch
 
@@ -270,13 +298,18 @@ def run_trial(args) -> dict:
     if cuda:
         os.environ.setdefault("MAMBA_DETERMINISTIC", "1")  # as tests/hf_models.load_kernels_first
     length, path = args.trial, args.trial_path
-    rec = dict(model=args.preset, path=path, length=length, steps=args.steps, zero=args.zero, status="error",
-               step_s=[], step_gpu_peak_allocated=[], step_gpu_peak_reserved=[], losses=[],
-               ds_config=ds_config(args, path), mamba_deterministic=os.environ.get("MAMBA_DETERMINISTIC"))  # fmt: skip
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rec = dict(model=args.preset, path=path, length=length, steps=args.steps, zero=args.zero, sp=args.sp, rank=rank,
+               shared_gpu=bool(args.shared_gpu and cuda), status="error", step_s=[], step_gpu_peak_allocated=[],
+               step_gpu_peak_reserved=[], losses=[], ds_config=ds_config(args, path),
+               mamba_deterministic=os.environ.get("MAMBA_DETERMINISTIC"))  # fmt: skip
     if path == "long_context":
         rec["long_context"] = long_context_key(args)
     state = {}
     try:
+        if world != args.sp or length % args.sp:
+            raise ValueError(f"--sp {args.sp} needs WORLD_SIZE={args.sp} (got {world}) and a length that divides by it "
+                             f"(got {length})")  # fmt: skip
         if cuda:
             _load_kernels_first()  # before transformers' modeling code is imported
         _train(args, rec, state, cuda)
@@ -291,7 +324,7 @@ def run_trial(args) -> dict:
     rec["host_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if rec["step_s"]:
         rec["last_step_s"] = rec["step_s"][-1]
-        rec["tokens_per_s"] = length / rec["last_step_s"]
+        rec["tokens_per_s"] = length / rec["last_step_s"]  # the whole row's tokens
         rec["gpu_peak_allocated"] = max(rec["step_gpu_peak_allocated"], default=None)
         rec["gpu_peak_reserved"] = max(rec["step_gpu_peak_reserved"], default=None)
     holds = state.get("holds")
@@ -306,6 +339,15 @@ def run_trial(args) -> dict:
     rec["pinned_host"] = (rec.get("memory_report") or {}).get("checkpoint_host_bytes")
     with open(args.trial_out, "w") as f:
         json.dump(rec, f, indent=1)
+    if rec["status"] == "ok" and args.sp > 1:
+        # every rank past its last collective before any exits (main's os._exit): an early exit would break a
+        # peer's last collective into an error. A failed rank exits at once (the driver ends the others).
+        import deepspeed.comm as dist
+
+        try:
+            dist.barrier()
+        except Exception as e:  # noqa: BLE001 - a peer ended first: this rank's record stands
+            progress(f"the last barrier failed ({type(e).__name__}: {e}): a peer ended first")
     return rec
 
 
@@ -316,23 +358,39 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
     import torch
     from transformers import BambaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
-        torch.cuda.set_device(0)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
-    rec["hf_mixer_kernel"] = _bound_kernel()
-    if rec["path"] == "long_context":
+        # --shared-gpu: LOCAL_RANK 0 on every rank (the driver's), which accelerate and DeepSpeed read as cuda:0
+        torch.cuda.set_device(local)
+    backend = "nccl" if cuda and not args.shared_gpu else "gloo"
+    # accelerate and the Trainer find the process group up and keep it (their own pick would be nccl on a GPU)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    rec.update(backend=backend, device=str(device), hf_mixer_kernel=_bound_kernel())
+    if rec["path"] == "long_context" or args.sp > 1:
         from ds_mamba_spcp.integrations import accelerate as mamba_sp
 
-        mamba_sp.enable()  # before the Trainer is built
+        mamba_sp.enable()  # before the Trainer is built; at sp > 1 on both paths (accelerate alone refuses Bamba)
+    parallelism = None
+    if args.sp > 1:
+        from accelerate.utils import ParallelismConfig
+        from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+
+        parallelism = ParallelismConfig(
+            sp_backend="deepspeed", sp_size=args.sp,
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
+        )  # fmt: skip
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if cuda else "cpu")
     with device:
         model = BambaForCausalLM(bamba_config(args.preset))
     model = model.to(torch.bfloat16 if cuda else torch.float32).train()
     if cuda:
         torch.cuda.empty_cache()  # the fp32 copy of the init
     rec["parameters"] = sum(p.numel() for p in model.parameters())
-    progress(f"{args.preset}: {rec['parameters']:,} parameters; {rec['path']} at {rec['length']:,} tokens")
+    shard = f" ({rec['length'] // args.sp:,} on each of {args.sp} ranks)" if args.sp > 1 else ""
+    progress(f"{args.preset}: {rec['parameters']:,} parameters; {rec['path']} at {rec['length']:,} tokens{shard}")
+    # the whole row on every rank: under sequence parallelism DeepSpeed's data-loader adapter gives each rank its
+    # contiguous 1/sp of it, labels shifted before the cut
     ids = torch.randint(0, model.config.vocab_size, (rec["length"],), generator=torch.Generator().manual_seed(1))
 
     class OneRow(torch.utils.data.Dataset):
@@ -348,7 +406,8 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
         output_dir=os.path.join(os.path.dirname(os.path.abspath(args.trial_out)), "trainer"),
         per_device_train_batch_size=1, bf16=cuda, use_cpu=not cuda, optim="adamw_torch", learning_rate=1e-5,
         max_steps=args.steps, logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0,
-        disable_tqdm=True, seed=args.seed, deepspeed=ds_config(args, rec["path"]), **{checkpointing: True},
+        disable_tqdm=True, seed=args.seed, deepspeed=ds_config(args, rec["path"]), parallelism_config=parallelism,
+        **{checkpointing: True},
     )  # fmt: skip
     holder = {}
 
@@ -356,7 +415,7 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
         """Each step's wall time and GPU peak; at the last step's end, what holds the memory."""
 
         def on_step_begin(self, _args, st, _control, **kw):
-            if args.fail_from_length and rec["length"] >= args.fail_from_length:
+            if args.fail_from_length and rec["length"] >= args.fail_from_length and rec["rank"] == args.sp - 1:
                 raise torch.OutOfMemoryError(f"injected (--fail-from-length {args.fail_from_length})")
             if cuda:
                 torch.cuda.synchronize()
@@ -382,6 +441,12 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
             if logs and "loss" in logs:
                 rec["losses"].append(float(logs["loss"]))
 
+    def tokens(_model, pos, kw):  # what this rank's model is given: L/sp tokens under sequence parallelism
+        ids = kw.get("input_ids", pos[0] if pos else None)
+        if model.training and torch.is_tensor(ids):
+            rec["tokens"] = int(ids.shape[-1])
+
+    model.register_forward_pre_hook(tokens, with_kwargs=True)
     trainer = Trainer(model=model, args=training, train_dataset=OneRow(), callbacks=[Clock()])
     holder["trainer"] = trainer
     trainer.train()
@@ -408,16 +473,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def trial(args, length: int, path: str, workdir: str) -> dict:
-    """One trial in its own process (this script with --trial); its record."""
-    rec_path = os.path.join(workdir, f"record_{path}_{length}.json")
-    log_path = os.path.join(workdir, f"log_{path}_{length}.txt")
+# a rank's own values, listed per rank in a trial's record ("per_rank"); the record's own are rank 0's
+RANK_FIELDS = ("status", "reason", "exit_status", "device", "tokens", "step_s", "last_step_s", "losses",
+               "step_gpu_peak_allocated", "step_gpu_peak_reserved", "gpu_peak_allocated", "gpu_peak_reserved",
+               "gpu_peak_allocated_at_end", "host_peak_rss", "pinned_host", "holds")  # fmt: skip
+# which failing rank's status and reason a trial's record takes: a rank's own failure before its peers' echoes
+STATUS_ORDER = ("oom", "killed", "error", "timeout", "stopped")
+
+
+def trial(args, length: int, path: str, workdir: str, sp: int | None = None, shared: bool | None = None) -> dict:
+    """One trial: ``sp`` processes of this script (--trial), the ranks of one torch.distributed job, in one process
+    group (killed whole at ``--trial-timeout``, at the driver's SIGTERM, and ``RANK_GRACE_S`` after one rank
+    failed while others still run); its record: rank 0's, with every rank's ``RANK_FIELDS`` in ``per_rank`` and
+    status "ok" only if every rank's is."""
+    sp = args.sp if sp is None else sp
+    shared = args.shared_gpu if shared is None else shared
     port = os.environ.get("MASTER_PORT") or str(_free_port())
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               LOCAL_SIZE="1")  # fmt: skip
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(sp), LOCAL_SIZE=str(sp),
+               LOCAL_WORLD_SIZE=str(sp))  # fmt: skip
+    if sp > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // sp)))  # as torchrun: no oversubscription
     cmd = [sys.executable, os.path.abspath(__file__), "--trial", str(length), "--trial-path", path,
-           "--trial-out", rec_path, "--preset", args.preset, "--steps", str(args.steps), "--zero", str(args.zero),
-           "--seed", str(args.seed)]  # fmt: skip
+           "--preset", args.preset, "--steps", str(args.steps), "--zero", str(args.zero), "--seed", str(args.seed),
+           "--sp", str(sp)]  # fmt: skip
+    if shared:
+        cmd += ["--shared-gpu"]
     if args.tile_tokens is not None:
         cmd += ["--tile-tokens", str(args.tile_tokens)]
     if args.offload_gpu_budget_gib is not None:
@@ -426,16 +506,33 @@ def trial(args, length: int, path: str, workdir: str) -> dict:
         cmd += ["--fail-from-length", str(args.fail_from_length)]
     if args.parts_off:
         cmd += ["--parts-off", args.parts_off]
+    rec_paths = [os.path.join(workdir, f"record_{path}_{length}_rank{r}.json") for r in range(sp)]
+    log_paths = [os.path.join(workdir, f"log_{path}_{length}_rank{r}.txt") for r in range(sp)]
     t0 = time.monotonic()
-    timed_out = stopped = False
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.trial_timeout)
-        except (subprocess.TimeoutExpired, Stopped) as e:
-            timed_out, stopped = isinstance(e, subprocess.TimeoutExpired), isinstance(e, Stopped)
-            os.killpg(proc.pid, signal.SIGKILL)  # the trial's own process group (start_new_session)
-            rc = proc.wait()
+    procs: list[subprocess.Popen] = []
+    ended = None  # why the driver ended the ranks: "timeout", "stopped" (SIGTERM), "abandoned" (a peer failed)
+    spawn_error = None
+    try:
+        for r in range(sp):
+            # rank 0 leads a new process group (outside the driver's, as a new session would be); the others join it
+            join = os.setpgrp if r == 0 else (lambda group=procs[0].pid: os.setpgid(0, group))
+            rank_env = dict(env, RANK=str(r), LOCAL_RANK="0" if shared else str(r))
+            try:
+                with open(log_paths[r], "w") as log:
+                    procs.append(subprocess.Popen([*cmd, "--trial-out", rec_paths[r]], cwd=REPO, env=rank_env,
+                                                  stdout=log, stderr=subprocess.STDOUT, preexec_fn=join))  # fmt: skip
+            except (OSError, subprocess.SubprocessError) as e:  # rank 0 already gone, say
+                spawn_error = f"not started: {type(e).__name__}: {e}"
+                break
+        ended = "abandoned" if spawn_error else _wait_ranks(procs, t0 + args.trial_timeout)
+    except Stopped:
+        ended = "stopped"
+    finally:
+        if procs:
+            with contextlib.suppress(ProcessLookupError):  # what is left of the group (ranks, their children)
+                os.killpg(procs[0].pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
     wall = round(time.monotonic() - t0, 1)
     try:  # DeepSpeed's CPU backend leaves /dev/shm buffers named after the port
         from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
@@ -443,34 +540,91 @@ def trial(args, length: int, path: str, workdir: str) -> dict:
         remove_deepspeed_shm_buffers(int(port))
     except ImportError:
         pass
-    with open(log_path, errors="replace") as f:
-        out = f.read()
+    outs, ranks = [], []
+    for r in range(sp):
+        if r >= len(procs):
+            outs.append("")
+            ranks.append(dict(model=args.preset, path=path, length=length, steps=args.steps, zero=args.zero,
+                              status="error", reason=spawn_error, exit_status=None))  # fmt: skip
+            continue
+        with open(log_paths[r], errors="replace") as f:
+            outs.append(f.read())
+        ranks.append(_rank_record(args, path, length, rec_paths[r], outs[-1], procs[r].returncode, ended))
+    failing = [r for r in range(sp) if ranks[r]["status"] != "ok"]
+    # the driver's SIGTERM first (the driver stops after this trial), then a rank's own failure before its peers'
+    first = min(failing, default=0, key=lambda r: (ranks[r]["status"] != "stopped", bool(ranks[r].get("abandoned")),
+                                                   _status_rank(ranks[r]["status"]), r))  # fmt: skip
+    rec = dict(ranks[0])
+    rec.pop("rank", None)
+    rec.pop("abandoned", None)
+    rec.update(sp=sp, shared_gpu=rec.get("shared_gpu", shared), status=ranks[first]["status"])
+    if failing:
+        rec["reason"] = (f"rank {first} of {sp}: " if sp > 1 else "") + ranks[first].get("reason", "")
+        if "traceback" in ranks[first]:
+            rec["traceback"] = ranks[first]["traceback"]
+    rec["per_rank"] = {k: [one.get(k) for one in ranks] for k in RANK_FIELDS}
+    rec.update(exit_status=ranks[first]["exit_status"], wall_s=wall, git_commit=args.git_commit)
+    if failing:
+        outs = [out[-200_000:] for out in outs]
+        text = outs[0] if sp == 1 else "".join(f"===== rank {r} =====\n{out}\n" for r, out in enumerate(outs))
+        with open(f"{os.path.splitext(args.out)[0]}_{path}_{length}{f'_sp{sp}' if sp > 1 else ''}.log", "w") as f:
+            f.write(text)
+    return rec
+
+
+def _status_rank(status: str) -> int:
+    return STATUS_ORDER.index(status) if status in STATUS_ORDER else len(STATUS_ORDER)
+
+
+def _wait_ranks(procs: list, deadline: float) -> str | None:
+    """Until every rank has exited (None), the deadline passed ("timeout"), or ``RANK_GRACE_S`` passed since a rank
+    failed while others still run ("abandoned": they may wait in a collective that never completes)."""
+    failed_at = None
+    while True:
+        codes = [proc.poll() for proc in procs]
+        if all(c is not None for c in codes):
+            return None
+        now = time.monotonic()
+        if now >= deadline:
+            return "timeout"
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = now
+        if failed_at is not None and now - failed_at >= RANK_GRACE_S:
+            return "abandoned"
+        time.sleep(0.1)
+
+
+def _rank_record(args, path: str, length: int, rec_path: str, out: str, rc: int | None, ended: str | None) -> dict:
+    """One rank's record: the one it wrote, or one made from its output and exit status."""
     rec = None
     if os.path.exists(rec_path):
         with open(rec_path) as f:
             rec = json.load(f)
-    if rec is None:  # the process died before it could write: the reason is in its output
-        rec = dict(model=args.preset, path=path, length=length, steps=args.steps, zero=args.zero)
-        if stopped:
-            rec["status"] = "stopped"
-        elif timed_out:
-            rec["status"] = "timeout"
-        elif rc in (-9, 137):
-            rec["status"] = "killed"
-        else:
-            rec["status"] = "oom" if "out of memory" in out.lower() else "error"
-        lines = [ln for ln in out.splitlines() if "Error" in ln or "error:" in ln]
-        tail = out.strip().splitlines()
-        said = (lines[-1].strip() if lines else f"last output: {tail[-1].strip()}" if tail else "")[:2000]
-        why = f"killed at --trial-timeout {args.trial_timeout:g} s" if timed_out else f"exit status {rc}"
-        why = "killed: the driver got SIGTERM (its caller's time limit)" if stopped else why
-        rec["reason"] = why + (f": {said}" if said else ", no output")
-    elif timed_out or stopped:  # wrote its record, then hung: the record stands
-        rec["teardown"] = "killed after writing its record"
-    rec.update(exit_status=rc, wall_s=wall, git_commit=args.git_commit)
-    if rec["status"] != "ok":
-        with open(f"{os.path.splitext(args.out)[0]}_{path}_{length}.log", "w") as f:
-            f.write(out[-200_000:])
+    if rec is not None:
+        if ended and rc in (-9, None):  # wrote its record, then hung (teardown, a peer's end): the record stands
+            rec["teardown"] = "killed after writing its record"
+        rec["exit_status"] = rc
+        return rec
+    rec = dict(model=args.preset, path=path, length=length, steps=args.steps, zero=args.zero, exit_status=rc)
+    if ended == "stopped":
+        rec["status"] = "stopped"
+    elif ended == "timeout" and rc in (-9, None):
+        rec["status"] = "timeout"
+    elif ended == "abandoned" and rc in (-9, None):
+        rec["status"], rec["abandoned"] = "error", True
+    elif rc in (-9, 137):
+        rec["status"] = "killed"
+    else:
+        rec["status"] = "oom" if "out of memory" in out.lower() else "error"
+    lines = [ln for ln in out.splitlines() if "Error" in ln or "error:" in ln]
+    tail = out.strip().splitlines()
+    said = (lines[-1].strip() if lines else f"last output: {tail[-1].strip()}" if tail else "")[:2000]
+    why = {
+        "timeout": f"killed at --trial-timeout {args.trial_timeout:g} s",
+        "stopped": "killed: the driver got SIGTERM (its caller's time limit)",
+        "abandoned": f"killed {RANK_GRACE_S:g} s after another rank failed",
+    }.get(ended if rc in (-9, None) or ended == "stopped" else None, f"exit status {rc}")
+    rec["reason"] = why + (f": {said}" if said else ", no output")
     return rec
 
 
@@ -492,6 +646,7 @@ def environment(args) -> dict:
     if torch.cuda.is_available():
         header["gpu"] = torch.cuda.get_device_name(0)
         header["gpu_mem_gib"] = round(torch.cuda.get_device_properties(0).total_memory / GIB, 1)
+        header["gpu_count"] = torch.cuda.device_count()
     return header
 
 
@@ -500,18 +655,21 @@ def _gib(v) -> str:
 
 
 def _setting(r: dict) -> str:
+    sp = r.get("sp", 1)
+    group = f"sp {sp}" + (" on one GPU" if r.get("shared_gpu") else "") if sp > 1 else ""
     if r["path"] != "long_context":
-        return "transformers"
+        return f"transformers ({group})" if group else "transformers"
     lc = r.get("long_context") or {}
     parts = [f"tiles {lc['tile_tokens']:,}" if "tile_tokens" in lc else "default tiles"]
     if lc.get("offload_gpu_budget_gib") is not None:
         parts.append(f"offload, GPU budget {lc['offload_gpu_budget_gib']:g} GiB")
-    return "long_context (" + ", ".join(parts) + ")"
+    parts += [f"{k} off" for k, v in lc.items() if v is False]
+    return "long_context (" + ", ".join(parts + ([group] if group else [])) + ")"
 
 
 def markdown(payload: dict) -> str:
     h = payload["header"]
-    lines = [f"# transformers Trainer, one process ({h.get('gpu', 'CPU')}, {h['date']}, commit {h.get('git_commit')})",
+    lines = [f"# transformers Trainer ({h.get('gpu', 'CPU')}, {h['date']}, commit {h.get('git_commit')})",
              "", f"`{h['command']}`", "",
              "| model | path | L | status | last step s | tokens/s | GPU peak GiB | reserved GiB | host peak GiB | "
              "pinned host GiB | params GiB | grads GiB | optimizer GiB | checkpoints GPU GiB | transient GiB | notes |",
@@ -520,6 +678,9 @@ def markdown(payload: dict) -> str:
         holds = r.get("holds") or {}
         note = "" if r["status"] == "ok" else r.get("reason", "")
         note = note.replace("|", "/").replace("\n", " ")[:160]
+        peaks = (r.get("per_rank") or {}).get("gpu_peak_allocated") or []
+        if r["status"] == "ok" and len(peaks) > 1 and None not in peaks:
+            note = "GPU peak GiB by rank: " + ", ".join(_gib(p) for p in peaks)
         step = r.get("last_step_s")
         tps = r.get("tokens_per_s")
         gib = [_gib(r.get(k)) for k in ("gpu_peak_allocated", "gpu_peak_reserved", "host_peak_rss", "pinned_host")]
@@ -535,6 +696,15 @@ def markdown(payload: dict) -> str:
         else:
             lines += ["", f"At {c['length']:,} tokens: last step {c['long_context_last_step_s']:.2f} s long_context, "
                       f"{c['transformers_last_step_s']:.2f} s transformers: ratio {c['ratio']:.3f}."]  # fmt: skip
+    for c in payload.get("peak_checks", []):
+        head = f"Peak check: one process at {c['length']:,} tokens, {c['sp']} ranks on one GPU at {c['sp_length']:,}"
+        if c["max_ratio"] is None:
+            lines += ["", f"{head}: {c['note']}."]
+        else:
+            verdict = "within" if c["within_bound"] else "NOT within"
+            lines += ["", f"{head}: GPU peak {_gib(c['one_process_gpu_peak'])} GiB against "
+                      f"{', '.join(_gib(p) for p in c['rank_gpu_peaks'])} GiB by rank: ratios "
+                      f"{', '.join(f'{x:.3f}' for x in c['ratios'])}, {verdict} {c['bound']:g}x."]  # fmt: skip
     ok = [r for r in payload["records"] if r["status"] == "ok"]
     for model, setting in sorted({(r["model"], _setting(r)) for r in ok}):
         best = max((r for r in ok if r["model"] == model and _setting(r) == setting), key=lambda r: r["length"])
@@ -566,6 +736,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--offload-gpu-budget-gib", type=float, default=None,
                    help='"long_context.offload_gpu_budget_gib" (default: no offload)')  # fmt: skip
     p.add_argument("--parts-off", default="", help='long_context parts turned off, e.g. "fused_loss,tiled_mlp"')
+    p.add_argument("--sp", type=int, default=1, help="ranks sharing each row (DeepSpeed sequence parallelism through "
+                   "accelerate): one process each; lengths are the whole row's and must divide by it")  # fmt: skip
+    p.add_argument("--shared-gpu", action="store_true", help="every rank on cuda:0 with gloo (correctness runs on one "
+                   "GPU); else rank r on cuda:r with nccl")  # fmt: skip
+    p.add_argument("--peak-check", type=int, default=0, metavar="L", help="one process at L, then --sp ranks on one "
+                   f"GPU at sp*L: each rank's GPU peak over the one process's (bound {PEAK_BOUND}x)")  # fmt: skip
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage")
     p.add_argument("--seed", type=int, default=0)
@@ -574,7 +750,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--git-commit", default=None)
     p.add_argument("--out", help="JSON path (records are appended to an existing file)")
     p.add_argument("--fail-from-length", type=int, default=0,
-                   help="testing: trials this long or longer raise torch.OutOfMemoryError at step 1")  # fmt: skip
+                   help="testing: trials this long or longer raise torch.OutOfMemoryError at step 1, on the last "
+                   "rank only (its peers fail after it)")  # fmt: skip
     p.add_argument("--trial", type=int, default=0, help=argparse.SUPPRESS)  # this process is one trial of this length
     p.add_argument("--trial-path", choices=PATHS, default="transformers", help=argparse.SUPPRESS)
     p.add_argument("--trial-out", default=None, help=argparse.SUPPRESS)
@@ -588,13 +765,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--factor must be in (1, {MAX_FACTOR}], got {args.factor}")
     if args.search and args.max < args.search:
         p.error("--search needs --max >= START")
-    if args.round < 1 or args.steps < 1:
-        p.error("--round and --steps must be positive")
-    if not (args.lengths or args.search or args.compare_at):
-        p.error("nothing to run: give --lengths, --search or --compare-at")
+    if args.round < 1 or args.steps < 1 or args.sp < 1:
+        p.error("--round, --steps and --sp must be positive")
+    if not (args.lengths or args.search or args.compare_at or args.peak_check):
+        p.error("nothing to run: give --lengths, --search, --compare-at or --peak-check")
     long_keys = args.tile_tokens is not None or args.offload_gpu_budget_gib is not None
     if long_keys and not (args.long_context or args.compare_at):
         p.error("--tile-tokens and --offload-gpu-budget-gib are long-context settings: add --long-context")
+    if args.peak_check and args.sp < 2:
+        p.error("--peak-check compares --sp ranks with one process: give --sp 2 or more")
+    lengths = [("--lengths", int(x)) for x in args.lengths.split(",") if x.strip()]
+    lengths += [(flag, v) for flag, v in (("--compare-at", args.compare_at), ("--search", args.search)) if v]
+    if args.search:
+        lengths.append(("--round", args.round))  # every length of the search is a multiple of it
+    for flag, length in lengths:
+        if length % args.sp:
+            p.error(f"{flag} {length}: each of the --sp {args.sp} ranks holds an equal shard of the row: give lengths "
+                    f"that divide by {args.sp}")  # fmt: skip
+    if args.sp > 1 and (args.long_context or args.compare_at):
+        parts = set(filter(None, args.parts_off.split(",")))
+        if not parts:
+            args.parts_off = "tiled_layers"  # tiled layers run on a group of one only (long_context.py refuses them)
+        elif "tiled_layers" not in parts:
+            p.error(f"--parts-off {args.parts_off} at --sp {args.sp}: tiled layers run on one rank only; add "
+                    "tiled_layers to --parts-off (without --parts-off it is added)")  # fmt: skip
     return args
 
 
@@ -609,32 +803,41 @@ def main(argv=None):
     from ds_mamba_spcp.config import load_mamba_sp_config
 
     load_mamba_sp_config({SECTION: ds_config(args, "long_context")[SECTION]})  # a wrong key: refused before any trial
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and args.sp > gpus and not args.shared_gpu:
+        raise SystemExit(f"train_hf.py: --sp {args.sp} puts rank r on cuda:r but {gpus} GPU(s) are visible: add "
+                         "--shared-gpu (every rank on cuda:0) or lower --sp")  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     n = parameter_count(args.preset)
     progress(f"{args.preset}: {n:,} parameters ({n / 1e9:.2f}B)")
-    payload = dict(schema=SCHEMA, header=environment(args), parameters={args.preset: n}, records=[], comparisons=[])
+    payload = dict(schema=SCHEMA, header=environment(args), parameters={args.preset: n}, records=[], comparisons=[],
+                   peak_checks=[])  # fmt: skip
     if os.path.exists(args.out):
         with open(args.out) as f:
             old = json.load(f)
         payload["records"], payload["comparisons"] = old.get("records", []), old.get("comparisons", [])
+        payload["peak_checks"] = old.get("peak_checks", [])
         payload["parameters"] = {**old.get("parameters", {}), args.preset: n}
         payload["header"]["earlier_commands"] = old["header"].get("earlier_commands", []) + [old["header"]["command"]]
     start = time.monotonic()
 
-    def run(length: int, path: str) -> dict | None:
+    def run(length: int, path: str, sp: int | None = None, shared: bool | None = None) -> dict | None:
         if args.time_budget and time.monotonic() - start > args.time_budget:
             progress(f"time budget spent: {path} at {length:,} not run")
             return None
         with tempfile.TemporaryDirectory(prefix="train_hf_") as workdir:
-            rec = trial(args, length, path, workdir)
+            rec = trial(args, length, path, workdir, sp, shared)
         payload["records"].append(rec)
         write_results(args.out, payload)
         if rec["status"] == "stopped":
             progress(f"SIGTERM: {path} at {length:,} killed and recorded; no more trials")
             raise SystemExit(143)
         step, tps = rec.get("last_step_s"), rec.get("tokens_per_s")
+        group = f" sp={rec['sp']}{' on one GPU' if rec.get('shared_gpu') else ''}" if rec["sp"] > 1 else ""
         progress(
-            f"{args.preset} {path} L={length:,}: {rec['status']}"
+            f"{args.preset} {path} L={length:,}{group}: {rec['status']}"
             + (f", last step {step:.2f} s, {tps:,.0f} tokens/s" if step else "")
             + (f", GPU peak {_gib(rec.get('gpu_peak_allocated'))} GiB" if rec.get("gpu_peak_allocated") else "")
             + (f", host peak {_gib(rec['host_peak_rss'])} GiB" if rec.get("host_peak_rss") else "")
@@ -677,6 +880,40 @@ def _trials(args, payload: dict, run) -> None:
             rec = run(length, main_path)
             if rec is None or rec["status"] != "ok":
                 break
+    if args.peak_check:
+        one = run(args.peak_check, main_path, sp=1, shared=False)
+        group = run(args.peak_check * args.sp, main_path, sp=args.sp, shared=True) if one else None
+        if one and group:
+            payload["peak_checks"].append(peak_check(one, group))
+            write_results(args.out, payload)
+
+
+def peak_check(one: dict, group: dict) -> dict:
+    """One process at L against ``sp`` ranks on one GPU at sp*L (each rank holding L tokens): each rank's GPU peak
+    (``max_memory_allocated`` of its process over the steps) over the one process's, and the same of the transient
+    peaks (the peak less parameters, gradients, optimizer states and layer checkpoints: what grows with the
+    tokens; ZeRO splits the optimizer states over the ranks, so the whole peak's ratio favours the group)."""
+    out = dict(path=one["path"], length=one["length"], sp=group["sp"], sp_length=group["length"],
+               one_process_status=one["status"], sp_status=group["status"], bound=PEAK_BOUND,
+               one_process_gpu_peak=one.get("gpu_peak_allocated"), rank_gpu_peaks=None, ratios=None, max_ratio=None,
+               within_bound=None, one_process_transient=(one.get("holds") or {}).get("transient_peak"),
+               rank_transients=None, transient_ratios=None)  # fmt: skip
+    if one["status"] != "ok" or group["status"] != "ok":
+        out["note"] = f"one process {one['status']}, {group['sp']} ranks {group['status']}: no ratio"
+        return out
+    peaks = group["per_rank"]["gpu_peak_allocated"]
+    if out["one_process_gpu_peak"] is None or None in peaks:
+        out["note"] = "no GPU peaks (CPU): no ratio"
+        return out
+    out["rank_gpu_peaks"] = peaks
+    out["ratios"] = [p / out["one_process_gpu_peak"] for p in peaks]
+    out["max_ratio"] = max(out["ratios"])
+    out["within_bound"] = out["max_ratio"] <= PEAK_BOUND
+    transients = [(h or {}).get("transient_peak") for h in group["per_rank"]["holds"]]
+    out["rank_transients"] = transients
+    if out["one_process_transient"] and None not in transients:
+        out["transient_ratios"] = [t / out["one_process_transient"] for t in transients]
+    return out
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """benchmarks/train_hf.py without a GPU (the real trials are the lead's H200 runs): the tiny Bamba preset trained by
 the Trainer under DeepSpeed in one-process trials on gloo, both paths, at two lengths; the record's fields and what
 holds the memory; a failing trial (an OOM injected at its first step) recorded with its log and ending the search;
-records appended to an existing JSON; the search's lengths and its factor's bound."""
+records appended to an existing JSON; the search's lengths and its factor's bound. At --sp 2 (two gloo ranks
+sharing each row): both paths, every rank's values in the record and the losses of the one-process run; a failure
+on one rank, a trial past its timeout, the refusals and the peak check's ratios."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import time
 
 import pytest
 
@@ -94,3 +98,125 @@ def test_trials_on_cpu(tmp_path, monkeypatch):
     assert "| hf-bamba-tiny | long_context (tiles 32) | 96 | ok |" in text
     assert f"ratio {cmp['ratio']:.3f}" in text
     assert "Longest that trained, hf-bamba-tiny transformers: 96 tokens" in text
+
+
+def test_sp_trials_on_cpu(tmp_path, monkeypatch):
+    """--sp 2 on gloo: both paths at 64 tokens (32 on each rank), then --peak-check 64: one process at 64 (the loss
+    reference: the same row and seed) and two ranks at 128 with an OOM injected on rank 1; every rank's values in
+    the record, the status from the rank that failed first."""
+    bench = _train_hf()
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or
+                       os.path.join(REPO, ".cache", "torch_extensions"))  # fmt: skip
+    out = tmp_path / "hf.json"
+    bench.main(["--preset", "hf-bamba-tiny", "--out", str(out), "--sp", "2", "--compare-at", "64", "--long-context",
+                "--tile-tokens", "16", "--peak-check", "64", "--fail-from-length", "128"])  # fmt: skip
+    payload = json.loads(out.read_text())
+    got = [(r["path"], r["length"], r["sp"], r["status"]) for r in payload["records"]]
+    assert got == [
+        ("transformers", 64, 2, "ok"), ("long_context", 64, 2, "ok"), ("long_context", 64, 1, "ok"),
+        ("long_context", 128, 2, "oom"),
+    ], got  # fmt: skip
+    n = bench.parameter_count("hf-bamba-tiny")
+    hf, lc, ref, failed = payload["records"]
+    # at sp > 1 the long-context key gets "tiled_layers": false (tiled layers run on one rank only), the
+    # one-process reference of the peak check the same key
+    for r in (lc, ref):
+        assert r["long_context"] == {"tile_tokens": 16, "tiled_layers": False}, r["long_context"]
+        assert r["memory_report"]["installed"] and r["memory_report"]["layers_tiled"] == 0, r["memory_report"]
+        assert r["memory_report"]["mlps_tiled"] == 3, r["memory_report"]
+    for r in (hf, lc):
+        per = r["per_rank"]
+        assert set(per) == set(bench.RANK_FIELDS) and all(len(v) == 2 for v in per.values()), per
+        assert per["status"] == ["ok", "ok"] and per["exit_status"] == [0, 0] and per["device"] == ["cpu", "cpu"]
+        assert per["tokens"] == [32, 32], per["tokens"]  # each rank's model was given its half of the row
+        assert r["backend"] == "gloo" and not r["shared_gpu"]
+        for rank in range(2):
+            assert len(per["step_s"][rank]) == 2 and per["last_step_s"][rank] == per["step_s"][rank][-1] > 0, per
+            assert per["host_peak_rss"][rank] > 0 and per["gpu_peak_allocated"][rank] is None, per
+            # ZeRO-2 partitions the fp32 master weights and AdamW's moments over the two ranks (n is even, so
+            # without padding): half of the one process's 4n and 8n each
+            holds = per["holds"][rank]
+            assert holds["optimizer_master"] == 2 * n and holds["optimizer_moments"] == 4 * n, holds
+        # the table's values are rank 0's
+        assert r["step_s"] == per["step_s"][0] and r["host_peak_rss"] == per["host_peak_rss"][0]
+        assert r["tokens_per_s"] == pytest.approx(64 / r["last_step_s"])
+        # The Trainer's sequence-parallel loss is the group's token mean (the same value on both ranks) of the row
+        # one process trains on, so it is the one-process loss up to the order of fp32 sums (seen equal here);
+        # 1e-4 relative, while a rank's own mean is off by 5e-3 (5.630 and 5.557 against 5.599) and the second
+        # half run without the first (a lost state) by 1.6e-2. Step 2 follows one AdamW step at lr 1e-5 from the
+        # same gradient, reduced in another order: the same bound.
+        assert per["losses"][0] == per["losses"][1], per["losses"]
+        assert len(ref["losses"]) == 2 and all(abs(x - math.log(256)) < 0.1 for x in ref["losses"]), ref["losses"]
+        for step in range(2):
+            err = abs(per["losses"][0][step] - ref["losses"][step]) / ref["losses"][step]
+            assert err <= 1e-4, (r["path"], step, per["losses"], ref["losses"])
+    assert ref["sp"] == 1 and ref["per_rank"]["tokens"] == [64] and ref["tokens"] == 64
+
+    # rank 1 raised; rank 0 then lost its peer inside a collective: the record takes rank 1's status and reason
+    per = failed["per_rank"]
+    assert per["status"] == ["error", "oom"] and per["exit_status"] == [1, 1], per
+    assert failed["reason"].startswith("rank 1 of 2: ") and "injected" in failed["reason"], failed["reason"]
+    log = (tmp_path / "hf_long_context_128_sp2.log").read_text()
+    assert "===== rank 0 =====" in log and "===== rank 1 =====" in log and "injected" in log
+    (check,) = payload["peak_checks"]
+    assert check["sp"] == 2 and check["sp_length"] == 128 and check["ratios"] is None, check
+    assert check["note"] == "one process ok, 2 ranks oom: no ratio", check
+
+    text = (tmp_path / "hf.md").read_text()
+    assert "| hf-bamba-tiny | transformers (sp 2) | 64 | ok |" in text
+    assert "| hf-bamba-tiny | long_context (tiles 16, tiled_layers off, sp 2) | 64 | ok |" in text
+    assert "| hf-bamba-tiny | long_context (tiles 16, tiled_layers off, sp 2) | 128 | oom |" in text
+
+
+def test_sp_refusals_timeout_and_peak_ratios(tmp_path, monkeypatch, capsys):
+    """Lengths that do not divide by --sp and parts that keep tiled layers on at --sp 2 are refused before any trial;
+    a two-rank trial past --trial-timeout is killed whole (both ranks' records say so); the peak check's ratios."""
+    bench = _train_hf()
+    common = ["--preset", "hf-bamba-tiny", "--out", str(tmp_path / "x.json"), "--sp", "2"]
+    for extra, message in [
+        (["--lengths", "64,97"], "--lengths 97: each of the --sp 2 ranks"),
+        (["--search", "64", "--max", "200", "--round", "15"], "--round 15: each of the --sp 2 ranks"),
+        (["--lengths", "64", "--long-context", "--parts-off", "fused_loss"], "add tiled_layers to --parts-off"),
+    ]:
+        with pytest.raises(SystemExit):
+            bench.parse_args(common + extra)
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "hf-bamba-tiny", "--out", "x", "--peak-check", "64"])
+    assert "give --sp 2 or more" in capsys.readouterr().err
+    args = bench.parse_args(common + ["--lengths", "64", "--long-context"])
+    assert args.parts_off == "tiled_layers" and bench.long_context_key(args) == {"tiled_layers": False}
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    payload = bench.main(common + ["--lengths", "64", "--trial-timeout", "2"])
+    (r,) = payload["records"]
+    assert r["status"] == "timeout" and r["per_rank"]["status"] == ["timeout", "timeout"], r
+    assert r["per_rank"]["exit_status"] == [-9, -9] and "killed at --trial-timeout 2 s" in r["reason"], r
+
+    # a rank that failed while its peer waits (in a collective that never completes, say): the peer is given
+    # RANK_GRACE_S, then ended; its record says why
+    monkeypatch.setattr(bench, "RANK_GRACE_S", 0.5)
+    procs = [subprocess.Popen(["sleep", "60"]), subprocess.Popen(["false"])]
+    try:
+        assert bench._wait_ranks(procs, time.monotonic() + 30) == "abandoned"
+    finally:
+        procs[0].kill()
+    args = bench.parse_args(common + ["--lengths", "64"])
+    rec = bench._rank_record(args, "transformers", 64, str(tmp_path / "none.json"), "", -9, "abandoned")
+    assert rec["status"] == "error" and rec["abandoned"] and rec["reason"].startswith("killed 0.5 s after another")
+
+    gib = 2**30
+    one = dict(path="long_context", length=64, status="ok", gpu_peak_allocated=100 * gib, holds={"transient_peak": 50})
+    holds = [{"transient_peak": 52}, {"transient_peak": 60}]
+    peaks = [105 * gib, 112 * gib]
+    group = dict(sp=2, length=128, status="ok", per_rank={"gpu_peak_allocated": peaks, "holds": holds})
+    check = bench.peak_check(one, group)
+    assert check["ratios"] == [1.05, 1.12] and check["max_ratio"] == 1.12 and check["within_bound"] is False, check
+    assert check["transient_ratios"] == [1.04, 1.2], check
+    group["per_rank"]["gpu_peak_allocated"] = [105 * gib, 110 * gib]
+    check = bench.peak_check(one, group)
+    assert check["within_bound"] is True
+    text = bench.markdown(dict(header=dict(date="d", command="c", git_commit="abc"), records=[], peak_checks=[check]))
+    want = "at 128: GPU peak 100.0 GiB against 105.0, 110.0 GiB by rank: ratios 1.050, 1.100, within 1.1x."
+    assert want in text, text
