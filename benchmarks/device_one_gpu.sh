@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on one H200 per stage (each well under the 10-minute limit of a call):
+# One device call per stage on one H200 (hf_long with SP=N: on N H200s), each well under the 10-minute limit of a call:
 #   carry [".whl"] (../shared/device/stage.sh), then:
 #   bash benchmarks/device_one_gpu.sh COMMIT STAGE
 # STAGE:
@@ -15,7 +15,13 @@
 #                (transformers' and long-context) and the ratio of their last steps; LENGTHS=a,b or
 #                SEARCH="START FACTOR MAX": on the long-context path (LONG=0: transformers' path). BUDGET_GIB=
 #                long_context.offload_gpu_budget_gib, TILE= tile_tokens, STEPS= (2), NAME= of the JSON (hf_long),
-#                TRIAL_TIMEOUT= seconds per trial (530), STAGE_TIMEOUT= seconds in all (560)
+#                TRIAL_TIMEOUT= seconds per trial (530), STAGE_TIMEOUT= seconds in all (560), PARTS_OFF= parts.
+#                SP=N: N ranks share each row (lengths are the row's), rank r on cuda:r: the call's kind has N GPUs
+#                (nvidia-h200-x2, -x8; the JSON is NAME_h200xN); SHARED=1: every rank on the one GPU (gloo);
+#                PEAK_CHECK=L (with SP=N >= 2, one GPU): one process at L against N ranks sharing the GPU at N*L.
+#                  8 H200s:  SP=8 LENGTHS=8388608 STEPS=1 BUDGET_GIB=40 NAME=hf_sp8 ... COMMIT hf_long
+#                  2 H200s:  SP=2 LENGTHS=2097152 STEPS=1 BUDGET_GIB=16 NAME=hf_sp2 ... COMMIT hf_long
+#                  1 H200:   SP=2 PEAK_CHECK=65536 NAME=hf_peak ... COMMIT hf_long
 # Results land in $OUT (JSON + Markdown + logs); copy them into benchmarks/results/ with the commit named.
 set -u
 commit=${1:?commit} stage=${2:?stage}
@@ -60,8 +66,12 @@ offload)
         --offload-gpu-budget-gib 36 --trial-timeout 180 > "$out/o3.log" 2>&1
     grep -h "L=" "$out"/o[123].log | cut -c1-200 ;;
 hf_long)
+    gpus=1
+    [ "${SP:-1}" -gt 1 ] && [ "${SHARED:-0}" != 1 ] && [ -z "${PEAK_CHECK:-}" ] && gpus=$SP
     H=(--preset hf-bamba-2b --git-commit "$commit" --steps "${STEPS:-2}" --trial-timeout "${TRIAL_TIMEOUT:-530}"
-       --out "$out/${NAME:-hf_long}_h200x1.json")
+       --out "$out/${NAME:-hf_long}_h200x$gpus.json" --sp "${SP:-1}")
+    [ "${SHARED:-0}" = 1 ] && H+=(--shared-gpu)
+    [ -n "${PEAK_CHECK:-}" ] && H+=(--peak-check "$PEAK_CHECK")
     [ "${LONG:-1}" = 1 ] && H+=(--long-context)
     [ -n "${COMPARE_AT:-}" ] && H+=(--compare-at "$COMPARE_AT")
     [ -n "${LENGTHS:-}" ] && H+=(--lengths "$LENGTHS")
