@@ -28,6 +28,17 @@ from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def load_script(*path: str):
+    """A script of the repository (``load_script("benchmarks", "train_hf.py")``) imported as a module."""
+    import importlib.util
+
+    name = os.path.splitext(path[-1])[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, *path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # Rendezvous ports (MASTER_PORT). A port from bind(("", 0)) comes from the kernel's ephemeral range, the
 # range every outgoing connection's source port is drawn from too: between the moment it is chosen and
 # freed here and the moment the launched rank 0 binds it (tens of seconds of imports on a loaded machine),

@@ -4,17 +4,13 @@ cut the chunked scan at other places, ~1e-7; a lost carry is O(1), tests/test_pr
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-from tests.dist_utils import REPO
+from tests.dist_utils import load_script
 
 
 def test_bench_prefill_cpu_path(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_prefill", os.path.join(REPO, "benchmarks", "bench_prefill.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks", "bench_prefill.py")
     out = tmp_path / "prefill_cpu.json"
     modes = ",".join(bench.MODES + bench.EXTRA_MODES)
     bench.main(["--device", "cpu", "--presets", "tiny", "--lengths", "48", "--chunked-lengths", "96", "--tile", "20",

@@ -7,7 +7,6 @@ on one rank, a trial past its timeout, the refusals and the peak check's ratios.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,14 +15,11 @@ import time
 
 import pytest
 
-from tests.dist_utils import REPO, free_port
+from tests.dist_utils import REPO, free_port, load_script
 
 
 def _train_hf():
-    spec = importlib.util.spec_from_file_location("train_hf", os.path.join(REPO, "benchmarks", "train_hf.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks", "train_hf.py")
 
 
 def test_search_lengths_and_factor_bound(tmp_path, capsys):

@@ -5,19 +5,14 @@ runs)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 
-from tests.dist_utils import REPO
+from tests.dist_utils import load_script
 
 
 def _train_runs():
-    spec = importlib.util.spec_from_file_location("train_runs", os.path.join(REPO, "benchmarks", "train_runs.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks", "train_runs.py")
 
 
 def test_offload_flags_and_refusal_are_recorded(tmp_path, monkeypatch):
