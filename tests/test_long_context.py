@@ -274,7 +274,7 @@ def _trainer_runs(rank, world, tmp):
         for key, section in (("off", None), ("on", {"long_context": lc})):
             path = os.path.join(tmp, f"{fam}_{key}")
             calls.clear()
-            out[f"{fam}_{key}"] = acc._train(fam, stage, world, path, section=section, evaluate=key == "on")
+            out[f"{fam}_{key}"] = acc._train(fam, stage, world, path, section=section, evaluate=fam == "bamba")
             out[f"{fam}_{key}"]["calls"] = dict(calls)
     for key, section in (("off", None), ("on", {"long_context": {**LC, "tiled_layers": world == 1}})):
         model = hf_models.build("mamba2")
@@ -302,7 +302,8 @@ def trainer_runs(tmp_path_factory):
 def test_trainer_with_the_key_matches_without(trainer_runs, case):
     """Per-step loss and grad_norm, every parameter's update: the Trainer tests' bound (tests/test_accelerate.py,
     TOL 1e-4: the runs differ by the order of sums only; a lost state or a doubled gradient is off by 1e-2..1).
-    With the key the model leaves the Trainer's evaluation and generate as they were: the eval loss too."""
+    With the key the model leaves the Trainer's evaluation and generate as they were: Bamba's eval loss and greedy
+    tokens after training too."""
     acc = _acc()
     sp, fam = case.split(":")
     runs = trainer_runs[0] if sp == "1" else trainer_runs[1][0]
@@ -314,7 +315,7 @@ def test_trainer_with_the_key_matches_without(trainer_runs, case):
         assert off["calls"] == {}, off["calls"]
     errs = acc._errors(on, off)
     assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, errs
-    if "eval_loss" in off:
+    if fam == "bamba":  # evaluated (unsharded, whole rows) and generated from after training, both runs
         assert abs(on["eval_loss"] - off["eval_loss"]) / abs(off["eval_loss"]) < acc.TOL
         assert on["generated"] == off["generated"]
 
