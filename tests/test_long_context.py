@@ -114,6 +114,71 @@ def test_moe_blocks_through_tiled_mlp():
     assert err < TOL, f"{key} is {err:.2e} off"
 
 
+def _mlp_grads(mlp, f, x, dout) -> list:
+    xx = x.clone().requires_grad_()
+    mlp.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the forward under autocast, the backward outside it
+        y = f(xx)
+    y.backward(dout.to(y.dtype))
+    return [xx.grad] + [p.grad for p in mlp.parameters()]
+
+
+def test_tiled_mlp_recomputes_under_the_forwards_autocast():
+    """DeepSpeed's TiledMLP recomputes each tile in backward as it is called there, outside the loop's autocast:
+    the wrapper re-enters the forward's settings. Against the graph of the same tiles under autocast (one row, so
+    TiledMLP's forward and backward cut the same tiles): the input's gradient bitwise (seen without the fix: 5.5e-3
+    off); the weights' within bf16's rounding (2**-8: the graph sums the tiles' bf16 gradients of the one cast
+    weight in bf16, TiledMLP each tile's in fp32; seen 2.8e-3)."""
+    import math
+
+    from ds_mamba_spcp.integrations.transformers.long_context import _MLP
+
+    mlp = hf_models.build("bamba").model.layers[0].feed_forward
+    g = torch.Generator().manual_seed(0)
+    x, dout = torch.randn(1, SEQ, hf_models.HIDDEN, generator=g), torch.randn(1, SEQ, hf_models.HIDDEN, generator=g)
+    shards = math.ceil(SEQ / TILE)
+
+    def graph_of_tiles(t):
+        return torch.cat([type(mlp).forward(mlp, c) for c in torch.chunk(t, shards, dim=1)], dim=1)
+
+    got, want = _mlp_grads(mlp, _MLP(mlp, TILE), x, dout), _mlp_grads(mlp, graph_of_tiles, x, dout)
+    assert torch.equal(got[0], want[0]), float((got[0] - want[0]).norm() / want[0].norm())
+    for a, b in zip(got[1:], want[1:]):
+        assert float((a - b).norm() / b.norm()) < 2**-8
+
+
+def test_tiled_mlp_refuses_random_draws():
+    """TiledMLP replays no generator state, so an MLP with dropout would be recomputed with other masks: refused."""
+    from ds_mamba_spcp.integrations.transformers.long_context import _MLP
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).train()
+    with pytest.raises(NotImplementedError, match="tiled_mlp"):
+        _MLP(mlp, 2)(torch.randn(1, 6, 4, requires_grad=True))
+    mlp.eval()  # no draws: plain forward
+    _MLP(mlp, 2)(torch.randn(1, 6, 4, requires_grad=True))
+
+
+def test_tiled_layer_with_another_gradient_input_runs_whole(monkeypatch):
+    """A tiled layer differentiates its input, the carried state and its parameters only: called with another
+    tensor that requires grad it runs whole (torch's checkpoint follows every input), never dropping that
+    gradient silently."""
+    from ds_mamba_spcp.integrations.transformers import long_context
+
+    model = _prepared(hf_models.build("mamba2"))
+    layer = model.backbone.layers[0]
+    calls = []
+    for name in ("_tiled", "_checkpointed"):
+        original = getattr(long_context._Layer, name)
+        monkeypatch.setattr(
+            long_context._Layer, name, lambda self, *a, _o=original, _n=name: calls.append(_n) or _o(self, *a)
+        )
+    hidden = torch.randn(2, SEQ, hf_models.HIDDEN, requires_grad=True)
+    layer(hidden).sum().backward()
+    other = torch.randn(2, SEQ, hf_models.HIDDEN, requires_grad=True)
+    layer(hidden, other_input=other).sum().backward()
+    assert calls == ["_tiled", "_tiled", "_checkpointed"], calls
+
+
 def _drop_state(monkeypatch):
     from ds_mamba_spcp.integrations.transformers import long_context
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig
 from ds_mamba_spcp.memory import offload as offload_mod
+from ds_mamba_spcp.memory.recompute import autocast_state, rng_state
 from ds_mamba_spcp.memory.tiled_block import TiledFn, make_tiles, refuse_partitioned
 from ds_mamba_spcp.ops import get_backend
 
@@ -185,7 +186,9 @@ class _Layer:
 
     def _tiled(self, hidden, args, kwargs):
         adapter, state = self.adapter, self.state
-        if not adapter.sharding.routes_op():  # paused (sequence_parallel_disabled): the whole layer
+        # paused (sequence_parallel_disabled), or the layer reads another tensor with a gradient, which the tiles
+        # (differentiating their input, state and parameters only) would drop: the whole layer
+        if not adapter.sharding.routes_op() or _closed_over(args, kwargs):
             return self._checkpointed(hidden, args, kwargs)
         cfg = adapter.sharding.config
         params = self.params()
@@ -208,14 +211,18 @@ class _Layer:
         offloader = self.state.offloader
         # the offloading checkpoint differentiates its input only: a layer that also reads another tensor with a
         # gradient (Zamba2's hybrid layers read the embeddings) takes torch's checkpoint, which follows any
-        closed_over = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.requires_grad]
-        if offloader is not None and not closed_over:
+        if offloader is not None and not _closed_over(args, kwargs):
             out = offload_mod.OffloadedCheckpoint(offloader)(fn, hidden)
         else:
             from torch.utils.checkpoint import checkpoint
 
             out = checkpoint(fn, hidden, use_reentrant=False)
         return self.rebuild(out)
+
+
+def _closed_over(args: tuple, kwargs: dict) -> bool:
+    """Whether a layer call passes, beside its hidden states, a tensor that requires grad."""
+    return any(torch.is_tensor(t) and t.requires_grad for t in (*args, *kwargs.values()))
 
 
 class _MLP:
@@ -234,7 +241,21 @@ class _MLP:
 
         shards = min(math.ceil(tokens / self.tile_tokens), x.shape[1])
         params = [p for p in module.parameters() if p.requires_grad]
-        return TiledMLP.apply(self._per_token, module, x, shards, params)
+        # TiledMLP recomputes each tile in backward as it is called there (outside the loop's autocast, as a rule):
+        # the tiles run under the forward's autocast settings, as torch.utils.checkpoint's recompute does
+        autocast, drawn = autocast_state(x.device), rng_state(x.device)
+
+        def per_tile(m, tile):
+            with autocast.context():
+                return self._per_token(m, tile)
+
+        out = TiledMLP.apply(per_tile, module, x, shards, params)
+        if not drawn.same_as(rng_state(x.device)):  # TiledMLP replays no generator state: the recompute would differ
+            raise NotImplementedError(
+                f"{type(module).__qualname__} draws random numbers (dropout) in training, which DeepSpeed's TiledMLP "
+                f'does not replay in its recompute; set "{KEY}": {{"tiled_mlp": false}}, or the dropout to 0.'
+            )
+        return out
 
     def _per_token(self, module, x):
         # TiledMLP's forward hands (batch, tile, hidden) slices of the rows (not contiguous for batch > 1: Nemotron-H's
