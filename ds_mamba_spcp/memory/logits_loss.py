@@ -29,14 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from ds_mamba_spcp.memory.recompute import autocast_state
+from ds_mamba_spcp.memory.tiled_block import tile_spans
 
 __all__ = ["tiled_causal_lm_loss"]
 
 
-def _spans(ntokens: int, tile_tokens: int) -> list:
-    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
-        raise ValueError(f"tile_tokens must be a positive int (tokens per tile of the loss), got {tile_tokens!r}")
-    return [(s, min(s + tile_tokens, ntokens)) for s in range(0, ntokens, tile_tokens)] or [(0, 0)]
+def _spans(ntokens: int, tile_tokens: int) -> tuple:
+    return tile_spans(ntokens, tile_tokens, "long_context.loss_tile_tokens") or ((0, 0),)  # no token: one empty tile
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
