@@ -107,6 +107,15 @@ def fixed_collate(rows):
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(24).expand_as(ids).clone()}
 
 
+def prefix_collate(rows):
+    """``crop_collate`` with labels -100 on a prefix of each row, 2..13 tokens long by the row's first token: the
+    micro-batches of one optimizer step score different numbers of tokens (``test_gradient_accumulation``)."""
+    batch = crop_collate(rows)
+    for row in batch["labels"]:
+        row[: 2 + int(row[0]) % 12] = -100
+    return batch
+
+
 def odd_collate(rows):
     batch = crop_collate(rows)
     return {k: v[:, :-1] for k, v in batch.items()}
@@ -381,10 +390,11 @@ def _train_twice(sp: int, out: str) -> dict:
     return {"runs": runs, "hooks": hooks}
 
 
-def _sft_padded(sp: int, out: str) -> dict:
+def _sft_padded(sp: int, out: str, stage: int = 2, **kw) -> dict:
     """TRL's SFTTrainer with packing=False, one document of odd length per row (Bamba, sdpa attention). Under
     sequence parallelism pad_to_multiple_of=2 pads each row with one token (position 0, label -100, attention_mask
-    0); the one-process reference runs the rows unpadded."""
+    0); the one-process reference runs the rows unpadded. Besides the Trainer's logs, what TRL logs: its token
+    count ``num_tokens`` (the attention_mask's sum), ``entropy`` and ``mean_token_accuracy``."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -394,14 +404,16 @@ def _sft_padded(sp: int, out: str) -> dict:
     model = hf_models.build("bamba")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = training_args(
-        out, 2, sp, cls=SFTConfig, per_device_train_batch_size=1, packing=False, max_length=32,
-        pad_to_multiple_of=SP if sp > 1 else None, max_steps=3,
+        out, stage, sp, cls=SFTConfig, per_device_train_batch_size=1, packing=False, max_length=32,
+        pad_to_multiple_of=SP if sp > 1 else None, max_steps=3, **kw,
     )  # fmt: skip
     data = Dataset.from_dict({"input_ids": docs})
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer())
     trainer.train()
-    logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
-    return {"logs": logs, "update": _updates(before, _params(trainer))}
+    history = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    trl_logs = {key: [h[key] for h in history] for key in ("num_tokens", "entropy", "mean_token_accuracy")}
+    return {"logs": [(h["loss"], h["grad_norm"]) for h in history], "update": _updates(before, _params(trainer)),
+            **trl_logs}  # fmt: skip
 
 
 def _llama():

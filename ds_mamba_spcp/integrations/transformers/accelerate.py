@@ -89,6 +89,7 @@ def enable() -> None:
         (ulysses_sp, "UlyssesSPDataLoaderAdapter", _adapter_class(ulysses_sp.UlyssesSPDataLoaderAdapter)),
         (trainer_mod, "deepspeed_sp_compute_loss", _compute_loss),
         (trainer_mod, "skip_first_batches", _skip_first_batches),
+        (trainer_mod.Trainer, "get_batch_samples", _get_batch_samples),
         (trainer_mod.Trainer, "_set_signature_columns_if_needed", _set_signature_columns),
     ]
     missing = [f"{getattr(o, '__name__', o)}.{a}" for o, a, _ in targets if a not in vars(o)]
@@ -198,6 +199,15 @@ class _Covered:
         self.cfg, self.mpu, self.seq_length = cfg, mpu, seq_length
         self.pauses: list = []  # one entry per model call in flight: its sequence_parallel_disabled block, or None
         self.grad_scale: float | None = None  # grad_scale_for_engine, read at the first loss
+        self.window: _Window | None = None  # the Trainer's accumulation window in progress (_get_batch_samples)
+
+
+class _Window:
+    """One optimizer step's micro-batches as the Trainer fetched them (``get_batch_samples``): the scored tokens
+    of their whole rows, and the factor that undoes the Trainer's division of each loss by their number."""
+
+    def __init__(self, scored: torch.Tensor, micro_batches: int, factor: float) -> None:
+        self.scored, self.remaining, self.factor = scored, micro_batches, factor
 
 
 def _covered_state(model: nn.Module) -> _Covered | None:
@@ -334,12 +344,36 @@ def _before_call(model: nn.Module, args: tuple, kwargs: dict):
             f"accelerate's DeepSpeedSequenceParallelConfig fixes sp_seq_length={state.seq_length} "
             "(sp_seq_length_is_variable=False); set sp_seq_length_is_variable=True, or give every row that length."
         )
+    changed = {}
+    if _mask_after_scored(kwargs.get("attention_mask"), kwargs.get("shift_labels"), group, sp):
+        changed["attention_mask"] = None  # what the call gets without a mask
     position_ids = kwargs.get("position_ids")
     if kwargs.get("seq_idx") is None and torch.is_tensor(position_ids) and position_ids.dim() == 2:
         seq_idx = packed_seq_idx(position_ids, group, sp)
         if seq_idx is not None:
-            return args, {**kwargs, "seq_idx": seq_idx}
-    return None
+            changed["seq_idx"] = seq_idx
+    return (args, {**kwargs, **changed}) if changed else None
+
+
+def _mask_after_scored(mask, shift_labels, group, sp: int) -> bool:
+    """Whether every zero of a training call's ``attention_mask`` shard lies, in its whole row, after the row's last
+    scored position (right padding): then the call drops the mask, exactly (causal: no scored output reads those
+    tokens), where the mixers refuse zeros. The adapter leaves the mask in the micro-batch, so that the Trainer and
+    TRL count its tokens (TRL's ``num_tokens``: ``attention_mask.sum()``, else ``position_ids.size(1)``). One
+    all-reduce of two numbers per row; every rank of the group has the same keys and shapes, so all take it alike."""
+    if not (torch.is_tensor(mask) and torch.is_tensor(shift_labels) and mask.dim() == 2):
+        return False
+    if mask.shape != shift_labels.shape:
+        return False
+    import deepspeed.comm as dist
+
+    length = mask.shape[1]
+    index = torch.arange(length, device=mask.device) + dist.get_rank(group=group) * length  # contiguous shards
+    first_zero = torch.where(mask == 0, index, sp * length).amin(dim=1)
+    last_scored = torch.where(shift_labels.to(mask.device) != IGNORE_INDEX, index, -1).amax(dim=1)
+    both = torch.stack([-first_zero, last_scored])  # (2, rows): one MAX reduces both
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return bool((-both[0] > both[1]).all())
 
 
 def _after_call(model: nn.Module, args, output):
@@ -418,8 +452,45 @@ def _set_signature_columns(trainer) -> None:
         columns.append("position_ids")
 
 
+def _get_batch_samples(trainer, epoch_iterator, num_batches, device):
+    """The Trainer's fetch of one optimizer step's micro-batches. For a model this package shards, under DeepSpeed's
+    sequence parallelism, it also counts their scored tokens over the whole rows (``_Window``): the Trainer sets
+    ``model_accepts_loss_kwargs`` off under sequence parallelism, so it counts none (``num_items_in_batch`` None) and
+    would average the micro-batches alike, while one process divides every micro-batch's token sum by the tokens of
+    the whole step (transformers' ``num_items_in_batch``)."""
+    batch_samples, num_items = _original("get_batch_samples")(trainer, epoch_iterator, num_batches, device)
+    model = getattr(trainer, "model", None)
+    state = _covered_state(model) if isinstance(model, nn.Module) else None
+    if state is None:
+        return batch_samples, num_items
+    state.window = None
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    sp_on = pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled and pc.sp_size > 1
+    if not sp_on or not batch_samples or not all("shift_labels" in b for b in batch_samples):
+        return batch_samples, num_items  # _compute_loss raises for a batch without shift_labels
+    import deepspeed.comm as dist
+
+    scored = sum((b["shift_labels"] != IGNORE_INDEX).sum() for b in batch_samples).to(device, torch.float32)
+    sp = state.mpu.get_sequence_parallel_world_size()
+    dp = dist.get_world_size() // sp
+    if trainer.args.average_tokens_across_devices and dp > 1:
+        # transformers' average over devices: the tokens of every replica; DeepSpeed then averages the replicas'
+        # gradients (a division by dp that the factor undoes)
+        dist.all_reduce(scored)
+    else:
+        dist.all_reduce(scored, group=state.mpu.get_sequence_parallel_group())
+        dp = 1
+    # training_step divides each micro-batch's loss by their number unless it counts the loss as scaled already
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = (trainer.model_accepts_loss_kwargs and num_items is not None) or trainer.compute_loss_func is not None
+    state.window = _Window(scored, len(batch_samples), float(dp * (1 if scaled else len(batch_samples))))
+    return batch_samples, num_items
+
+
 def _compute_loss(accelerator, model, inputs, return_outputs, pc):
-    """transformers' ``deepspeed_sp_compute_loss`` with the gradient scaled for the ZeRO stage (module docstring)."""
+    """transformers' ``deepspeed_sp_compute_loss`` with the gradient scaled for the ZeRO stage (module docstring),
+    the token sum divided by the scored tokens of the whole optimizer step (``_get_batch_samples``)."""
     state = _covered_state(model)
     if state is None:
         return _original("deepspeed_sp_compute_loss")(accelerator, model, inputs, return_outputs, pc)
@@ -443,10 +514,16 @@ def _compute_loss(accelerator, model, inputs, return_outputs, pc):
     import deepspeed.comm as dist
 
     dist.all_reduce(counts, group=group)
-    total, ntokens = counts[0], counts[1].clamp_min(1)
-    share = token_sum * (state.grad_scale / ntokens)
-    # the value is the group's mean (what is logged, the same on every rank); the gradient is this rank's share
-    loss = share + (total / ntokens - share).detach()
+    total, ntokens, factor = counts[0], counts[1], 1.0
+    window = state.window
+    if window is not None and window.remaining > 0:  # a micro-batch of the step the Trainer fetched last
+        window.remaining -= 1
+        ntokens, factor = window.scored.to(counts.device), window.factor
+    ntokens = ntokens.clamp_min(1)
+    share = token_sum * (state.grad_scale * factor / ntokens)
+    # the value is the group's share of the step's mean, times the factor the Trainer divides by (the same on every
+    # rank); the gradient is this rank's share
+    loss = share + (total * factor / ntokens - share).detach()
     return (loss, outputs) if return_outputs else loss
 
 
@@ -548,9 +625,10 @@ def _adapter_class(base: type) -> type:
 def _padding_as_tail(batch: dict) -> None:
     """In place, on one batch of whole rows (labels not yet shifted): a row's trailing tokens that no loss sees are
     not a document. From the first position restart inside the trailing run of labels -100 to the row's end,
-    positions continue those before it, and an ``attention_mask`` whose zeros all lie in that run is dropped.
-    Exact: those tokens come after every scored one, so nothing flows from them to a scored token. A restart
-    before the run stays a document."""
+    positions continue those before it. Exact: those tokens come after every scored one, so nothing flows from
+    them to a scored token. A restart before the run stays a document. The ``attention_mask`` stays (the Trainer's
+    and TRL's token counts read it); the model's call drops it when its zeros are such padding
+    (``_mask_after_scored``)."""
     labels, positions = batch["labels"], batch.get("position_ids")
     if not (torch.is_tensor(labels) and torch.is_tensor(positions) and labels.dim() == 2 and positions.dim() == 2):
         return
@@ -558,9 +636,6 @@ def _padding_as_tail(batch: dict) -> None:
     index = torch.arange(length, device=labels.device)
     # the trailing run of labels -100 begins after the last scored label (at `length` where the last one is scored)
     tail = index >= torch.where(labels != IGNORE_INDEX, index, -1).amax(dim=1, keepdim=True) + 1
-    mask = batch.get("attention_mask")
-    if torch.is_tensor(mask) and mask.shape == labels.shape and not bool(((mask == 0) & ~tail).any()):
-        del batch["attention_mask"]
     first = torch.where((positions == 0) & tail & (index > 0), index, length).amin(dim=1, keepdim=True)  # (rows, 1)
     if bool((first < length).any()):
         before = positions.gather(1, (first - 1).clamp(0, length - 1))  # the position before the restart
