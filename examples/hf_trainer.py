@@ -5,6 +5,7 @@
     deepspeed --num_gpus 2 examples/hf_trainer.py                      # the same through DeepSpeed's launcher
     python examples/hf_trainer.py                                      # one process: the reference
     python examples/hf_trainer.py --long-context --tile-tokens 16      # long context (docs/huggingface.md)
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --model llama   # a Llama: accelerate's own path (below)
 
 The script is what a Trainer user already writes; the only addition is ``mamba_sp.enable()`` before the
 Trainer is built. Launched on N ranks it asks accelerate for DeepSpeed's sequence parallelism over all of them
@@ -18,6 +19,11 @@ steps: nothing is downloaded. On CPU (no CUDA) the ranks run on gloo.
 ``--long-context`` adds the section's ``"long_context"`` key (tiled layers, tiled MLPs, the fused loss; with
 ``--offload-gpu-budget-gib`` the layer checkpoints past that budget go to host memory): the same losses, memory per
 token flat in the length. Tiled layers run on a group of one: on N ranks add ``--parts-off tiled_layers``.
+
+``--model llama`` trains a tiny ``LlamaForCausalLM`` instead, a model without Mamba2 mixers, which ``enable()``
+leaves to accelerate, DeepSpeed and transformers as they are (rows of ``--seq-len`` tokens: DeepSpeed's own
+data-loader adapter gathers rows of one length only on gloo): what a user of other models gets
+(docs/huggingface.md, "Other models"). ``--grad-accum`` sets ``gradient_accumulation_steps``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=64, help="longest row (rows are 3/4 to all of it, even lengths)")
     p.add_argument("--pattern", default="M*-M-", help="layers: M Mamba2, * attention, - MLP")
+    p.add_argument("--model", choices=("nemotron_h", "llama"), default="nemotron_h")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--long-context", action="store_true", help='the section\'s "long_context" key')
@@ -53,7 +61,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_model(args):
-    from transformers import NemotronHConfig, NemotronHForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+    if args.model == "llama":
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, tie_word_embeddings=False, initializer_range=0.1, use_cache=False,
+        )  # fmt: skip
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(args.seed)
+        return LlamaForCausalLM(config)
 
     config = NemotronHConfig(
         vocab_size=64, hidden_size=32, layers_block_type=[LAYER_KINDS[c] for c in args.pattern],
@@ -81,7 +98,7 @@ def collate(rows, longest: int, multiple: int = 8):
     """Rows cropped to one length per batch (a multiple of 8 from 3/4 of ``longest`` up, picked from the batch's
     tokens), with labels and position_ids (DeepSpeed's adapter cuts every row by them)."""
     ids = torch.stack([r["input_ids"] for r in rows])
-    shortest = (3 * longest // 4) // multiple
+    shortest = max(1, (3 * longest // 4) // multiple)
     length = multiple * (shortest + int(ids[0, :4].sum()) % (longest // multiple - shortest + 1))
     ids = ids[:, :length]
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(length).expand_as(ids).clone()}
@@ -130,9 +147,16 @@ def main(argv=None) -> list[dict]:
     training = TrainingArguments(
         output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf_trainer_"), deepspeed=ds_config(args),
         parallelism_config=parallelism, per_device_train_batch_size=2, max_steps=args.steps, learning_rate=args.lr,
+        gradient_accumulation_steps=args.grad_accum,
         optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no",
         report_to=[], seed=args.seed, use_cpu=not cuda, bf16=False, dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
+    if args.model == "llama" and world > 1 and not cuda:
+        # on CPU accelerate starts torch.distributed but not deepspeed.comm, whose sequence-parallel group DeepSpeed's
+        # own path asserts (enable() does the same for the models it shards)
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
     records: list[dict] = []
 
     class Log(TrainerCallback):
@@ -141,8 +165,10 @@ def main(argv=None) -> list[dict]:
                 records.append({"step": state.global_step, "loss": logs["loss"], "grad_norm": float(logs["grad_norm"])})
 
     rows = TokenRows(8 * args.steps, args.seq_len, args.seed)
+    longest = args.seq_len
+    multiple = args.seq_len if args.model == "llama" else 8  # a Llama's rows: all of --seq-len (docstring)
     trainer = Trainer(
-        model=model, args=training, train_dataset=rows, data_collator=lambda b: collate(b, args.seq_len),
+        model=model, args=training, train_dataset=rows, data_collator=lambda b: collate(b, longest, multiple),
         callbacks=[Log()],
     )  # fmt: skip
     trainer.train()
