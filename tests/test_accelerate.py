@@ -71,6 +71,9 @@ CASES = {
     "zamba2": 2,
 }
 RESUME = "zamba2"  # trained again from its step-3 checkpoint
+# gradient accumulation (test_gradient_accumulation): 2 micro-batches a step, 2 steps; the plain Trainer at ZeRO-2
+# on prefix_collate's rows, TRL's SFTTrainer at ZeRO-3 on _sft_padded's rows (one document of 7..13 tokens each)
+ACCUMULATION = dict(gradient_accumulation_steps=2, max_steps=2)
 SFT_DOCS = [11, 9, 7, 5]  # document lengths of each packed row (32 tokens): the 11-9 pair crosses the border at 16
 
 
@@ -405,7 +408,7 @@ def _sft_padded(sp: int, out: str, stage: int = 2, **kw) -> dict:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = training_args(
         out, stage, sp, cls=SFTConfig, per_device_train_batch_size=1, packing=False, max_length=32,
-        pad_to_multiple_of=SP if sp > 1 else None, max_steps=3, **kw,
+        pad_to_multiple_of=SP if sp > 1 else None, **{"max_steps": 3, **kw},
     )  # fmt: skip
     data = Dataset.from_dict({"input_ids": docs})
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer())
@@ -414,6 +417,16 @@ def _sft_padded(sp: int, out: str, stage: int = 2, **kw) -> dict:
     trl_logs = {key: [h[key] for h in history] for key in ("num_tokens", "entropy", "mean_token_accuracy")}
     return {"logs": [(h["loss"], h["grad_norm"]) for h in history], "update": _updates(before, _params(trainer)),
             **trl_logs}  # fmt: skip
+
+
+def _accumulation(sp: int, tmp: str) -> dict:
+    """The two gradient-accumulation runs (``ACCUMULATION``), each recorded or its error, and their seconds."""
+    t0 = time.perf_counter()
+    trainer = _attempt(
+        _train, "bamba", 2, sp, os.path.join(tmp, f"accumulation{sp}"), prefix_collate, evaluate=False, **ACCUMULATION
+    )  # fmt: skip
+    sft = _attempt(_sft_padded, sp, os.path.join(tmp, f"sft_accumulation{sp}"), 3, **ACCUMULATION)
+    return {"trainer": trainer, "sft": sft, "seconds": time.perf_counter() - t0}
 
 
 def _llama():
@@ -482,6 +495,7 @@ def _references(rank, world, tmp):
     out["packed_columns"] = _train_packed_columns(1, os.path.join(tmp, "ref_columns"))
     out["twice"] = _train_twice(1, os.path.join(tmp, "ref_twice"))
     out["padded"] = _sft_padded(1, os.path.join(tmp, "ref_padded"))
+    out["accumulation"] = _accumulation(1, tmp)
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -508,6 +522,7 @@ def _sequence_parallel(rank, world, tmp):
     out["packed_columns"] = _attempt(_train_packed_columns, SP, os.path.join(tmp, "sp_columns"))
     out["twice"] = _attempt(_train_twice, SP, os.path.join(tmp, "sp_twice"))
     out["padded"] = _attempt(_sft_padded, SP, os.path.join(tmp, "sp_padded"))
+    out["accumulation"] = _accumulation(SP, tmp)
 
     errors = {}
     errors["zigzag"] = _error(
@@ -670,6 +685,37 @@ def test_right_padding_is_not_a_document(runs):
         err = _errors(run["padded"], ref["padded"])
         print(f"right-padded rows: {err}")
         assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
+        _assert_trl_logs(run["padded"], ref["padded"])
+
+
+def _assert_trl_logs(run: dict, ref: dict) -> None:
+    """What TRL logs besides the loss: ``num_tokens`` (a count: exact; on b97e3d3 the adapter dropped the
+    attention_mask, so TRL counted each shard's position_ids.size(1), padding included: 12, 22, 30 against 11, 20,
+    27), ``entropy`` and ``mean_token_accuracy`` (ratios of sums over the whole rows: the module's bound)."""
+    assert run["num_tokens"] == ref["num_tokens"], (run["num_tokens"], ref["num_tokens"])
+    for key in ("entropy", "mean_token_accuracy"):
+        for a, b in zip(run[key], ref[key], strict=True):
+            assert abs(a - b) <= TOL * max(abs(b), 1e-3), (key, run[key], ref[key])
+
+
+def test_gradient_accumulation(runs):
+    """Gradient accumulation 2 (``ACCUMULATION``) on micro-batches that score different numbers of tokens: the plain
+    Trainer at ZeRO-2 (labels -100 on a prefix of each row, ``prefix_collate``) and TRL's SFTTrainer at ZeRO-3
+    (right-padded rows of different lengths). One process divides each micro-batch's token sum by the scored tokens
+    of the whole step (transformers' ``num_items_in_batch``); under sequence parallelism the Trainer counts none and
+    averaged the micro-batches alike. On b97e3d3: the Trainer's grad_norm 12% off at step 1, the updates 32% (3
+    steps); TRL's updates 31%, its num_tokens 22, 42 against 20, 38."""
+    ref, sp = runs
+    print(f"gradient accumulation runs: {ref['accumulation']['seconds']:.0f} s in one process, "
+          f"{sp[0]['accumulation']['seconds']:.0f} s on the ranks")  # fmt: skip
+    for run in sp:
+        for case in ("trainer", "sft"):
+            mine, theirs = run["accumulation"][case], ref["accumulation"][case]
+            assert "error" not in mine, mine["error"]
+            err = _errors(mine, theirs)
+            print(f"gradient accumulation 2, {case}: {err}")
+            assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
+        _assert_trl_logs(run["accumulation"]["sft"], ref["accumulation"]["sft"])
 
 
 def test_adapter_unchanged_without_the_mixers(runs):

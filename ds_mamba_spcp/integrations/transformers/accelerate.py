@@ -10,7 +10,7 @@ Mamba2 families and trains Falcon-H1 wrong. A script adds one call before it bui
                       parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)), ...)
     trainer.train()
 
-``enable()`` replaces six hooks of accelerate and the Trainer; for a model without transformers' Mamba2 mixers
+``enable()`` replaces seven hooks of accelerate and the Trainer; for a model without transformers' Mamba2 mixers
 (or with ``"enabled": false``) each does what it did before::
 
     accelerate  Accelerator._prepare_deepspeed
@@ -21,11 +21,14 @@ Mamba2 families and trains Falcon-H1 wrong. A script adds one call before it bui
             lengths on any backend, checked on every rank (``_adapter_class``); DeepSpeed's own for any other model
     transformers  Trainer
       deepspeed_sp_compute_loss  ──> the same global mean, its gradient scaled for the ZeRO stage
+      Trainer.get_batch_samples (one optimizer step's micro-batches)  ──> the same, and their scored tokens
+            counted over whole rows: each micro-batch's token sum divided by them, as one process does
       skip_first_batches (resume mid-epoch)  ──> the adapter skips its own micro-batches
       Trainer._set_signature_columns_if_needed  ──> keeps the dataset's position_ids column
 
-The prepared model gets two more forward hooks: calls in ``eval()`` mode run unsharded, and a training call
-whose ``position_ids`` restart inside a row gets the matching ``seq_idx`` (``packed_seq_idx``). The loss gives
+The prepared model gets two more forward hooks: calls in ``eval()`` mode run unsharded, a training call
+whose ``position_ids`` restart inside a row gets the matching ``seq_idx`` (``packed_seq_idx``), and one whose
+``attention_mask`` zeros are right padding gets no mask (``_mask_after_scored``). The loss gives
 each rank ``grad_scale_for_engine(engine) x`` its share (1 at ZeRO 0-2, ``sp`` at ZeRO-3), so that the reduced
 gradient is the one-process one at every stage. The ds_config's ``"mamba_sequence_parallel"`` section decides the
 mode; absent or without ``"enabled"``, it means ``"enabled": true`` here. Errors are raised on every rank alike,
