@@ -19,6 +19,15 @@
 #                SP=N: N ranks share each row (lengths are the row's), rank r on cuda:r: the call's kind has N GPUs
 #                (nvidia-h200-x2, -x8; the JSON is NAME_h200xN); SHARED=1: every rank on the one GPU (gloo);
 #                PEAK_CHECK=L (with SP=N >= 2, one GPU): one process at L against N ranks sharing the GPU at N*L.
+#                TRAINER=sft: TRL's SFTTrainer (packed rows, DOCS= documents a row; COMPARE_AT=L then sets TRL without
+#                the key beside it), GA= gradient accumulation steps (1), PADDED=1: batches of two right-padded rows
+#                (L and 3L/4). TRL needs trl, datasets, dill and multiprocess (in .whl/extra, carried with .whl) and
+#                accelerate, tokenizers, pyarrow (>= 24), pandas, xxhash, fsspec, jinja2 on the machine: the stage
+#                names any that is missing before it starts (carry its wheel in .whl/extra). With the key's tiled
+#                layers on, padded rows are refused by name (a tile cannot honour a padding mask): PARTS_OFF=tiled_layers.
+#                  1 H200:   TRAINER=sft GA=2 STEPS=3 COMPARE_AT=65536 NAME=hf_sft ... COMMIT hf_long
+#                  1 H200:   TRAINER=sft GA=2 STEPS=3 SEARCH="131072 1.5 1600000" BUDGET_GIB=16 NAME=hf_sft_long ...
+#                  1 H200:   TRAINER=sft GA=2 PADDED=1 STEPS=3 LENGTHS=65536 NAME=hf_sft_padded ... COMMIT hf_long
 #                  8 H200s:  SP=8 LENGTHS=8388608 STEPS=1 BUDGET_GIB=40 NAME=hf_sp8 ... COMMIT hf_long
 #                  2 H200s:  SP=2 LENGTHS=2097152 STEPS=1 BUDGET_GIB=16 NAME=hf_sp2 ... COMMIT hf_long
 #                  1 H200:   SP=2 PEAK_CHECK=65536 NAME=hf_peak ... COMMIT hf_long
@@ -79,6 +88,15 @@ hf_long)
     [ -n "${BUDGET_GIB:-}" ] && H+=(--offload-gpu-budget-gib "$BUDGET_GIB")
     [ -n "${TILE:-}" ] && H+=(--tile-tokens "$TILE")
     [ -n "${PARTS_OFF:-}" ] && H+=(--parts-off "$PARTS_OFF")
+    [ -n "${TRAINER:-}" ] && H+=(--trainer "$TRAINER")
+    [ -n "${GA:-}" ] && H+=(--grad-accum "$GA")
+    [ "${PADDED:-0}" = 1 ] && H+=(--padded)
+    [ -n "${DOCS:-}" ] && H+=(--docs-per-row "$DOCS")
+    if [ "${TRAINER:-trainer}" = sft ]; then
+        python3 -c "import importlib.util as u, sys; m = [n for n in ('trl', 'datasets', 'dill', 'multiprocess',
+'accelerate', 'tokenizers', 'pyarrow', 'pandas', 'xxhash', 'fsspec', 'jinja2') if u.find_spec(n) is None]
+sys.exit(m and 'missing for TRAINER=sft: ' + ' '.join(m))" || exit 1
+    fi
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${STAGE_TIMEOUT:-560}" python3 benchmarks/train_hf.py \
         "${H[@]}" > "$out/${NAME:-hf_long}.log" 2>&1
     echo "train_hf exit $?"; grep -F "[train_hf]" "$out/${NAME:-hf_long}.log" | cut -c1-400 ;;

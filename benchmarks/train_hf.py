@@ -43,6 +43,26 @@ same of the transient peaks.
     python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --sp 2 --peak-check 65536 \\
         --out /tmp/hf_peak.json
 
+``--trainer sft``: TRL's ``SFTTrainer`` instead of the plain ``Trainer`` (a word-level tokenizer over the preset's
+vocabulary built here): packed rows (TRL's padding-free rows of ``max_length`` L, ``--docs-per-row`` documents of
+equal length each, position_ids restarting per document). TRL computes the loss with its own fused head on both
+paths (the key's fused loss leaves it to TRL: record ``loss_by``), and logs ``entropy`` and ``mean_token_accuracy``
+(recorded per step). ``--grad-accum N``: N micro-batches a step. ``--padded``: batches of two rows, of L and
+``short_row(L)`` = 3L/4 tokens, the shorter right-padded to L (attention_mask 0 and label -100 there; with
+``--trainer sft`` packing is off and TRL's collator pads); the key's tiled layers refuse a padding mask by name
+(``--parts-off tiled_layers``). The rows of a step are the whole dataset, read in order (``row_lengths``).
+Every record states ``trainer``, ``grad_accum``, ``padded``, ``packed``, ``docs_per_row`` and ``steps`` (the
+table's "run" column), and tokens/s counts the step's tokens (``tokens_per_step``: every row's, padding not
+counted). ``--compare-at L --trainer sft`` puts the key's run beside TRL's without it.
+
+    # TRL, packed rows, accumulation 2, 3 steps: with the key beside TRL alone at 64K, then the longest
+    python benchmarks/train_hf.py --trainer sft --grad-accum 2 --steps 3 --compare-at 65536 --out /tmp/sft.json
+    python benchmarks/train_hf.py --trainer sft --grad-accum 2 --steps 3 --long-context --offload-gpu-budget-gib 16 \
+        --search 131072 --factor 1.5 --max 1600000 --out /tmp/sft_long.json
+    # right-padded batches of two rows
+    python benchmarks/train_hf.py --trainer sft --padded --grad-accum 2 --steps 3 --long-context \
+        --parts-off tiled_layers --lengths 65536 --out /tmp/sft_padded.json
+
 Per trial: status ("ok", "oom": torch's OutOfMemoryError or a CUDA "out of memory", "error": any other exception,
 its type and message, "timeout", "killed": SIGKILL, the host's out-of-memory killer most likely), each step's wall
 time (synchronized at the step's begin and end), the last step's, tokens/s of the last step, the GPU peak of each
@@ -300,6 +320,9 @@ def run_trial(args) -> dict:
     length, path = args.trial, args.trial_path
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rec = dict(model=args.preset, path=path, length=length, steps=args.steps, zero=args.zero, sp=args.sp, rank=rank,
+               trainer=args.trainer, grad_accum=args.grad_accum, padded=bool(args.padded), rows_per_batch=2 if
+               args.padded else 1, packed=args.trainer == "sft" and not args.padded,
+               docs_per_row=args.docs_per_row if args.trainer == "sft" and not args.padded else None,
                shared_gpu=bool(args.shared_gpu and cuda), status="error", step_s=[], step_gpu_peak_allocated=[],
                step_gpu_peak_reserved=[], losses=[], ds_config=ds_config(args, path),
                mamba_deterministic=os.environ.get("MAMBA_DETERMINISTIC"))  # fmt: skip
@@ -324,7 +347,8 @@ def run_trial(args) -> dict:
     rec["host_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if rec["step_s"]:
         rec["last_step_s"] = rec["step_s"][-1]
-        rec["tokens_per_s"] = length / rec["last_step_s"]  # the whole row's tokens
+        # the step's tokens: every row's (the whole row's under sequence parallelism), padding not counted
+        rec["tokens_per_s"] = rec.get("tokens_per_step", length) / rec["last_step_s"]
         rec["gpu_peak_allocated"] = max(rec["step_gpu_peak_allocated"], default=None)
         rec["gpu_peak_reserved"] = max(rec["step_gpu_peak_reserved"], default=None)
     holds = state.get("holds")
@@ -389,26 +413,31 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
     rec["parameters"] = sum(p.numel() for p in model.parameters())
     shard = f" ({rec['length'] // args.sp:,} on each of {args.sp} ranks)" if args.sp > 1 else ""
     progress(f"{args.preset}: {rec['parameters']:,} parameters; {rec['path']} at {rec['length']:,} tokens{shard}")
-    # the whole row on every rank: under sequence parallelism DeepSpeed's data-loader adapter gives each rank its
-    # contiguous 1/sp of it, labels shifted before the cut
-    ids = torch.randint(0, model.config.vocab_size, (rec["length"],), generator=torch.Generator().manual_seed(1))
-
-    class OneRow(torch.utils.data.Dataset):
-        def __len__(self):
-            return 1
-
-        def __getitem__(self, i):
-            return {"input_ids": ids, "labels": ids.clone()}
+    # whole rows on every rank: under sequence parallelism DeepSpeed's data-loader adapter gives each rank its
+    # contiguous 1/sp of each, labels shifted before the cut
+    rows = row_lengths(args, rec["length"])
+    rec["tokens_per_step"] = sum(rows)  # the tokens (padding not counted) of the step's micro-batches
+    # who computes the loss: TRL's SFTTrainer its own fused head (the key's fused loss leaves it TRL's), else the
+    # key's fused loss where it is on, else transformers (the full logits)
+    fused = rec["path"] == "long_context" and "fused_loss" not in (rec.get("long_context") or {})
+    rec["loss_by"] = "trl_fused_head" if args.trainer == "sft" else "fused_loss" if fused else "transformers"
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in rows]
+    if args.trainer == "sft" and not args.padded:  # packed: each row's documents, TRL packs them back into the row
+        docs = [d for row in docs for d in row.tensor_split(args.docs_per_row)]
 
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    training = TrainingArguments(
+    batch = 2 if args.padded else 1
+    training = dict(
         output_dir=os.path.join(os.path.dirname(os.path.abspath(args.trial_out)), "trainer"),
-        per_device_train_batch_size=1, bf16=cuda, use_cpu=not cuda, optim="adamw_torch", learning_rate=1e-5,
-        max_steps=args.steps, logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0,
-        disable_tqdm=True, seed=args.seed, deepspeed=ds_config(args, rec["path"]), parallelism_config=parallelism,
-        **{checkpointing: True},
+        per_device_train_batch_size=batch, gradient_accumulation_steps=args.grad_accum, bf16=cuda, use_cpu=not cuda,
+        optim="adamw_torch", learning_rate=1e-5, max_steps=args.steps, logging_steps=1, report_to=[],
+        save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, seed=args.seed,
+        deepspeed=ds_config(args, rec["path"]), parallelism_config=parallelism, **{checkpointing: True},
     )  # fmt: skip
+    if "train_sampling_strategy" in fields:  # the rows in their order: each padded batch pairs a long and a short row
+        training["train_sampling_strategy"] = "sequential"
     holder = {}
 
     class Clock(TrainerCallback):
@@ -440,6 +469,9 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
         def on_log(self, _args, st, _control, logs=None, **kw):
             if logs and "loss" in logs:
                 rec["losses"].append(float(logs["loss"]))
+            for key in ("entropy", "mean_token_accuracy"):  # TRL's metrics (the sft trainer)
+                if logs and key in logs:
+                    rec.setdefault(key, []).append(float(logs[key]))
 
     def tokens(_model, pos, kw):  # what this rank's model is given: L/sp tokens under sequence parallelism
         ids = kw.get("input_ids", pos[0] if pos else None)
@@ -447,11 +479,80 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
             rec["tokens"] = int(ids.shape[-1])
 
     model.register_forward_pre_hook(tokens, with_kwargs=True)
-    trainer = Trainer(model=model, args=training, train_dataset=OneRow(), callbacks=[Clock()])
+    if args.trainer == "sft":
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        sft = SFTConfig(
+            **training, max_length=rec["length"], packing=not args.padded,
+            pad_to_multiple_of=args.sp if args.sp > 1 else None,
+        )  # fmt: skip
+        data = Dataset.from_dict({"input_ids": [d.tolist() for d in docs]})
+        trainer = SFTTrainer(model=model, args=sft, train_dataset=data, processing_class=_tokenizer(model.config),
+                             callbacks=[Clock()])  # fmt: skip
+    else:
+        trainer = Trainer(model=model, args=TrainingArguments(**training), train_dataset=Rows(docs),
+                          data_collator=right_padded, callbacks=[Clock()])  # fmt: skip
     holder["trainer"] = trainer
     trainer.train()
     if len(rec["step_s"]) < args.steps:
         raise RuntimeError(f"the Trainer ran {len(rec['step_s'])} of {args.steps} steps")
+
+
+def row_lengths(args, length: int) -> list[int]:
+    """The tokens of each row of one optimizer step, in order: ``--grad-accum`` micro-batches of one row of
+    ``length`` tokens, or with ``--padded`` of two rows, ``length`` and ``short_row(length)`` (right-padded to
+    ``length``). The dataset is these rows, read in order and again at every step."""
+    per_batch = [length, short_row(length, args.sp)] if args.padded else [length]
+    return per_batch * args.grad_accum
+
+
+def short_row(length: int, sp: int) -> int:
+    """The shorter row of a padded batch: 3/4 of ``length``, a multiple of ``sp`` (so that, at sp > 1, its padded
+    tail starts on a shard of its own)."""
+    return max(sp, (3 * length // 4) // sp * sp)
+
+
+class Rows:
+    """The plain Trainer's dataset: one row of token ids each, labels = input_ids (a map-style dataset)."""
+
+    def __init__(self, docs: list) -> None:
+        self.docs = docs
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.docs[i]}
+
+
+def right_padded(rows: list[dict]) -> dict:
+    """The plain Trainer's batch: rows right-padded to the longest (token 0, label -100, attention_mask 0); a batch
+    of rows of one length gets no attention_mask (what the unpadded runs always had)."""
+    import torch
+
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = r["input_ids"]
+        mask[i, : len(r["input_ids"])] = 1
+    batch = {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100)}
+    if not bool(mask.all()):
+        batch["attention_mask"] = mask
+    return batch
+
+
+def _tokenizer(config):
+    """TRL's SFTTrainer needs a tokenizer (its pad and eos tokens): a word-level one over the model's vocabulary,
+    built here (nothing downloaded)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="t1"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t1")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -495,7 +596,10 @@ def trial(args, length: int, path: str, workdir: str, sp: int | None = None, sha
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // sp)))  # as torchrun: no oversubscription
     cmd = [sys.executable, os.path.abspath(__file__), "--trial", str(length), "--trial-path", path,
            "--preset", args.preset, "--steps", str(args.steps), "--zero", str(args.zero), "--seed", str(args.seed),
-           "--sp", str(sp)]  # fmt: skip
+           "--sp", str(sp), "--trainer", args.trainer, "--grad-accum", str(args.grad_accum),
+           "--docs-per-row", str(args.docs_per_row)]  # fmt: skip
+    if args.padded:
+        cmd += ["--padded"]
     if shared:
         cmd += ["--shared-gpu"]
     if args.tile_tokens is not None:
@@ -638,7 +742,7 @@ def environment(args) -> dict:
                   torch=torch.__version__, git_commit=args.git_commit, command=command,
                   pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                   mamba_deterministic=os.environ.get("MAMBA_DETERMINISTIC"))  # fmt: skip
-    for dist in ("transformers", "deepspeed", "accelerate", "mamba-ssm"):
+    for dist in ("transformers", "deepspeed", "accelerate", "trl", "mamba-ssm"):
         try:
             header[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -652,6 +756,27 @@ def environment(args) -> dict:
 
 def _gib(v) -> str:
     return "" if v is None else f"{v / GIB:.1f}"
+
+
+def _run_kind(r: dict) -> str:
+    """The trainer, accumulation, rows and steps of a record ("Trainer" alone for the records before they were
+    recorded: one unpadded row a step, no accumulation)."""
+    words = ["TRL SFTTrainer" if r.get("trainer") == "sft" else "Trainer"]
+    if r.get("grad_accum", 1) > 1:
+        words.append(f"GA {r['grad_accum']}")
+    if r.get("padded"):
+        words.append("2 right-padded rows")
+    elif r.get("packed"):
+        docs = r.get("docs_per_row") or 1
+        words.append(f"packed, {docs} document{'s' if docs > 1 else ''} a row")
+    words.append(f"{r.get('steps')} steps")
+    return ", ".join(words)
+
+
+def _variant(r: dict) -> str:
+    """What sets a record's runs apart from the plain Trainer on one unpadded row a step ("" for those)."""
+    plain = r.get("trainer", "trainer") == "trainer" and r.get("grad_accum", 1) == 1 and not r.get("padded")
+    return "" if plain else _run_kind(r).rsplit(", ", 1)[0]
 
 
 def _setting(r: dict) -> str:
@@ -672,8 +797,9 @@ def markdown(payload: dict) -> str:
     lines = [f"# transformers Trainer ({h.get('gpu', 'CPU')}, {h['date']}, commit {h.get('git_commit')})",
              "", f"`{h['command']}`", "",
              "| model | path | L | status | last step s | tokens/s | GPU peak GiB | reserved GiB | host peak GiB | "
-             "pinned host GiB | params GiB | grads GiB | optimizer GiB | checkpoints GPU GiB | transient GiB | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "pinned host GiB | params GiB | grads GiB | optimizer GiB | checkpoints GPU GiB | transient GiB | run | "
+             "notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in payload["records"]:
         holds = r.get("holds") or {}
         note = "" if r["status"] == "ok" else r.get("reason", "")
@@ -687,7 +813,7 @@ def markdown(payload: dict) -> str:
         gib += [_gib(holds.get(k)) for k in ("parameters", "gradients", "optimizer_states", "checkpoints_gpu",
                                              "transient_peak")]  # fmt: skip
         cells = [r["model"], _setting(r), f"{r['length']:,}", r["status"], "" if step is None else f"{step:.2f}",
-                 "" if tps is None else f"{tps:,.0f}", *gib, note]  # fmt: skip
+                 "" if tps is None else f"{tps:,.0f}", *gib, _run_kind(r), note]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     for c in payload.get("comparisons", []):
         if c["ratio"] is None:
@@ -706,9 +832,11 @@ def markdown(payload: dict) -> str:
                       f"{', '.join(_gib(p) for p in c['rank_gpu_peaks'])} GiB by rank: ratios "
                       f"{', '.join(f'{x:.3f}' for x in c['ratios'])}, {verdict} {c['bound']:g}x."]  # fmt: skip
     ok = [r for r in payload["records"] if r["status"] == "ok"]
-    for model, setting in sorted({(r["model"], _setting(r)) for r in ok}):
-        best = max((r for r in ok if r["model"] == model and _setting(r) == setting), key=lambda r: r["length"])
-        lines += ["", f"Longest that trained, {model} {setting}: {best['length']:,} tokens "
+    for model, setting, variant in sorted({(r["model"], _setting(r), _variant(r)) for r in ok}):
+        best = max((r for r in ok if (r["model"], _setting(r), _variant(r)) == (model, setting, variant)),
+                   key=lambda r: r["length"])  # fmt: skip
+        lines += ["", f"Longest that trained, {model} {setting}{f' [{variant}]' if variant else ''}: "
+                  f"{best['length']:,} tokens at {best.get('steps')} steps "
                   f"({_gib(best.get('gpu_peak_allocated')) or '-'} GiB GPU peak)."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -742,6 +870,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "GPU); else rank r on cuda:r with nccl")  # fmt: skip
     p.add_argument("--peak-check", type=int, default=0, metavar="L", help="one process at L, then --sp ranks on one "
                    f"GPU at sp*L: each rank's GPU peak over the one process's (bound {PEAK_BOUND}x)")  # fmt: skip
+    p.add_argument("--trainer", choices=("trainer", "sft"), default="trainer", help="transformers' Trainer, or TRL's "
+                   "SFTTrainer (packed rows: padding-free, position_ids restarting per document)")  # fmt: skip
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")
+    p.add_argument("--padded", action="store_true", help="batches of two rows, of L and 3L/4 tokens, the shorter "
+                   "right-padded to L (attention_mask, labels -100); with --trainer sft: packing off")  # fmt: skip
+    p.add_argument("--docs-per-row", type=int, default=1, help="--trainer sft without --padded: documents per packed "
+                   "row of L tokens (equal parts)")  # fmt: skip
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage")
     p.add_argument("--seed", type=int, default=0)
@@ -765,8 +900,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--factor must be in (1, {MAX_FACTOR}], got {args.factor}")
     if args.search and args.max < args.search:
         p.error("--search needs --max >= START")
-    if args.round < 1 or args.steps < 1 or args.sp < 1:
-        p.error("--round, --steps and --sp must be positive")
+    if args.round < 1 or args.steps < 1 or args.sp < 1 or args.grad_accum < 1 or args.docs_per_row < 1:
+        p.error("--round, --steps, --sp, --grad-accum and --docs-per-row must be positive")
+    if args.docs_per_row > 1 and (args.trainer != "sft" or args.padded):
+        p.error("--docs-per-row is for packed rows: --trainer sft without --padded")
     if not (args.lengths or args.search or args.compare_at or args.peak_check):
         p.error("nothing to run: give --lengths, --search, --compare-at or --peak-check")
     long_keys = args.tile_tokens is not None or args.offload_gpu_budget_gib is not None

@@ -373,6 +373,79 @@ def test_install_rules():
         install_fused_loss(_model("bamba", z_loss_coefficient=0.1), 5)
 
 
+def _fused_head_run(model, batch, scale):
+    """TRL's fused-head call, as SFTTrainer makes it: its outputs and the gradients of ``scale x loss``."""
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, fused_lm_head=True)
+    (out.loss * scale).backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("case", ["labels", "shift_labels"])
+def test_trl_fused_head_computes_the_loss(case):
+    """TRL's SFTTrainer installs its own fused head (trl.trainer.utils.add_fused_lm_head) and calls
+    ``model(..., fused_lm_head=True)``; the fused loss called it with labels=None (TypeError in TRL). Now the call
+    reaches TRL's head unchanged: its loss, per-token log-probabilities, entropy (TRL's ``entropy`` metric) and top-1
+    flags (``mean_token_accuracy``) and every gradient equal those of the same model without the install, exactly
+    (the same ops in the same order). TRL's head takes the incoming gradient in its backward, so a scale applied to
+    the loss afterwards (SCALE: gradient accumulation, this package's sequence-parallel share) reaches every
+    gradient: bound GRAD_TOL, since TRL accumulates its backward products in fp32 (trl/kernels/chunked_logprob.py,
+    ``_addmm_fp32``) and the scaled run rounds apart from the unscaled one by ~2^-24 per product (seen: ~1e-7);
+    an ignored scale would be 1 - SCALE = 0.63 off (asserted)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from ds_mamba_spcp.integrations.transformers.fused_loss import install_fused_loss
+
+    outputs = ("log_probs", "entropy", "is_top1")  # what SFTTrainer asks for
+    model, reference = _model("bamba"), _model("bamba")  # built alike (seeded)
+    for m in (model, reference):
+        add_fused_lm_head(m, outputs=outputs)
+    install_fused_loss(model, 5)
+    batch = _batch(case)
+    want, want_grads = _fused_head_run(reference, batch, 1.0)
+    got, grads = _fused_head_run(model, batch, 1.0)
+    for key in ("loss", *outputs, "label_mask"):
+        assert torch.equal(getattr(got, key), getattr(want, key)), key
+    assert set(grads) == set(want_grads) == {n for n, _ in model.named_parameters()}
+    assert all(torch.equal(grads[n], want_grads[n]) for n in want_grads)
+    _, scaled = _fused_head_run(model, batch, SCALE)
+    errs = {n: rel_err(scaled[n], SCALE * want_grads[n]) for n in want_grads}
+    assert max(errs.values()) <= GRAD_TOL, errs
+    assert min(rel_err(scaled[n], want_grads[n]) for n in want_grads) > 0.5  # the scale reached every gradient
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_lora_gets_the_fused_loss(family):
+    """A PeftModel was refused by name ("not peft.peft_model.PeftModel"); now the fused loss is installed on the
+    model it wraps, and its loss and the adapters' gradients match the PeftModel without the install (the family
+    bounds above: the same model, logits rounded to fp32 by transformers only). LoRA on the mixers' in_proj and the
+    attention and MLP projections (PEFT refuses out_proj and conv1d on Mamba models), B initialised at random so
+    that the adapters change the loss. A LoRA adapter on lm_head, which the fused loss would skip, is refused by
+    name."""
+    peft = pytest.importorskip("peft")
+    from ds_mamba_spcp.integrations.transformers.fused_loss import install_fused_loss
+
+    torch.manual_seed(0)
+    targets = ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=2, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(_model(family), config)
+    reference = copy.deepcopy(model)
+    install_fused_loss(model, 5)
+    batch = _batch("labels")
+    want, want_grads = _loss_and_grads(reference, batch)
+    got, grads = _loss_and_grads(model, batch)
+    assert got.logits is None and want.logits is not None
+    assert abs(got.loss.item() - want.loss.item()) <= MODEL_TOL * abs(want.loss.item())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable) and set(grads) == set(want_grads) == trainable
+    errs = {n: rel_err(grads[n], want_grads[n]) for n in want_grads}
+    assert max(errs.values()) <= GRAD_TOL, errs
+    if family == "bamba":
+        on_head = peft.get_peft_model(_model(family), peft.LoraConfig(r=2, target_modules=["lm_head"]))
+        with pytest.raises(NotImplementedError, match=r'lm_head is Linear, not a plain nn.Linear.*"fused_loss": false'):
+            install_fused_loss(on_head, 5)
+
+
 # -- ZeRO-3: the head's weight gathered for the loss's forward and backward -------------------------
 
 

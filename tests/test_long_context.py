@@ -324,6 +324,45 @@ def _count_calls() -> dict:
     return calls
 
 
+def _sft(world: int, out: str, section) -> dict:
+    """TRL's SFTTrainer on Bamba (ZeRO-2, 3 steps, one unpacked row of odd length per step; at two ranks padded to
+    an even length, the tail ignored): per step (loss, grad_norm) and TRL's (entropy, mean_token_accuracy), every
+    parameter's update."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    acc = _acc()
+    g = torch.Generator().manual_seed(6)
+    docs = [torch.randint(3, hf_models.VOCAB, (n,), generator=g).tolist() for n in acc.PADDED_DOCS * 2]
+    model = hf_models.build("bamba")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = acc.training_args(
+        out, 2, world, section=section, cls=SFTConfig, per_device_train_batch_size=1, packing=False, max_length=32,
+        pad_to_multiple_of=2 if world > 1 else None, max_steps=3,
+    )  # fmt: skip
+    data = Dataset.from_dict({"input_ids": docs})
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=acc._tokenizer())
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    return {
+        "logs": [(h["loss"], h["grad_norm"]) for h in steps],
+        "metrics": [(h["entropy"], h["mean_token_accuracy"]) for h in steps],
+        "update": acc._updates(before, acc._params(trainer)),
+    }
+
+
+def _lora(world: int, out: str, section) -> dict:
+    """transformers' Trainer on Bamba wrapped by PEFT's LoRA (in_proj and the attention projections; B at random
+    so that the adapters change the loss from step 1), 3 steps."""
+    import peft
+
+    model = hf_models.build("bamba")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=2, target_modules=["in_proj", "q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(model, config)
+    return _acc()._train("bamba", 2, world, out, model=model, section=section, evaluate=False, max_steps=3)
+
+
 def _trainer_runs(rank, world, tmp):
     from transformers import default_data_collator
 
@@ -347,6 +386,15 @@ def _trainer_runs(rank, world, tmp):
             "mamba2", 2, world, os.path.join(tmp, f"packed_{key}"), default_data_collator, model=model,
             dataset=acc._packed_rows(), evaluate=False, max_steps=3, section=section,
         )  # fmt: skip
+    # TRL's SFTTrainer and PEFT with the key at its defaults (tiled layers off at two ranks: refused there); their
+    # references are the runs without the package's key in one process
+    keys = {"on": {"long_context": True if world == 1 else {"tiled_layers": False}}}
+    if world == 1:
+        keys["off"] = None
+    for key, section in keys.items():
+        out[f"sft_{key}"] = acc._attempt(_sft, world, os.path.join(tmp, f"sft_{key}"), section)
+        if world == 1:
+            out[f"lora_{key}"] = acc._attempt(_lora, world, os.path.join(tmp, f"lora_{key}"), section)
     if world > 1:
         out["refused"] = acc._error(
             lambda: acc._train("bamba", 2, world, os.path.join(tmp, "e"), section={"long_context": LC})
@@ -383,6 +431,32 @@ def test_trainer_with_the_key_matches_without(trainer_runs, case):
     if fam == "bamba":  # evaluated (unsharded, whole rows) and generated from after training, both runs
         assert abs(on["eval_loss"] - off["eval_loss"]) / abs(off["eval_loss"]) < acc.TOL
         assert on["generated"] == off["generated"]
+
+
+@pytest.mark.parametrize("case", ["1:sft", "2:sft", "1:lora"])
+def test_trl_and_peft_with_the_key_match_without(trainer_runs, case):
+    """TRL's SFTTrainer with the key at its defaults (the fused loss on) crashed in TRL's own fused head
+    (TypeError: 'NoneType' object is not subscriptable, one rank or two); a PEFT (LoRA) model was refused by the
+    fused loss ("not peft.peft_model.PeftModel"). Now both train as without the key in one process: per-step loss,
+    grad_norm and every parameter's update within the Trainer tests' bound (tests/test_accelerate.py, TOL 1e-4),
+    and TRL's entropy (same bound) and mean_token_accuracy (a ratio of counts: equal up to its rounding) too."""
+    acc = _acc()
+    sp, what = case.split(":")
+    one = trainer_runs[0]
+    runs = [one] if sp == "1" else trainer_runs[1]
+    off = one[f"{what}_off"]
+    assert "error" not in off, off["error"]
+    for run in runs:
+        on = run[f"{what}_on"]
+        assert "error" not in on, on["error"]
+        errs = acc._errors(on, off)
+        print(f"{case} with the key against without it in one process: {errs}")
+        assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, errs
+        if what == "sft":
+            assert len(on["metrics"]) == len(off["metrics"]) == 3
+            for (entropy, accuracy), (want_entropy, want_accuracy) in zip(on["metrics"], off["metrics"]):
+                assert abs(entropy - want_entropy) <= acc.TOL * abs(want_entropy), (on["metrics"], off["metrics"])
+                assert abs(accuracy - want_accuracy) <= 1e-6, (on["metrics"], off["metrics"])
 
 
 def test_tiled_layers_refused_at_two_ranks(trainer_runs):

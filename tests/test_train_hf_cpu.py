@@ -216,3 +216,41 @@ def test_sp_refusals_timeout_and_peak_ratios(tmp_path, monkeypatch, capsys):
     text = bench.markdown(dict(header=dict(date="d", command="c", git_commit="abc"), records=[], peak_checks=[check]))
     want = "at 128: GPU peak 100.0 GiB against 105.0, 110.0 GiB by rank: ratios 1.050, 1.100, within 1.1x."
     assert want in text, text
+
+
+def test_sft_trial_and_run_options(tmp_path, monkeypatch, capsys):
+    """--trainer sft: TRL's SFTTrainer with the key (its fused loss on: TRL's fused head crashed under it), packed
+    rows, gradient accumulation 2, one tiny trial; the record states the run (trainer, accumulation, padding,
+    steps) and TRL's metrics. --padded: each batch pairs a row of L and one of 3L/4 right-padded to L."""
+    bench = _train_hf()
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or
+                       os.path.join(REPO, ".cache", "torch_extensions"))  # fmt: skip
+    out = tmp_path / "sft.json"
+    bench.main(["--preset", "hf-bamba-tiny", "--out", str(out), "--trainer", "sft", "--grad-accum", "2",
+                "--long-context", "--tile-tokens", "32", "--lengths", "64"])  # fmt: skip
+    (r,) = json.loads(out.read_text())["records"]
+    assert r["status"] == "ok", r.get("reason")
+    assert (r["trainer"], r["grad_accum"], r["padded"], r["packed"], r["docs_per_row"]) == ("sft", 2, False, True, 1)
+    assert r["loss_by"] == "trl_fused_head" and r["memory_report"]["fused_loss"], r
+    assert r["tokens"] == 64 and r["tokens_per_step"] == 128  # two micro-batches of one packed row of 64
+    assert r["tokens_per_s"] == pytest.approx(128 / r["last_step_s"])
+    assert len(r["losses"]) == 2 and all(abs(x - math.log(256)) < 0.1 for x in r["losses"]), r["losses"]
+    assert len(r["entropy"]) == 2 and all(abs(x - math.log(256)) < 0.1 for x in r["entropy"]), r["entropy"]
+    assert len(r["mean_token_accuracy"]) == 2
+    text = (tmp_path / "sft.md").read_text()
+    assert "| TRL SFTTrainer, GA 2, packed, 1 document a row, 2 steps |" in text, text
+    assert "[TRL SFTTrainer, GA 2, packed, 1 document a row]: 64 tokens at 2 steps" in text, text
+
+    args = bench.parse_args(["--out", "x", "--lengths", "64", "--padded", "--grad-accum", "2", "--sp", "2"])
+    assert bench.row_lengths(args, 64) == [64, 48, 64, 48]
+    import torch
+
+    batch = bench.right_padded([{"input_ids": torch.tensor(ids)} for ids in (list(range(3, 9)), [5, 6, 7, 8])])
+    assert batch["input_ids"].tolist() == [[3, 4, 5, 6, 7, 8], [5, 6, 7, 8, 0, 0]]
+    assert batch["labels"].tolist() == [[3, 4, 5, 6, 7, 8], [5, 6, 7, 8, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1] * 6, [1] * 4 + [0] * 2]
+    assert "attention_mask" not in bench.right_padded([{"input_ids": torch.tensor([1, 2])}] * 2)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x", "--lengths", "64", "--docs-per-row", "2"])
+    assert "--docs-per-row is for packed rows" in capsys.readouterr().err

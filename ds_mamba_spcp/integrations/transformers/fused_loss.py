@@ -20,6 +20,19 @@ they are. Scalars commute with the head, so they are applied to the hidden state
 (the loss upcasts its logits itself). Refused: a head with a bias or that is not a plain ``nn.Linear``, Bamba's
 z-loss, a loss function other than transformers' ``ForCausalLMLoss``, non-scalar multipliers.
 
+A call with ``fused_lm_head=True`` runs the previous forward unchanged too: TRL's ``add_fused_lm_head`` (which
+``SFTTrainer`` and TRL's other trainers install on the model) answers it with its own chunked head, which never
+holds the logits either and returns the per-token log-probabilities, entropy and top-1 flags that TRL's loss and
+its ``entropy`` / ``mean_token_accuracy`` metrics read (the fused loss called it with ``labels=None``: a TypeError
+in TRL). Its backward (TRL's ``ChunkedLogProbFunction``) recomputes each tile with the incoming gradient of each
+token's log-probability, so a scale applied to the loss later (gradient accumulation, this package's
+sequence-parallel share) reaches both of its gradients. Its memory: see docs/huggingface.md, "Long context".
+
+A PEFT model (``peft.PeftModel``, e.g. LoRA) gets the fused loss on the transformers model it wraps
+(``get_base_model()``): PEFT's forward reaches that model's ``forward``, the instance attribute installed here, and
+its adapters sit in the layers, which run unchanged; an adapter on ``lm_head`` is refused with the other heads
+that are not a plain ``nn.Linear``.
+
 Unlike transformers' forward, ``shift_labels`` without ``labels`` is scored too (transformers computes a loss
 only when ``labels`` is given; when both are, both use ``shift_labels``).
 """
@@ -121,6 +134,8 @@ class _FusedForward:
                     kwargs.update(value)
                 else:
                     kwargs[name] = value
+        if kwargs.get("fused_lm_head"):  # TRL's fused head computes the loss itself (module docstring)
+            return self.previous(*args, **kwargs)
         labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
         if not (model.training and torch.is_grad_enabled() and (labels is not None or shift_labels is not None)):
             return self.previous(*args, **kwargs)
@@ -169,11 +184,21 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
+def _unwrapped_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a ``peft.PeftModel`` (its ``get_base_model()``); any other model as it is."""
+    if not type(model).__module__.startswith("peft."):
+        return model
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
 def install_fused_loss(model: nn.Module, tile_tokens: int) -> None:
     """In training, ``model`` computes its causal-LM loss tile by tile from the last hidden states and
     ``lm_head.weight`` (``tile_tokens`` tokens of logits at a time) and returns no logits; see the module
     docstring. ``model``: one of ``FUSED_LOSS_CLASSES``. Installing again with the same ``tile_tokens`` is a
-    no-op."""
+    no-op. A ``peft.PeftModel`` gets it on the model it wraps."""
+    model = _unwrapped_peft(model)
     cls = type(model)
     if FUSED_LOSS_CLASSES.get(cls.__name__) != cls.__module__:
         raise NotImplementedError(
