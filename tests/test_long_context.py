@@ -244,6 +244,34 @@ def test_offloaded_checkpoints():
     assert report["offload_offloaded"] == layers - 1 and report["offload_saved"] == layers, report
 
 
+def _largest_mlp_call(model, ids) -> int:
+    """The most tokens one call of an MLP's own forward saw in a training pass (forward and backward)."""
+    from ds_mamba_spcp.integrations.transformers.long_context import _STATE_ATTR
+
+    seen = [0]
+    for mlp in model.__dict__[_STATE_ATTR].mlps:
+
+        def spy(module, x, *a, _raw=mlp.raw, **kw):
+            seen[0] = max(seen[0], x.shape[:-1].numel())
+            return _raw(module, x, *a, **kw)
+
+        mlp.raw = spy
+    model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+    return seen[0]
+
+
+def test_offloaded_checkpoints_tile_the_mlps():
+    """The offloading checkpoint runs its layers' forward under no_grad: the MLPs there are tiled too (before, the
+    whole (batch x seqlen) went through each MLP at once: 128 tokens here). Falcon-H1 (every layer checkpointed
+    whole, its MLPs tiled), rows 2 x 64, tiles of 7 tokens: TiledMLP cuts 64 into ceil(128 / 7) = 19 shards of
+    at most 4 positions, 8 tokens a call, with the offload and without it."""
+    base = hf_models.build("falcon_h1", dtype=torch.float32)
+    ids = torch.randint(0, hf_models.VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    plain = _largest_mlp_call(_prepared(base), ids)
+    offloaded = _largest_mlp_call(_prepared(base, offload_gpu_budget_gib=0), ids)
+    assert plain == offloaded == 8, (plain, offloaded)
+
+
 def test_outside_training_the_model_is_unchanged():
     ref = hf_models.build("zamba2", dtype=torch.float32)
     model = _prepared(ref).eval()

@@ -235,7 +235,9 @@ class _MLP:
     def __call__(self, x, *args, **kwargs):
         module = self.module
         tokens = x.shape[0] * x.shape[1] if x.dim() == 3 else 0
-        if args or kwargs or not (module.training and torch.is_grad_enabled()) or tokens <= self.tile_tokens:
+        # in training, with grad or without: the offloading checkpoint runs its layers' forward under no_grad, where
+        # the whole MLP would hold (tokens x intermediate) at once (docs/huggingface.md, "Long context")
+        if args or kwargs or not module.training or tokens <= self.tile_tokens:
             return self.raw(module, x, *args, **kwargs)
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
@@ -249,8 +251,9 @@ class _MLP:
             with autocast.context():
                 return self._per_token(m, tile)
 
-        out = TiledMLP.apply(per_tile, module, x, shards, params)
-        if not drawn.same_as(rng_state(x.device)):  # TiledMLP replays no generator state: the recompute would differ
+        out = TiledMLP.apply(per_tile, module, x, shards, params)  # under no_grad: its forward's tiles only
+        # TiledMLP replays no generator state: the recompute would differ (nothing is recomputed under no_grad)
+        if torch.is_grad_enabled() and not drawn.same_as(rng_state(x.device)):
             raise NotImplementedError(
                 f"{type(module).__qualname__} draws random numbers (dropout) in training, which DeepSpeed's TiledMLP "
                 f'does not replay in its recompute; set "{KEY}": {{"tiled_mlp": false}}, or the dropout to 0.'
