@@ -228,6 +228,25 @@ def test_packed_rows_in_tiles(family):
     assert unpacked > 1e-3
 
 
+def test_right_padding_in_tiles():
+    """Right-padded rows (the Trainer's and TRL's collators pad on the right; refused inside tiled layers before):
+    row 0 padded from position 17 (inside the third tile), row 1 from 21 (a tile's first token). Against
+    transformers' own path with the same mask: the objective over every position, the padded ones included
+    (transformers zeroes a padded position's mixer input and conv output: out_proj(0) there), and every gradient."""
+    ref = hf_models.build("bamba", dtype=torch.float32)  # tiled Mamba2 layers and attention layers with the mask
+    model = _prepared(ref)
+    ids, w = _inputs()
+    mask = torch.ones_like(ids)
+    mask[0, 17:] = 0
+    mask[1, 21:] = 0
+    want = _run(ref, ids, w, attention_mask=mask)
+    err, key = _worst(_run(model, ids, w, attention_mask=mask), want)
+    assert err < TOL, f"{key} is {err:.2e} off"
+    # the mask matters: the rows run unmasked are off at O(1) (the padded positions)
+    unmasked, _ = _worst(_run(model, ids, w), want)
+    assert unmasked > 1e-3, unmasked
+
+
 def test_offloaded_checkpoints():
     """Every layer checkpoint through the offloader (budget 0: all but the newest to host memory, plain copies on
     CPU), planned and checked before the pass: the same numbers."""
@@ -242,6 +261,34 @@ def test_offloaded_checkpoints():
     layers = report["layers_tiled"] + report["layers_checkpointed"]
     assert report["checkpoints_on_host"] == layers - 1, report  # the newest stays
     assert report["offload_offloaded"] == layers - 1 and report["offload_saved"] == layers, report
+
+
+def _largest_mlp_call(model, ids) -> int:
+    """The most tokens one call of an MLP's own forward saw in a training pass (forward and backward)."""
+    from ds_mamba_spcp.integrations.transformers.long_context import _STATE_ATTR
+
+    seen = [0]
+    for mlp in model.__dict__[_STATE_ATTR].mlps:
+
+        def spy(module, x, *a, _raw=mlp.raw, **kw):
+            seen[0] = max(seen[0], x.shape[:-1].numel())
+            return _raw(module, x, *a, **kw)
+
+        mlp.raw = spy
+    model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+    return seen[0]
+
+
+def test_offloaded_checkpoints_tile_the_mlps():
+    """The offloading checkpoint runs its layers' forward under no_grad: the MLPs there are tiled too (before, the
+    whole (batch x seqlen) went through each MLP at once: 128 tokens here). Falcon-H1 (every layer checkpointed
+    whole, its MLPs tiled), rows 2 x 64, tiles of 7 tokens: TiledMLP cuts 64 into ceil(128 / 7) = 19 shards of
+    at most 4 positions, 8 tokens a call, with the offload and without it."""
+    base = hf_models.build("falcon_h1", dtype=torch.float32)
+    ids = torch.randint(0, hf_models.VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    plain = _largest_mlp_call(_prepared(base), ids)
+    offloaded = _largest_mlp_call(_prepared(base, offload_gpu_budget_gib=0), ids)
+    assert plain == offloaded == 8, (plain, offloaded)
 
 
 def test_outside_training_the_model_is_unchanged():
@@ -276,13 +323,14 @@ def test_refusals():
         prepare_sequence_parallel(model, {"mamba_sequence_parallel": {"long_context": True}})
     with pytest.raises(ValueError, match="unknown key"):
         load_mamba_sp_config({"mamba_sequence_parallel": {"long_context": {"tiles": 4}}})
-    # a padding mask inside a tiled layer: refused by name, never silently ignored
+    # left padding or a hole inside a tiled layer: refused by name, never silently ignored (right padding runs)
     padded = _prepared(hf_models.build("mamba2"))
     ids, _ = _inputs()
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    with pytest.raises(NotImplementedError, match="padding mask inside a tiled decoder layer"):
-        padded(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    for zeros in (slice(0, 3), slice(10, 12)):
+        mask = torch.ones_like(ids)
+        mask[0, zeros] = 0
+        with pytest.raises(NotImplementedError, match="zero before a kept token .* inside a tiled decoder layer"):
+            padded(input_ids=ids, attention_mask=mask).logits.sum().backward()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -363,6 +411,28 @@ def _lora(world: int, out: str, section) -> dict:
     return _acc()._train("bamba", 2, world, out, model=model, section=section, evaluate=False, max_steps=3)
 
 
+def _offload_with_data_parallelism(rank: int) -> dict:
+    """Two data-parallel ranks (sp_size 1 each), every layer checkpoint offloaded, rows of other lengths on each
+    rank: the longest batch grows on one rank only at steps 2 and 4. After each step every rank enters one
+    all-reduce of another size than the host check's: a rank that entered one collective more (the host check
+    alone, before the fix) pairs it with this one and gloo raises (NCCL would hang)."""
+    from ds_mamba_spcp.integrations.transformers.long_context import _STATE_ATTR
+    from ds_mamba_spcp.memory import offload
+
+    model = _prepared(hf_models.build("bamba", dtype=torch.float32), offload_gpu_budget_gib=0).train()
+    g = torch.Generator().manual_seed(rank)
+    planned = []
+    for n in ([14, 8, 21, 7], [8, 15, 10, 24])[rank]:
+        ids = torch.randint(0, hf_models.VOCAB, (2, n), generator=g)
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+        torch.distributed.all_reduce(torch.zeros(3, dtype=torch.float64))
+        planned.append(model.__dict__[_STATE_ATTR].planned)
+    t0 = time.perf_counter()
+    for _ in range(200):  # the cost of the all-reduce every training call adds (one integer)
+        offload.group_max([rank])
+    return {"planned": planned, "group_max_s": (time.perf_counter() - t0) / 200}
+
+
 def _trainer_runs(rank, world, tmp):
     from transformers import default_data_collator
 
@@ -370,10 +440,11 @@ def _trainer_runs(rank, world, tmp):
 
     acc = _acc()
     t0 = time.perf_counter()
+    dp = _offload_with_data_parallelism(rank) if world > 1 else None
     mamba_sp.enable()
     calls = _count_calls()
     cases = ONE if world == 1 else TWO
-    out = {}
+    out = {"dp_offload": dp}
     for fam, (stage, lc) in cases.items():
         for key, section in (("off", None), ("on", {"long_context": lc})):
             path = os.path.join(tmp, f"{fam}_{key}")
@@ -457,6 +528,14 @@ def test_trl_and_peft_with_the_key_match_without(trainer_runs, case):
             for (entropy, accuracy), (want_entropy, want_accuracy) in zip(on["metrics"], off["metrics"]):
                 assert abs(entropy - want_entropy) <= acc.TOL * abs(want_entropy), (on["metrics"], off["metrics"])
                 assert abs(accuracy - want_accuracy) <= 1e-6, (on["metrics"], off["metrics"])
+
+
+def test_offload_plans_alike_on_data_parallel_ranks(trainer_runs):
+    """Every rank plans for the group's largest batch (2 x the longest row so far of either rank), and enters the
+    same collectives (before the fix: gloo's "Received data size doesn't match expected size" at step 2)."""
+    ranks = [r["dp_offload"] for r in trainer_runs[1]]
+    assert ranks[0]["planned"] == ranks[1]["planned"] == [2 * 14, 2 * 15, 2 * 21, 2 * 24], ranks
+    print(f"\nthe shape's all-reduce per training call (2 gloo ranks): {ranks[0]['group_max_s'] * 1e6:.0f} us")
 
 
 def test_tiled_layers_refused_at_two_ranks(trainer_runs):

@@ -255,17 +255,24 @@ def check_host_memory(
 
 def _agree(needed: int, available: int, process_group) -> tuple[int, int]:
     """(max needed, min available) over the ranks of the group (the values themselves on one process)."""
+    needed, negative = group_max([needed, -available], process_group)
+    return needed, -negative
+
+
+def group_max(values: list[int], process_group=None) -> list[int]:
+    """Each of ``values`` maximised over the ranks of the group (default: all), in one all-reduce that every rank
+    must enter; the values themselves on one process."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return needed, available
+        return [int(v) for v in values]
     backend = dist.get_backend(process_group)
     device = torch.device("cpu")
     if "nccl" in str(backend):  # before DeepSpeed sets each rank's device: the launcher's LOCAL_RANK says it
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    both = torch.tensor([needed, -available], dtype=torch.int64, device=device)
+    both = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)
-    return int(both[0]), -int(both[1])
+    return [int(v) for v in both.tolist()]
 
 
 # -- the pinned pool -----------------------------------------------------------------------------

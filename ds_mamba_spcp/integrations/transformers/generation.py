@@ -7,7 +7,10 @@
            n = (seqlen - 2) // cp
         -> model.generate(input_ids, cache=<the prompt's cache but its last 2..cp+1 tokens (``_FED``)>,
            use_cache=True): transformers feeds the tokens the cache lacks and decodes, on every rank alike
+           (with use_cache=False asked for: the decode steps whose form would differ in the chunked form,
+           ``_ChunkedDecode``)
         -> the same tokens on every rank (checked), those of model.generate(input_ids) in one process
+        a prompt too short to shard (< cp * (d_conv - 1) + 2 tokens): model.generate on every rank
 
     sequence_parallel_prefill(model, input_ids_shard, group, attention_mask_shard)  every rank: its shard
         the model's own forward on the shard, with a cache (``PrefilledCache``, a ``DynamicCache``):
@@ -452,16 +455,14 @@ def _generate_problem(model, input_ids, kwargs: dict, cp: int) -> Exception | No
     for key, why in _REFUSED.items():
         if kwargs.get(key) is not None:
             return ValueError(f"sequence_parallel_generate does not take {key}= ({why}); drop it")
-    # the op needs d_conv - 1 tokens per shard (a shard's conv halo comes from the rank before alone)
-    halo = max([int(m.conv1d.weight.shape[-1]) - 1 for m in _mixers(model)] or [0])
-    need = cp * max(1, halo) + _FED
-    if cp > 1 and input_ids.shape[1] < need:
-        return ValueError(
-            f"the prompt has {input_ids.shape[1]} tokens; a sharded prefill over {cp} ranks needs at least {need} "
-            f"(d_conv - 1 = {halo} per rank for the conv, and the last {_FED} for generate). Generate in one process, "
-            "or use a smaller group."
-        )
     return None
+
+
+def _least_prompt(model, cp: int) -> int:
+    """The fewest prompt tokens a sharded prefill over ``cp`` ranks takes: d_conv - 1 per rank (a shard's conv
+    halo comes from the rank before alone) and the last ``_FED`` for generate."""
+    halo = max([int(m.conv1d.weight.shape[-1]) - 1 for m in _mixers(model)] or [0])
+    return cp * max(1, halo) + _FED
 
 
 def _generation_config(model, kwargs: dict):
@@ -509,14 +510,18 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
     Every rank passes the same whole prompt ``input_ids`` (batch, seqlen) and ``attention_mask`` if any
     (checked); left padding only, pad ids masked as ``generate`` masks them. The first ``n*cp`` tokens
     (n = (seqlen - 2) // cp) are prefilled sharded; ``generate`` feeds the other 2..cp+1 and decodes from that
-    cache whatever ``use_cache`` says. At cp > 1 the prompt needs cp * (d_conv - 1) + 2 tokens; a group of one
-    with at most 2 is plain ``generate``. Returns on every rank what ``model.generate`` returns in one process
-    (the ranks' tokens compared). Sampling needs every rank's random generator in the same state (checked).
-    group: see ``sequence_parallel_prefill``. Errors are raised on every rank alike.
+    cache whatever ``use_cache`` says (with ``use_cache=False``, in the chunked form where one process's
+    recomputation would differ: ``_ChunkedDecode``). A prompt shorter than cp * (d_conv - 1) + 2 tokens at cp > 1,
+    or of at most 2 in a group of one, is plain ``generate`` on every rank. Returns on every rank what
+    ``model.generate`` returns in one process (the ranks' tokens compared). Sampling needs every rank's random
+    generator in the same state (checked). group: see ``sequence_parallel_prefill``. Errors are raised on every
+    rank alike.
     """
     group, rank, cp = _resolve_group(model, group)
     device = input_ids.device if torch.is_tensor(input_ids) else None
     problem = _generate_problem(model, input_ids, generate_kwargs, cp)
+    # a prompt too short to shard (every rank holds it whole): plain generate on every rank (checked alike below)
+    plain = problem is None and (cp == 1 or input_ids.shape[1] < _least_prompt(model, cp))
     config = mask = None
     if problem is None and not hasattr(model, "_prepare_generation_config"):
         problem = TypeError(f"{type(model).__qualname__} is not a transformers generative model (no generate)")
@@ -527,7 +532,7 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
             problem = e
     if problem is None:
         mask = _generation_mask(model, input_ids, generate_kwargs, config)
-        problem = _generation_mask_problem(model, input_ids, mask, cp)
+        problem = _generation_mask_problem(model, input_ids, mask, 1 if plain else cp)
     raise_alike(problem, group, device)
     if mask is not None and not bool((mask == 0).any()):
         mask = None  # all ones: no padding (generate drops it too)
@@ -544,19 +549,21 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
             "with the same s on every rank), or decode greedily (do_sample=False)."
         )
     n = (input_ids.shape[1] - _FED) // cp
-    if n <= 0:  # a group of one, a prompt of at most _FED tokens: nothing to prefill before generate's first forward
+    if n <= 0 or (plain and cp > 1):  # nothing to prefill before generate's first forward, or nothing to shard
         with hf.sequence_parallel_disabled(model):
             out = model.generate(input_ids, **generate_kwargs)
         return out
     shard = slice(rank * n, (rank + 1) * n)
     cache = sequence_parallel_prefill(model, input_ids[:, shard], group, None if mask is None else mask[:, shard]).cache
-    # use_cache=False would feed the whole sequence again on top of the cache
+    # use_cache=False would feed the whole sequence again on top of the cache: decode from the cache, in the chunked
+    # form where the decode step would compute otherwise than one process's recomputation (_ChunkedDecode)
     kwargs = {**generate_kwargs, "use_cache": True, _cache_key(model): cache}
     hook = None
     if cache.attention_free:
         hook = model.register_forward_hook(functools.partial(_count_tokens, cache), with_kwargs=True)
+    chunked = _ChunkedDecode(model, _config(model, cp)) if not config.use_cache else contextlib.nullcontext()
     try:
-        with hf.sequence_parallel_disabled(model):
+        with hf.sequence_parallel_disabled(model), chunked:
             out = model.generate(input_ids, **kwargs)
     finally:
         if hook is not None:
@@ -569,6 +576,56 @@ def sequence_parallel_generate(model: nn.Module, input_ids: torch.Tensor, group=
             "deterministic kernels, or generate on one rank and broadcast."
         )
     return out
+
+
+def _floor_binds(mixer: nn.Module) -> bool:
+    """Whether the mixer's chunked form clamps dt (``time_step_limit`` other than (0, inf): Zamba2's and Nemotron-H's
+    (time_step_min, inf), or a config's own), which transformers' decode step (5.24) does not: there one process's
+    ``generate(use_cache=False)``, the chunked form of the whole sequence at every step, and the cached decode part."""
+    low, high = (float(v) for v in mixer.time_step_limit)
+    return low > 0.0 or high < float("inf")
+
+
+class _ChunkedDecode:
+    """During ``generate`` with ``use_cache=False`` asked for: each one-token decode step of a mixer whose decode step
+    would part from its chunked form (``_floor_binds``) runs the chunked form instead, from the cached state and conv
+    tail (the op's ``inference.forward.tile_forward`` on a tile of one token, dt clamped as in the chunked form),
+    written back through the cache layer's own ``update_conv_state`` / ``update_recurrent_state``. Every other call
+    runs the mixer's forward as it is."""
+
+    def __init__(self, model: nn.Module, cfg: MambaSequenceParallelConfig) -> None:
+        self.model, self.cfg, self.undo = model, cfg, []
+
+    def __enter__(self):
+        for m in _mixers(self.model):
+            if not _floor_binds(m):
+                continue
+            had, previous = "forward" in m.__dict__, m.__dict__.get("forward")
+            m.forward = functools.partial(self._step, hf._MixerAdapter(m, None, self.cfg), m.forward)
+            self.undo.append(lambda m=m, had=had, previous=previous: _restore(m, "forward", had, previous))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fn in reversed(self.undo):
+            fn()
+        self.undo = []
+
+    def _step(self, adapter, forward, *args, **kwargs):
+        from ds_mamba_spcp.inference.forward import tile_forward
+
+        hidden, cache, _, _ = hf._mixer_call(args, kwargs)
+        m = adapter.mixer
+        recording = getattr(cache, "is_recording_past", None)
+        if (cache is None or hidden.shape[1] != 1 or cache.get_recurrent_state(m.layer_idx) is None
+                or (recording is not None and recording(m.layer_idx))):  # fmt: skip
+            return forward(*args, **kwargs)
+        zx = adapter._in_proj(hidden)
+        state, conv = cache.get_recurrent_state(m.layer_idx), cache.get_conv_state(m.layer_idx)
+        y, (new_state, _) = tile_forward(zx, (state, conv.transpose(1, 2)), adapter.core(), self.cfg.backend)
+        d_inner = m.num_heads * m.head_dim
+        cache.update_conv_state(zx[..., d_inner : d_inner + conv.shape[1]].transpose(1, 2), m.layer_idx)
+        cache.update_recurrent_state(new_state.to(state.dtype), m.layer_idx)
+        return m.out_proj(y.to(hidden.dtype))
 
 
 def _count_tokens(cache: PrefilledCache, module, args, kwargs, output) -> None:

@@ -14,9 +14,11 @@ at sequence_parallel_size 1 too. In training (``model.train()``, grad enabled), 
     the causal-LM loss (fused_loss)                    fused_loss.py: tiles of logits, never (tokens x vocab)
     each layer's checkpoint (its input)                on the GPU up to offload_gpu_budget_gib per pass, then
                                                        pinned host memory (memory/offload.py), the host checked
-                                                       before the first pass at each new longest shape
+                                                       when any rank's batch is longer than any before
 
-Outside training, or with a cache, every layer runs as transformers runs it. The mixers run this package's op
+Outside training, or with a cache, every layer runs as transformers runs it. A padding mask in a tiled layer:
+padding at the rows' ends only (right padding), a padded position's mixer output what transformers' is there
+(``_TileCall.mixer_call``); left padding or holes are refused. The mixers run this package's op
 (on a group of one: ``routes_op``), which tiles past mamba-ssm's int32 offsets. Tiled layers need a group of one
 rank and ZeRO stage 0-2 (the tiles' incoming state would come from the ranks' exchange; ZeRO-3 partitions the
 parameters the recompute reads): both are refused by name. docs/huggingface.md, "Long context".
@@ -97,17 +99,45 @@ class _TileCall:
 
     def mixer_call(self, adapter, hidden, cache, attention_mask):
         name = f"{type(adapter.mixer).__qualname__} (layer {adapter.mixer.layer_idx})"
-        if cache is not None or attention_mask is not None:
+        if cache is not None:
             raise NotImplementedError(
-                f"{name} got a {'cache' if cache is not None else 'padding mask'} inside a tiled decoder layer "
-                f"({KEY}.tiled_layers): a tile cannot honour it. Train on full or packed rows without padding, or set "
-                f'"{KEY}": {{"tiled_layers": false}}.'
+                f"{name} got a cache inside a tiled decoder layer ({KEY}.tiled_layers): a tile cannot honour it. "
+                f'Pass use_cache=False in training, or set "{KEY}": {{"tiled_layers": false}}.'
             )
+        if attention_mask is not None and self.k == 0:  # the first tile, forward and recompute: before any other
+            _check_tail_padding(attention_mask, (hidden.shape[0], self.tiles.spans[-1][1]), name)
         zx = adapter._in_proj(hidden)
         y, self.S_out = self.tiles.core(self.k, zx, adapter.core(), self.S_in)
         out = adapter.mixer.out_proj(y)
+        if attention_mask is not None:
+            # transformers' mixers zero a padded position's input and conv output (apply_mask_to_padding_states):
+            # its y is 0 there, its output out_proj(0). With padding at the rows' ends only, no kept position sees a
+            # padded one (causal), so the tile's kept rows are transformers' as they are, and the padded rows get
+            # out_proj(0), through which no gradient reaches the tile (as none reaches it in transformers)
+            start, end = self.tiles.spans[self.k]
+            keep = attention_mask[:, start:end, None] != 0
+            out = torch.where(keep, out, adapter.mixer.out_proj(y.new_zeros(1, 1, y.shape[-1])))
         nhalo = self.tiles.halo_rows(self.k)
         return F.pad(out, (0, 0, nhalo, 0)) if nhalo else out
+
+
+def _check_tail_padding(mask, shape: tuple, name: str) -> None:
+    """Raises unless ``mask`` is a 2-D padding mask of ``shape`` (batch, seqlen) whose zeros lie at the rows' ends."""
+    if not torch.is_tensor(mask) or mask.dim() != 2 or tuple(mask.shape) != shape:
+        got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        raise NotImplementedError(
+            f"{name} got a padding mask of shape {got} inside a tiled decoder layer ({KEY}.tiled_layers), which takes "
+            f'a 2-D (batch, seqlen) = {shape} one. Pass the collator\'s 2-D mask, or set "{KEY}": '
+            '{"tiled_layers": false}.'
+        )
+    kept = mask != 0
+    if bool((kept[:, 1:] & ~kept[:, :-1]).any()):  # a kept position after a padded one
+        raise NotImplementedError(
+            f"{name} got a padding mask with a zero before a kept token (left padding, or a hole inside a row) "
+            f"inside a tiled decoder layer ({KEY}.tiled_layers): the tiles honour padding at the rows' ends only. "
+            "Pad on the right (the Trainer's and TRL's collators do; tokenizer padding_side='right'), pack the "
+            f'documents (seq_idx) instead, or set "{KEY}": {{"tiled_layers": false}}.'
+        )
 
 
 class _LayerTiles:
@@ -235,7 +265,9 @@ class _MLP:
     def __call__(self, x, *args, **kwargs):
         module = self.module
         tokens = x.shape[0] * x.shape[1] if x.dim() == 3 else 0
-        if args or kwargs or not (module.training and torch.is_grad_enabled()) or tokens <= self.tile_tokens:
+        # in training, with grad or without: the offloading checkpoint runs its layers' forward under no_grad, where
+        # the whole MLP would hold (tokens x intermediate) at once (docs/huggingface.md, "Long context")
+        if args or kwargs or not module.training or tokens <= self.tile_tokens:
             return self.raw(module, x, *args, **kwargs)
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
@@ -249,8 +281,9 @@ class _MLP:
             with autocast.context():
                 return self._per_token(m, tile)
 
-        out = TiledMLP.apply(per_tile, module, x, shards, params)
-        if not drawn.same_as(rng_state(x.device)):  # TiledMLP replays no generator state: the recompute would differ
+        out = TiledMLP.apply(per_tile, module, x, shards, params)  # under no_grad: its forward's tiles only
+        # TiledMLP replays no generator state: the recompute would differ (nothing is recomputed under no_grad)
+        if torch.is_grad_enabled() and not drawn.same_as(rng_state(x.device)):
             raise NotImplementedError(
                 f"{type(module).__qualname__} draws random numbers (dropout) in training, which DeepSpeed's TiledMLP "
                 f'does not replay in its recompute; set "{KEY}": {{"tiled_mlp": false}}, or the dropout to 0.'
@@ -272,7 +305,7 @@ class _LongContext:
 
     def __init__(self, lc, layers: list, mlps: list, offloader):
         self.lc, self.layers, self.mlps, self.offloader = lc, layers, mlps, offloader
-        self.planned: tuple | None = None  # (batch, tokens) the host was last checked for
+        self.planned: int | None = None  # the batch x seqlen tokens the host was last checked for (any rank's most)
         self.plan: offload_mod.OffloadPlan | None = None
         self.loss_tile_tokens: int | None = None
 
@@ -354,19 +387,20 @@ def install(model: nn.Module, config: MambaSequenceParallelConfig, cp: int, zero
 
 
 def _check_host(model: nn.Module, args: tuple, kwargs: dict):
-    """Before a training pass of a longer shape than any before: the plan of this pass's layer checkpoints and
-    the host check (``HostMemoryError`` on every rank alike before anything is offloaded); the pool's slots are
-    allocated for it (a failure to pin shows now)."""
+    """Before every training pass: the largest batch (batch x seqlen tokens) of any rank, in one all-reduce of one
+    integer that every rank enters whatever its own batch (data-parallel ranks hold rows of different lengths).
+    When it is larger than any before: the plan of the layer checkpoints for it and the host check
+    (``HostMemoryError`` on every rank alike before anything is offloaded, its own all-reduce entered by every
+    rank alike); the pool's slots are allocated for it (a failure to pin shows now)."""
     state = model.__dict__[_STATE_ATTR]
     if not (model.training and torch.is_grad_enabled()):
         return None
     tokens = kwargs.get("input_ids", args[0] if args else None)
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
-    if not torch.is_tensor(tokens) or tokens.dim() < 2:
-        return None
-    shape = (int(tokens.shape[0]), int(tokens.shape[1]))
-    if state.planned is not None and shape[0] * shape[1] <= state.planned[0] * state.planned[1]:
+    local = int(tokens.shape[0]) * int(tokens.shape[1]) if torch.is_tensor(tokens) and tokens.dim() >= 2 else 0
+    (longest,) = offload_mod.group_max([local])
+    if longest == 0 or (state.planned is not None and longest <= state.planned):
         return None
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
@@ -375,7 +409,7 @@ def _check_host(model: nn.Module, args: tuple, kwargs: dict):
                          "config.hidden_size")  # fmt: skip
     dtype = next(model.parameters()).dtype
     itemsize = max(torch.empty(0, dtype=dtype).element_size(), 4 if getattr(config, "residual_in_fp32", False) else 0)
-    sizes = offload_mod.block_checkpoint_bytes(shape[1], hidden, len(state.layers), itemsize, batch=shape[0])
+    sizes = offload_mod.block_checkpoint_bytes(longest, hidden, len(state.layers), itemsize)  # linear in the tokens
     plan = offload_mod.plan_offload(sizes, state.offloader.gpu_budget_bytes)
     offload_mod.check_host_memory(plan)
     offloader = state.offloader
@@ -385,7 +419,7 @@ def _check_host(model: nn.Module, args: tuple, kwargs: dict):
         offloader.pool.limit_bytes = plan.host_bytes
     device = next(model.parameters()).device
     offloader.reserve(plan, pin=device.type == "cuda")
-    state.planned, state.plan = shape, plan
+    state.planned, state.plan = longest, plan
     return None
 
 
