@@ -423,9 +423,10 @@ def _accumulation(sp: int, tmp: str) -> dict:
     """The two gradient-accumulation runs (``ACCUMULATION``), each recorded or its error, and their seconds."""
     t0 = time.perf_counter()
     trainer = _attempt(
-        _train, "bamba", 2, sp, os.path.join(tmp, f"accumulation{sp}"), prefix_collate, evaluate=False, **ACCUMULATION
+        lambda: _train("bamba", 2, sp, os.path.join(tmp, f"accumulation{sp}"), prefix_collate, evaluate=False,
+                       **ACCUMULATION)
     )  # fmt: skip
-    sft = _attempt(_sft_padded, sp, os.path.join(tmp, f"sft_accumulation{sp}"), 3, **ACCUMULATION)
+    sft = _attempt(lambda: _sft_padded(sp, os.path.join(tmp, f"sft_accumulation{sp}"), 3, **ACCUMULATION))
     return {"trainer": trainer, "sft": sft, "seconds": time.perf_counter() - t0}
 
 
