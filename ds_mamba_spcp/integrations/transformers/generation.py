@@ -582,7 +582,10 @@ def _floor_binds(mixer: nn.Module) -> bool:
     """Whether the mixer's chunked form clamps dt (``time_step_limit`` other than (0, inf): Zamba2's and Nemotron-H's
     (time_step_min, inf), or a config's own), which transformers' decode step (5.24) does not: there one process's
     ``generate(use_cache=False)``, the chunked form of the whole sequence at every step, and the cached decode part."""
-    low, high = (float(v) for v in mixer.time_step_limit)
+    limit = getattr(mixer, "time_step_limit", None)
+    if limit is None:
+        return False
+    low, high = (float(v) for v in limit)
     return low > 0.0 or high < float("inf")
 
 
