@@ -95,7 +95,7 @@ hf_long)
     if [ "${TRAINER:-trainer}" = sft ]; then
         python3 -c "import importlib.util as u, sys; m = [n for n in ('trl', 'datasets', 'dill', 'multiprocess',
 'accelerate', 'tokenizers', 'pyarrow', 'pandas', 'xxhash', 'fsspec', 'jinja2') if u.find_spec(n) is None]
-sys.exit(m and 'missing for TRAINER=sft: ' + ' '.join(m))" || exit 1
+sys.exit('missing for TRAINER=sft: ' + ' '.join(m) if m else 0)" || exit 1
     fi
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${STAGE_TIMEOUT:-560}" python3 benchmarks/train_hf.py \
         "${H[@]}" > "$out/${NAME:-hf_long}.log" 2>&1
