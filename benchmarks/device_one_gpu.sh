@@ -76,9 +76,11 @@ offload)
     grep -h "L=" "$out"/o[123].log | cut -c1-200 ;;
 hf_long)
     gpus=1
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)  # the JSON names the card
+    card=${card:-gpu}
     [ "${SP:-1}" -gt 1 ] && [ "${SHARED:-0}" != 1 ] && [ -z "${PEAK_CHECK:-}" ] && gpus=$SP
     H=(--preset hf-bamba-2b --git-commit "$commit" --steps "${STEPS:-2}" --trial-timeout "${TRIAL_TIMEOUT:-530}"
-       --out "$out/${NAME:-hf_long}_h200x$gpus.json" --sp "${SP:-1}")
+       --out "$out/${NAME:-hf_long}_${card}x$gpus.json" --sp "${SP:-1}")
     [ "${SHARED:-0}" = 1 ] && H+=(--shared-gpu)
     [ -n "${PEAK_CHECK:-}" ] && H+=(--peak-check "$PEAK_CHECK")
     [ "${LONG:-1}" = 1 ] && H+=(--long-context)

@@ -324,7 +324,7 @@ def run_trial(args) -> dict:
                args.padded else 1, packed=args.trainer == "sft" and not args.padded,
                docs_per_row=args.docs_per_row if args.trainer == "sft" and not args.padded else None,
                shared_gpu=bool(args.shared_gpu and cuda), status="error", step_s=[], step_gpu_peak_allocated=[],
-               step_gpu_peak_reserved=[], losses=[], ds_config=ds_config(args, path),
+               step_gpu_peak_reserved=[], step_held_at_begin=[], losses=[], ds_config=ds_config(args, path),
                mamba_deterministic=os.environ.get("MAMBA_DETERMINISTIC"))  # fmt: skip
     if path == "long_context":
         rec["long_context"] = long_context_key(args)
@@ -449,6 +449,11 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                # what the step starts with: torch's AdamW creates its moments in the first optimizer step, so the
+                # first step's peak runs without them (8 bytes a parameter) and every later one with them
+                engine = holder["trainer"].model_wrapped
+                begin = memory_breakdown(engine, model, device)
+                rec["step_held_at_begin"].append({"allocated": torch.cuda.memory_allocated(), **begin})
             self.t0 = time.perf_counter()
 
         def on_step_end(self, _args, st, _control, model=None, **kw):
@@ -815,6 +820,17 @@ def markdown(payload: dict) -> str:
         cells = [r["model"], _setting(r), f"{r['length']:,}", r["status"], "" if step is None else f"{step:.2f}",
                  "" if tps is None else f"{tps:,.0f}", *gib, _run_kind(r), note]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    for r in payload["records"]:  # each step's peak beside what it started with (optimizer moments from step 2 on)
+        begins, peaks = r.get("step_held_at_begin") or [], r.get("step_gpu_peak_allocated") or []
+        if len(peaks) < 2 or len(begins) != len(peaks):
+            continue
+        lines += ["", f"Per step, {r['model']} {_setting(r)} at {r['length']:,} tokens (GiB):", "",
+                  "| step | s | GPU peak | allocated at begin | optimizer master | optimizer moments | gradients |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for k, (b, peak) in enumerate(zip(begins, peaks)):
+            held = [_gib(b.get(key)) for key in ("allocated", "optimizer_master", "optimizer_moments", "gradients")]
+            cells = [str(k + 1), f"{r['step_s'][k]:.2f}", _gib(peak), *held]
+            lines.append("| " + " | ".join(cells) + " |")
     for c in payload.get("comparisons", []):
         if c["ratio"] is None:
             lines += ["", f"At {c['length']:,} tokens: transformers {c['transformers_status']}, long_context "
