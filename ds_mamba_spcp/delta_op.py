@@ -21,9 +21,13 @@ from ds_mamba_spcp.ops.delta import DELTA_BACKENDS, get_delta_backend
 
 def _check(q, k, v, g, beta, initial_state, cu_seqlens, mode, load_balancing, input_layout, summary_exchange,
            backend, cp) -> tuple[modes.Entry, list | None]:  # fmt: skip
+    kda = " (a scalar gate per head: the per-channel gate of Kimi's KDA is not supported by this op)"
     for name, t, dims in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
         if not torch.is_tensor(t) or t.dim() != dims or not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating tensor with {dims} dims (batch, seqlen, heads, ...)")
+            raise ValueError(
+                f"{name} must be a floating tensor with {dims} dims (batch, seqlen, heads, ...)"
+                + (kda if name == "g" else "")
+            )
     B, L, Hk, K = k.shape
     H, V = v.shape[2], v.shape[3]
     if tuple(q.shape) != tuple(k.shape):
@@ -36,8 +40,8 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, mode, load_balancing, in
     for name, t in (("g", g), ("beta", beta)):
         if tuple(t.shape) != (B, L, H):
             raise ValueError(
-                f"{name} must have shape (batch, seqlen, H) = {(B, L, H)} (a scalar gate per head: the per-channel "
-                f"gate of Kimi's KDA is not supported by this op), got {tuple(t.shape)}"
+                f"{name} must have shape (batch, seqlen, H) = {(B, L, H)}{kda if name == 'g' else ''}, got "
+                f"{tuple(t.shape)}"
             )
     devices = {t.device for t in (q, k, v, g, beta)}
     if len(devices) > 1:
