@@ -93,6 +93,29 @@ def run_rank(rank: int, world: int) -> dict:
         grads_out = {k: (torch.zeros_like(v) if v.grad is None else v.grad).numpy() for k, v in ins.items()}
         out[case] = dict(o=o.detach().numpy(), final=None if fin is None else fin.detach().numpy(), layout=seq_layout,
                          grads=grads_out)  # fmt: skip
+    out["errors"] = _bad_calls(rank, world, chunk_gated_delta_rule_sp, layout)
+    return out
+
+
+def _bad_calls(rank, world, op, layout):
+    """Calls the ranks disagree on, or that no rank can run: every rank raises the same kind of error (none hangs),
+    and a good call after them runs."""
+    x, _ = inputs("none_allgather_init_final", world)
+    args = [layout.shard_sequence(x[k], rank, world, "contiguous") for k in NAMES[:5]]
+    out = {}
+    calls = {
+        "options_differ": dict(output_final_state=rank == 0),
+        "ulysses_heads": dict(mode="ulysses", input_layout="contiguous") if world > 2 else dict(scale=None, bad=True),
+        "after": dict(),
+    }
+    for name, kw in calls.items():
+        try:
+            if kw.pop("bad", False):  # world 2 divides the 2 heads: a wrong-shaped initial state instead
+                kw["initial_state"] = x["initial_state"][:1]
+            op(*args, backend="reference", **kw)
+            out[name] = "no error"
+        except (ValueError, NotImplementedError, TypeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
     return out
 
 

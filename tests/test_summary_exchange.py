@@ -277,6 +277,15 @@ def test_delta_rule_negative_control(results):
     assert _rel(grads["k"], ref["grads"]["k"]) > 1e-3
 
 
+def test_delta_rule_bad_calls_fail_on_every_rank(results):
+    world, res = results
+    for r in res:
+        errs = r["delta"]["errors"]
+        assert errs["options_differ"].startswith("ValueError") and "output_final_state" in errs["options_differ"]
+        assert errs["ulysses_heads"].startswith("ValueError"), errs
+        assert errs["after"] == "no error"
+
+
 def test_sixteen_ranks():
     """One run at 16 ranks (32 segments under virtual): packed rows, initial and final states."""
     res = run_ranks(_rank, 16, ["virtual_packed_init_final"], timeout=900)
