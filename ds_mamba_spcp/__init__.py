@@ -1,5 +1,6 @@
 """ds_mamba_spcp: state-passing sequence parallelism for Mamba2 under DeepSpeed."""
 
+from ds_mamba_spcp.delta_op import chunk_gated_delta_rule_sp
 from ds_mamba_spcp.engine.layout import shard_sequence, unshard_sequence
 from ds_mamba_spcp.groups import resolve_sequence_process_group
 from ds_mamba_spcp.module import DistributedMamba2, wrap_mamba2_mixers
@@ -10,6 +11,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DistributedMamba2",
+    "chunk_gated_delta_rule_sp",
     "mamba_split_conv1d_scan_ref",
     "mamba_split_conv1d_scan_sp",
     "mamba_split_conv1d_scan_ulysses",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import delta_cases
 from tests.conftest import call_op, make_inputs
 from tests.dist_utils import agree, run_ranks, sharded_rel_err
 
@@ -201,6 +202,8 @@ def _rank(rank, world, only=None):
             ndocs=got["scan"][1].shape[0],
         )
     out["ok"] = agree(all(v <= TOL for case in out.values() if isinstance(case, dict) for v in case["errs"].values()))
+    if only is None:  # the gated delta rule's op in the same spawned group (tests/delta_cases.py)
+        out["delta"] = delta_cases.run_rank(rank, world)
     return out
 
 
@@ -222,6 +225,65 @@ def test_scan_equals_the_all_gather(results, case):
             assert len(sent) == 2 * r[case]["rounds"] and sum(sent) == r[case]["expected"], (rank, sent)
             assert r[case]["sent_allgather"] == [], "the all-gather posted point-to-point messages"
     assert all(r["ok"] == res[0]["ok"] for r in res)
+
+
+def _assembled(res, case):
+    """The ranks' shards of the delta-rule case as whole-sequence tensors; initial_state's gradient summed."""
+    from ds_mamba_spcp.engine import layout
+
+    t = torch.from_numpy
+    per = [dict(r["delta"][case]) for r in res]
+    for p in per:
+        p["o"], p["final"] = t(p["o"]), None if p["final"] is None else t(p["final"])
+        p["grads"] = {k: t(v) for k, v in p["grads"].items()}
+    seq_layout = per[0]["layout"]
+    grads = {k: layout.unshard_sequence([p["grads"][k] for p in per], seq_layout) for k in per[0]["grads"]
+             if k != "initial_state"}  # fmt: skip
+    if "initial_state" in per[0]["grads"]:
+        grads["initial_state"] = sum(p["grads"]["initial_state"] for p in per)
+    o = layout.unshard_sequence([p["o"] for p in per], seq_layout)
+    return o, per[0]["final"], grads, [p["final"] for p in per]
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("case", [c for c in delta_cases.CASES if not c.startswith("bug")])
+def test_delta_rule_matches_the_recurrence_and_transformers(results, case):
+    """The delta-rule op at cp 2, 3, 5, 8 (fp64) against the per-token recurrence and against transformers'
+    chunked form on the whole sequence: o, final states, dq, dk, dv, dg, dbeta, dinitial_state. Tolerance 1e-12
+    relative (the module's: fp64 sums reassociated across pieces and segments; seen ~1e-15)."""
+    world, res = results
+    o, final, grads, finals = _assembled(res, case)
+    if final is not None:
+        assert all(torch.equal(f, final) for f in finals), "the ranks' final states differ"
+    for which in ("recurrent", "transformers"):
+        ref = delta_cases.reference(case, world, which)
+        errs = {"o": _rel(o, ref["o"]), **{"d" + k: _rel(g, ref["grads"][k]) for k, g in grads.items()}}
+        if final is not None:
+            errs["final"] = _rel(final, ref["final"])
+        assert set(errs) >= {"o", "dq", "dk", "dv", "dg", "dbeta"}
+        bad = {k: v for k, v in errs.items() if not v <= TOL}
+        assert not bad, f"world {world}, {case} against {which}: {errs}"
+
+
+def test_delta_rule_negative_control(results):
+    """Dropping the incoming state (S_in = 0 on every segment) fails the same check by orders of magnitude."""
+    world, res = results
+    o, final, grads, _ = _assembled(res, "bug_drop_incoming_state")
+    ref = delta_cases.reference("bug_drop_incoming_state", world, "recurrent")
+    assert _rel(o, ref["o"]) > 1e-3 and _rel(final, ref["final"]) > 1e-3
+    assert _rel(grads["k"], ref["grads"]["k"]) > 1e-3
+
+
+def test_delta_rule_bad_calls_fail_on_every_rank(results):
+    world, res = results
+    for r in res:
+        errs = r["delta"]["errors"]
+        assert errs["options_differ"].startswith("ValueError") and "output_final_state" in errs["options_differ"]
+        assert errs["ulysses_heads"].startswith("ValueError"), errs
+        assert errs["after"] == "no error"
 
 
 def test_sixteen_ranks():

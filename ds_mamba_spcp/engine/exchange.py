@@ -18,6 +18,8 @@ gradients reaching the copies of final_states on the ranks are summed first (an 
 The algebra (docs/design.md, "The algebra"): a summary is an affine map S_out = exp(a) S_in + S; two consecutive
 ones compose as (S1, a1) then (S2, a2) = (exp(a2) S1 + S2, a1 + a2), in fp32 (fp64 for fp64 input). a = -inf (a
 segment that holds or begins a document start) stays finite through exp and sums: the chain is cut there.
+That is Mamba2's summary type; both methods take any type of ``summary.py`` (``kind``: how to compose, apply,
+transpose and cut summaries), e.g. the gated delta rule's (U, M) with S_out = M S_in + U.
 
 ``rounds`` is the schedule as a plain function (which segment sends to which in each round) and
 ``simulate_exclusive_scan`` runs it in one process; the distributed ``ScanExchange`` follows the same schedule
@@ -32,7 +34,8 @@ import math
 import torch
 
 from ds_mamba_spcp import comm
-from ds_mamba_spcp.engine import layout, scan
+from ds_mamba_spcp.engine import layout, scan, summary
+from ds_mamba_spcp.engine.summary import DECAY
 
 ALLGATHER, SCAN, AUTO = "allgather", "scan", "auto"
 SUMMARY_EXCHANGES = (ALLGATHER, SCAN, AUTO)
@@ -58,8 +61,7 @@ _rounds = rounds
 
 def compose(early, late):
     """The summary of two consecutive runs of segments: ``early`` then ``late``, each (S (..., h, p, n), a (..., h))."""
-    (S1, a1), (S2, a2) = early, late
-    return torch.exp(a2)[..., None, None] * S1 + S2, a1 + a2
+    return DECAY.compose(early, late)
 
 
 def simulate_exclusive_scan(S_ext, log_a, initial_states=None, rounds=None):
@@ -82,8 +84,7 @@ def simulate_exclusive_scan(S_ext, log_a, initial_states=None, rounds=None):
 
 def _enter(summary, state):
     """The state after a run of segments, given the state before it."""
-    S, a = summary
-    return S + torch.exp(a)[..., None, None] * state
+    return DECAY.enter(summary, state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,10 +99,11 @@ def _owners(cp: int, chain: str) -> dict[int, int]:
 
 class _Scan:
     """One exclusive scan over the group's segments, from this rank's local ones: ``post`` sends round 0,
-    ``wait`` finishes the rounds. Elements are (S (b, h, p, n), a (b, h)) per local segment, in local order."""
+    ``wait`` finishes the rounds. Elements are summaries of type ``kind`` ((S (b, h, p, n), a (b, h)) for DECAY) per
+    local segment, in local order."""
 
-    def __init__(self, plan, elements, reverse: bool):
-        self.plan = plan
+    def __init__(self, plan, elements, reverse: bool, kind=DECAY):
+        self.plan, self.kind = plan, kind
         self.nseg = plan.cp * plan.nlocal
         owners = _owners(plan.cp, plan.layout)
         # positions along the scan: causal order, or reversed for the backward's scan
@@ -112,6 +114,7 @@ class _Scan:
         self.before = dict.fromkeys(self.local)
         self.schedule = rounds(self.nseg)
         self.shape = elements[0][0].shape  # (b, h, p, n)
+        self.lin_shape = elements[0][1].shape  # (b, h) for DECAY
         self.round, self.handle = 0, None
         if self.schedule:
             self.handle = self._post(0)
@@ -135,13 +138,13 @@ class _Scan:
         return comm.post_p2p(payloads, shapes, like, self.plan.group)
 
     def _pack(self, items):
-        return torch.stack([torch.cat([S.flatten(1), a], dim=1) for S, a in items])  # (n, b, h*p*n + h)
+        return self.kind.pack(items)  # (n, b, width)
 
     def _unpack(self, rows):
-        b, h = self.shape[:2]
-        return [(r[:, :-h].view(self.shape), r[:, -h:]) for r in rows]
+        return self.kind.unpack(rows, self.shape, self.lin_shape)
 
     def _receive(self, dst, got):
+        compose = self.kind.compose
         self.running[dst] = compose(got, self.running[dst])
         self.before[dst] = got if self.before[dst] is None else compose(got, self.before[dst])
 
@@ -169,10 +172,13 @@ class _Exchange:
     """What both methods share: this rank's local segments sit on the batch axis (row i*nlocal + k is batch
     element i's local segment k, ``layout.pack_segments``); ``post(S_ext, log_a)`` -> a handle to this rank's
     S_in rows, ``post_grad(L)`` -> a handle to its dS_out rows, and ``final_states`` / ``dinitial_states`` /
-    ``log_a_all`` after them. start0: (b*nlocal,) bool, the segments that begin a document, or None."""
+    ``log_a_all`` after them. start0: (b*nlocal,) bool, the segments that begin a document, or None. kind: the
+    summary type (``summary.py``); for another than DECAY, ``post``'s (S_ext, log_a) are its (off, lin) and
+    ``log_a_all`` holds the linear parts."""
 
-    def __init__(self, plan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None, start0=None):
-        self.plan, self.batch = plan, batch
+    def __init__(self, plan, batch: int, initial_states=None, log_a_all=None, dfinal_states=None, start0=None,
+                 kind=DECAY):  # fmt: skip
+        self.plan, self.batch, self.kind = plan, batch, kind
         self.initial_states, self.log_a_all, self.dfinal_states, self.start0 = (
             initial_states,
             log_a_all,
@@ -196,17 +202,24 @@ class AllGatherExchange(_Exchange):
         cdtype = torch.promote_types(S_ext.dtype, torch.float32)
         S_ext, log_a = S_ext.to(cdtype), log_a.to(cdtype)
         if self.start0 is not None:
-            log_a = torch.where(self.start0[:, None], float("-inf"), log_a)
+            log_a = self.kind.cut(log_a, self.start0)
         numel = S_ext[0].numel()
-        packed = torch.cat([S_ext.flatten(1), log_a], dim=1)  # one buffer, one collective
+        packed = torch.cat([S_ext.flatten(1), log_a.flatten(1)], dim=1)  # one buffer, one collective
         handle = self.plan.gather_ordered(self.plan.split(packed))
-        return _Deferred(lambda: self._finish_fwd(handle.wait(), numel, S_ext.shape[1:], cdtype))
+        shapes = (S_ext.shape[1:], log_a.shape[1:])
+        return _Deferred(lambda: self._finish_fwd(handle.wait(), numel, shapes, cdtype))
 
-    def _finish_fwd(self, rows, numel, state_shape, cdtype):
+    def _finish_fwd(self, rows, numel, shapes, cdtype):
+        state_shape, lin_shape = shapes
         S_ext_all = rows[..., :numel].reshape(*rows.shape[:2], *state_shape)
-        self.log_a_all = rows[..., numel:].clone()  # only the decays outlive the gathered buffer
+        # only the decays (linear parts) outlive the gathered buffer
+        self.log_a_all = rows[..., numel:].reshape(*rows.shape[:2], *lin_shape).clone()
         init = None if self.initial_states is None else self.initial_states.to(cdtype)
-        S_in, self.final_states = scan.exclusive_scan(S_ext_all, self.log_a_all, init, rows=self.plan.local_ids)
+        if self.kind is DECAY:
+            S_in, self.final_states = scan.exclusive_scan(S_ext_all, self.log_a_all, init, rows=self.plan.local_ids)
+        else:
+            S_in, self.final_states = summary.exclusive_scan(self.kind, S_ext_all, self.log_a_all, init,
+                                                             rows=self.plan.local_ids)  # fmt: skip
         # its own buffer: a view would keep the scan's whole output (final_states too) alive until backward
         self.S_in = self._keep(layout.segments_to_rows(S_in).clone())
         return self.S_in
@@ -228,9 +241,14 @@ class AllGatherExchange(_Exchange):
         if self.dfinal_states is not None:
             rows, extra = rows[:, : self.batch], rows[:, self.batch :]
             dfinal = extra.sum(dim=0)
-        dS_out, self.dinitial_states = scan.reverse_scan(
-            rows, self.log_a_all.to(rows.dtype), dfinal, rows=self.plan.local_ids
-        )
+        if self.kind is DECAY:
+            dS_out, self.dinitial_states = scan.reverse_scan(
+                rows, self.log_a_all.to(rows.dtype), dfinal, rows=self.plan.local_ids
+            )
+        else:
+            dS_out, self.dinitial_states = summary.reverse_scan(
+                self.kind, rows, self.log_a_all.to(rows.dtype), dfinal, rows=self.plan.local_ids
+            )
         return layout.segments_to_rows(dS_out)
 
 
@@ -248,10 +266,10 @@ class ScanExchange(_Exchange):
         cdtype = torch.promote_types(S_ext.dtype, torch.float32)
         S_ext, log_a = S_ext.to(cdtype), log_a.to(cdtype)
         if self.start0 is not None:
-            log_a = torch.where(self.start0[:, None], float("-inf"), log_a)
+            log_a = self.kind.cut(log_a, self.start0)
         S_local, a_local = self.plan.split(S_ext), self.plan.split(log_a)  # (nlocal, b, ...)
         self.log_a_all = a_local
-        self.scan = _Scan(self.plan, list(zip(S_local, a_local)), reverse=False)
+        self.scan = _Scan(self.plan, list(zip(S_local, a_local)), reverse=False, kind=self.kind)
         return _Deferred(lambda: self._finish_fwd(cdtype))
 
     def _finish_fwd(self, cdtype):
@@ -260,10 +278,11 @@ class ScanExchange(_Exchange):
         init = torch.zeros(shape, dtype=cdtype, device=self.log_a_all.device)
         if self.initial_states is not None:
             init = self.initial_states.to(cdtype)
-        S_in = torch.stack([init if b is None else _enter(b, init) for b in before])  # (nlocal, b, h, p, n)
+        enter = self.kind.enter
+        S_in = torch.stack([init if b is None else enter(b, init) for b in before])  # (nlocal, b, h, p, n)
         self.S_in = self._keep(layout.segments_to_rows(S_in))
         if self.need_final:
-            final = _enter(last, init) if last is not None else torch.empty_like(init)
+            final = enter(last, init) if last is not None else torch.empty_like(init)
             self.final_states = comm.broadcast(final, self.scan.last_owner, self.plan.group)
         return self.S_in
 
@@ -274,15 +293,16 @@ class ScanExchange(_Exchange):
         if self.dfinal_states is not None:  # final_states was returned on every rank: the gradients add up
             self.dfinal = comm.all_reduce_sum(self.dfinal_states.to(cdtype), self.plan.group)
         a = self.log_a_all.to(cdtype)
-        self.scan = _Scan(self.plan, list(zip(L, a)), reverse=True)
+        self.scan = _Scan(self.plan, [self.kind.adjoint(lin, g) for g, lin in zip(L, a)], reverse=True, kind=self.kind)
         return _Deferred(self._finish_bwd)
 
     def _finish_bwd(self):
         after, total = self.scan.wait()  # the segments after each local one, composed; all of them (segment 0's rank)
         zero = torch.zeros(self.scan.shape, dtype=self.log_a_all.dtype, device=self.log_a_all.device)
         dfinal = zero if self.dfinal is None else self.dfinal
-        dS_out = torch.stack([dfinal if x is None else _enter(x, dfinal) for x in after])
-        self.dinitial_states = _enter(total, dfinal) if total is not None else torch.zeros_like(dfinal)
+        enter = self.kind.enter
+        dS_out = torch.stack([dfinal if x is None else enter(x, dfinal) for x in after])
+        self.dinitial_states = enter(total, dfinal) if total is not None else torch.zeros_like(dfinal)
         return layout.segments_to_rows(dS_out)
 
 

@@ -102,6 +102,11 @@ def summary_bytes(*, batch: int, nheads: int, headdim: int, dstate: int) -> int:
     return batch * nheads * (headdim * dstate + 1) * 4
 
 
+def delta_summary_bytes(*, batch: int, nheads: int, k_dim: int, v_dim: int) -> int:
+    """One segment's summary of the gated delta rule: U (batch, nheads, K, V) and M (batch, nheads, K, K), fp32."""
+    return batch * nheads * k_dim * (k_dim + v_dim) * 4
+
+
 def exchange_cost(method: str, *, cp: int, summary: int, chain: str = modes.CONTIGUOUS, link: Link = NVLINK) -> dict:
     """The summary exchange of one layer and direction for one rank (the busiest), by the model in the module
     docstring: messages (sent one after the other), summaries received and sent, its time on ``link`` (seconds)
