@@ -127,7 +127,6 @@ class _RouterLoss:
     """What ``install`` keeps on a model (its ``__dict__``)."""
 
     def __init__(self, model: nn.Module, sharding) -> None:
-        self.model_ref = weakref.ref(model)
         self.sharding = sharding  # adapter.py's _Sharding of a group of more than one rank, or None
         self.current: _Pass | None = None  # the forward in progress
         self.last = None  # weakref of the last forward's pass
