@@ -371,10 +371,11 @@ TWO = {
     "falcon_h1": (3, {**LC, "tiled_layers": False}),
     "granitemoehybrid": (2, {**LC, "tiled_layers": False}),
 }
-# GraniteMoeHybrid trains with its router loss on (ROUTER), at one process and at two ranks, at a learning rate of
-# 0.02: at 0.05 the router loss's coefficient of 0.5 makes the 5 steps amplify rounding (grad_norm 5.7e-5 off at
-# step 5 between runs that differ by the order of sums, 3.5e-7 at step 1); at 0.02 <= 3.6e-5 throughout
-ROUTER_LR = 0.02
+# GraniteMoeHybrid trains with its router loss on (ROUTER), at one process and at two ranks: 3 steps (its runs with
+# the key cost 3x those without) at a learning rate of 0.02 (at 0.05 the router loss's coefficient of 0.5 makes
+# the steps amplify rounding: grad_norm 3.5e-7 off at step 1 between runs that differ by the order of sums,
+# 5.7e-5 at step 5; at 0.02 <= 3.6e-5 over 5 steps)
+ROUTER_RUN = {"learning_rate": 0.02, "max_steps": 3}
 
 
 def _acc():
@@ -412,11 +413,8 @@ def _trainer_runs(rank, world, tmp):
         for key, section in (("off", None), ("on", {"long_context": lc})):
             path = os.path.join(tmp, f"{fam}_{key}")
             calls.clear()
-            router = fam == "granitemoehybrid"
-            model, lr = (hf_models.build(fam, **ROUTER), ROUTER_LR) if router else (None, acc.LR_OF.get(fam, acc.LR))
-            out[f"{fam}_{key}"] = acc._train(
-                fam, stage, world, path, section=section, evaluate=fam == "bamba", model=model, learning_rate=lr
-            )
+            kw = {"model": hf_models.build(fam, **ROUTER), **ROUTER_RUN} if fam == "granitemoehybrid" else {}
+            out[f"{fam}_{key}"] = acc._train(fam, stage, world, path, section=section, evaluate=fam == "bamba", **kw)
             out[f"{fam}_{key}"]["calls"] = dict(calls)
     for key, section in (("off", None), ("on", {"long_context": {**LC, "tiled_layers": world == 1}})):
         model = hf_models.build("mamba2")
