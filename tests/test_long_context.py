@@ -335,19 +335,17 @@ def test_router_loss_matches_transformers(monkeypatch):
 
 
 def test_router_loss_refusals():
-    """A padding mask (transformers weights the router rows by it) and a second training forward before the
-    first's loss is backpropagated (the recomputes could not tell the two apart): refused by name."""
+    """A padding mask (transformers weights the router rows by it) and the losses of two training forwards
+    backpropagated together (the recomputes could not tell the two apart): refused by name."""
     model = _prepared(hf_models.build("granitemoehybrid", dtype=torch.float32, **ROUTER), fused_loss=True)
     ids = _inputs()[0][:, :16]
     mask = torch.ones_like(ids)
     mask[1, -2:] = 0
     with pytest.raises(NotImplementedError, match="padding mask"):
         model(input_ids=ids, labels=ids, attention_mask=mask)
-    first = model(input_ids=ids, labels=ids).loss
-    with pytest.raises(RuntimeError, match="Backpropagate each loss"):
-        model(input_ids=ids, labels=ids)
-    del first  # its graph gone, the next forward goes on
-    assert model(input_ids=ids, labels=ids).aux_loss.requires_grad
+    first, second = model(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match="backpropagated together"):
+        (first + second).backward()
 
 
 # ---------------------------------------------------------------------------------------------------

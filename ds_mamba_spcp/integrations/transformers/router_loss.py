@@ -29,16 +29,15 @@ weights sum to one over the group: the Trainer's sequence-parallel loss weights 
 tokens over the group's (accelerate.py); a hand-written loop adds ``coef x aux / sp`` on every rank. ``aux_loss``
 is the group's value on every rank; ``router_logits`` is None in such a call (tiles hold a halo row twice).
 
-Refused by name: a padding mask with zeros (transformers weights rows by it; here every row counts), two training
-forwards under the key whose losses are backpropagated together (the recomputes would not know which forward's
-gradient to add). Outside training, without grad, or without output_router_logits, the model runs as
-transformers runs it. docs/huggingface.md, "Long context".
+Refused by name: a padding mask with zeros (transformers weights rows by it; here every row counts), the losses of
+two training forwards under the key backpropagated together (the recomputes would not know which forward's
+gradient to add; one after the other, in any order, is right). Outside training, without grad, or without
+output_router_logits, the model runs as transformers runs it. docs/huggingface.md, "Long context".
 """
 
 from __future__ import annotations
 
 import inspect
-import weakref
 
 import torch
 from torch import nn
@@ -64,7 +63,6 @@ class _Pass:
         self.anchor: torch.Tensor | None = None  # the last decoder layer's output (forward only)
         self.deferred = False  # rows routed without grad in forward: their gradient comes in a recompute
         self.grad: torch.Tensor | None = None  # dLoss/dP (E,), the group's sum
-        self.started = False
         self.injected = 0  # rows whose gradient a backpropagated router graph received
         self.rows = 0  # this rank's rows routed in forward
 
@@ -117,7 +115,14 @@ class _AuxLoss(torch.autograd.Function):
 
             g = all_reduce_sum(g, ctx.group)
         p, state = ctx.p, ctx.state
-        p.grad, p.started, p.injected = g, True, 0
+        other = state.backward_pass
+        if other is not None and other is not p and (other.deferred or p.deferred):
+            raise RuntimeError(
+                "router_loss: the losses of two training forwards with output_router_logits are backpropagated "
+                "together; under the long-context key the router loss's gradient reaches the routers in the layers' "
+                "recompute, which cannot tell the two forwards apart. Backpropagate each forward's loss on its own."
+            )
+        p.grad, p.injected = g, 0
         state.backward_pass = p
         torch.autograd.Variable._execution_engine.queue_callback(lambda: state.end_backward(p))
         return None, None, None, None, None, None
@@ -129,7 +134,6 @@ class _RouterLoss:
     def __init__(self, model: nn.Module, sharding) -> None:
         self.sharding = sharding  # adapter.py's _Sharding of a group of more than one rank, or None
         self.current: _Pass | None = None  # the forward in progress
-        self.last = None  # weakref of the last forward's pass
         self.backward_pass: _Pass | None = None  # the pass whose backward runs (set by its aux's node)
         self.experts = int(model.num_experts)
         self.top_k = int(model.num_experts_per_tok)
@@ -137,7 +141,8 @@ class _RouterLoss:
     # -- the model's forward ----------------------------------------------------------------------
 
     def before(self, model: nn.Module, args: tuple, kwargs: dict):
-        self.current = None
+        # no backward runs now (a recompute calls the layers, not the model): a backward that raised is over
+        self.current, self.backward_pass = None, None
         if not (model.training and torch.is_grad_enabled()):
             return None
         if args:  # every argument by name
@@ -163,14 +168,6 @@ class _RouterLoss:
                 "calls here cannot see. Train on full or packed rows without padding, or set "
                 "config.output_router_logits=False (TRL: router_aux_loss_coef=0.0)."
             )
-        prev = self.last() if self.last is not None else None
-        if prev is not None and prev.deferred and not prev.started:
-            raise RuntimeError(
-                f"{name}: a training forward with output_router_logits began before the previous one's loss was "
-                "backpropagated; under the long-context key the router loss's gradient reaches the routers in the "
-                "layers' recompute, which cannot tell two forwards apart. Backpropagate each loss before the next "
-                "forward (or drop it), or set config.output_router_logits=False."
-            )
         self.current = _Pass()
         wants_dict = kwargs.get("return_dict")
         self.wants_tuple = wants_dict is False or (wants_dict is None and not model.config.return_dict)
@@ -192,7 +189,6 @@ class _RouterLoss:
         if anchor is None:
             anchor = sums.new_zeros(())
         aux = _AuxLoss.apply(self, p, self.experts, group, sums, anchor)
-        self.last = weakref.ref(p)
         fields = {k: v for k, v in output.items() if k not in ("loss", "aux_loss", "router_logits")}
         loss = output.get("loss")
         if loss is not None:  # as transformers adds it
