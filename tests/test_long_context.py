@@ -334,6 +334,69 @@ def test_refusals():
 
 
 # ---------------------------------------------------------------------------------------------------
+# GraniteMoeHybrid's router load-balancing loss (integrations/transformers/router_loss.py)
+# ---------------------------------------------------------------------------------------------------
+
+# 4 experts, 2 per token; a coefficient of 0.5 (TRL's default is 1e-3) so that the router loss's share of every
+# gradient stands far above the bound
+ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.5, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _router_run(model, ids) -> dict:
+    """The model's loss (cross-entropy + coef x aux) backpropagated: aux_loss, the loss, every gradient."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"aux": out.aux_loss.detach().reshape(1), "loss": out.loss.detach().reshape(1), **grads}
+
+
+def test_router_loss_matches_transformers(monkeypatch):
+    """The router loss under the key against transformers' own path (no key): aux_loss, the model's loss and every
+    parameter's gradient. ``defaults``: tiled layers (the MoE inside them, halo rows through the router), the
+    offloading checkpoint for the attention layer, TiledMLP there, the fused loss; ``whole_layers``: tiled_layers
+    off. Bound TOL (module docstring): the sums are reordered only. Before router_loss.py (b97e3d3): aux 2.006111
+    against 2.010620 (halo rows counted), the routers' gradients 0.09..0.32 off (the router loss's share lost);
+    with whole layers the value right, the gradients as far off. Negative control: the same gradient lost here
+    (the recompute's addition dropped) is as far off."""
+    from ds_mamba_spcp.integrations.transformers import router_loss
+
+    base = hf_models.build("granitemoehybrid", dtype=torch.float32, **ROUTER)
+    ids = _inputs()[0][:, :16]  # tiles of 7, 7 and 2 tokens: the halo rows of two
+    want = _router_run(base, ids)
+    settings = {"defaults": {"fused_loss": True, "offload_gpu_budget_gib": 0}, "whole_layers": {"tiled_layers": False}}
+    models = {}
+    for parts, lc in settings.items():
+        models[parts] = _prepared(base, **lc)
+        err, key = _worst(_router_run(models[parts], ids), want)
+        assert err < TOL, f"{parts}: {key} is {err:.2e} off"
+    backward = router_loss._Inject.backward
+
+    def dropped(ctx, dweights):
+        *rest, dlogits = backward(ctx, dweights)
+        return (*rest, torch.zeros_like(dlogits))
+
+    monkeypatch.setattr(router_loss._Inject, "backward", staticmethod(dropped))
+    got = _router_run(models["defaults"], ids)
+    errs = [float((got[k] - want[k]).norm() / want[k].norm()) for k in want if k.endswith("router.weight")]
+    assert len(errs) == 3 and min(errs) > 1e-2, errs
+
+
+def test_router_loss_refusals():
+    """A padding mask (transformers weights the router rows by it) and the losses of two training forwards
+    backpropagated together (the recomputes could not tell the two apart): refused by name."""
+    model = _prepared(hf_models.build("granitemoehybrid", dtype=torch.float32, **ROUTER), fused_loss=True)
+    ids = _inputs()[0][:, :16]
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    with pytest.raises(NotImplementedError, match="padding mask"):
+        model(input_ids=ids, labels=ids, attention_mask=mask)
+    first, second = model(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match="backpropagated together"):
+        (first + second).backward()
+
+
+# ---------------------------------------------------------------------------------------------------
 # through the Trainer (enable()): the same run with the key and without it
 # ---------------------------------------------------------------------------------------------------
 
@@ -349,7 +412,16 @@ ONE = {
     "falcon_h1": (3, {**LC, "offload_gpu_budget_gib": 0}),
 }
 # at sp_size 2 tiled layers are refused (the incoming state of a shard comes from the exchange): the other parts
-TWO = {"bamba": (2, {**LC, "tiled_layers": False}), "falcon_h1": (3, {**LC, "tiled_layers": False})}
+TWO = {
+    "bamba": (2, {**LC, "tiled_layers": False}),
+    "falcon_h1": (3, {**LC, "tiled_layers": False}),
+    "granitemoehybrid": (2, {**LC, "tiled_layers": False}),
+}
+# GraniteMoeHybrid trains with its router loss on (ROUTER), at one process and at two ranks: 3 steps (its runs with
+# the key cost 3x those without) at a learning rate of 0.02 (at 0.05 the router loss's coefficient of 0.5 makes
+# the steps amplify rounding: grad_norm 3.5e-7 off at step 1 between runs that differ by the order of sums,
+# 5.7e-5 at step 5; at 0.02 <= 3.6e-5 over 5 steps)
+ROUTER_RUN = {"learning_rate": 0.02, "max_steps": 3}
 
 
 def _acc():
@@ -454,7 +526,8 @@ def _trainer_runs(rank, world, tmp):
         for key, section in (("off", None), ("on", {"long_context": lc})):
             path = os.path.join(tmp, f"{fam}_{key}")
             calls.clear()
-            out[f"{fam}_{key}"] = acc._train(fam, stage, world, path, section=section, evaluate=fam == "bamba")
+            kw = {"model": hf_models.build(fam, **ROUTER), **ROUTER_RUN} if fam == "granitemoehybrid" else {}
+            out[f"{fam}_{key}"] = acc._train(fam, stage, world, path, section=section, evaluate=fam == "bamba", **kw)
             out[f"{fam}_{key}"]["calls"] = dict(calls)
     for key, section in (("off", None), ("on", {"long_context": {**LC, "tiled_layers": world == 1}})):
         model = hf_models.build("mamba2")
@@ -547,3 +620,15 @@ def test_offload_plans_alike_on_data_parallel_ranks(trainer_runs):
 def test_tiled_layers_refused_at_two_ranks(trainer_runs):
     for rank in trainer_runs[1]:
         assert "group of one only" in rank["refused"], rank["refused"]
+
+
+def test_router_loss_at_two_ranks_matches_one_process(trainer_runs):
+    """GraniteMoeHybrid with its router loss (ROUTER) at sp_size 2 (ZeRO-2), without the key and with it (tiled
+    layers off), against one process without the key (transformers' own loss): per-step loss and grad_norm, every
+    parameter's update, the Trainer tests' bound (tests/test_accelerate.py). Before router_loss.py (b97e3d3) the
+    sp_size 2 runs were refused ("adds the router's load-balancing loss")."""
+    acc = _acc()
+    one = trainer_runs[0]["granitemoehybrid_off"]
+    for key in ("off", "on"):
+        errs = acc._errors(trainer_runs[1][0][f"granitemoehybrid_{key}"], one)
+        assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, (key, errs)

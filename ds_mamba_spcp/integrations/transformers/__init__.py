@@ -9,6 +9,8 @@
     accelerate.py   the same models under the Trainer, TRL and accelerate: ``enable()``
     long_context.py the section's ``"long_context"`` key (tiled layers, TiledMLP, offload), with
     fused_loss.py   the loss without the (tokens x vocab) logits
+    router_loss.py  GraniteMoeHybrid's router load-balancing loss under the key and across ranks (its sums per
+                    row where the routers run, over the group)
 
 This module gathers the public names of the first two; docs/huggingface.md is the user's page.
 """

@@ -389,11 +389,16 @@ def _after_call(model: nn.Module, args, output):
 
 def _refuse_local_aux_losses(model: nn.Module, kwargs: dict) -> None:
     """The Trainer's sequence-parallel loss weights each rank's model loss by its scored tokens: right for the
-    token mean, wrong for the extra terms some families add to it from this rank's shard alone."""
+    token mean, wrong for the extra terms some families add to it from this rank's shard alone (the router loss
+    of ``router_loss.ROUTER_LOSS_CLASSES`` is the group's: router_loss.py)."""
+    from ds_mamba_spcp.integrations.transformers import router_loss
+
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     name = type(model).__qualname__
-    if (kwargs.get("output_router_logits") or getattr(config, "output_router_logits", False)) and getattr(
-        config, "router_aux_loss_coef", 0.0
+    if (
+        (kwargs.get("output_router_logits") or getattr(config, "output_router_logits", False))
+        and getattr(config, "router_aux_loss_coef", 0.0)
+        and not router_loss.installed(model)  # summed over the group there (router_loss.py)
     ):
         raise NotImplementedError(
             f"{name} adds the router's load-balancing loss to its loss; under sequence parallelism each rank would "

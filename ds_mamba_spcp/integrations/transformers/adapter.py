@@ -47,7 +47,7 @@ from ds_mamba_spcp import comm  # noqa: E402
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config  # noqa: E402
 from ds_mamba_spcp.groups import group_of_one, group_size, resolve_sequence_process_group  # noqa: E402
 from ds_mamba_spcp.integrations.core import SHARDED_ATTR, MixerCore, is_sharded, mixer_forward  # noqa: E402
-from ds_mamba_spcp.integrations.transformers import long_context  # noqa: E402
+from ds_mamba_spcp.integrations.transformers import long_context, router_loss  # noqa: E402
 
 # The Mamba2-style mixer classes of transformers (class name -> modeling module).
 MIXER_CLASSES = {
@@ -659,6 +659,7 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     model.__dict__[_MODEL_ATTR] = state
     model.register_forward_pre_hook(_check_model_call, with_kwargs=True)
     long_context.install(model, cfg, cp, zero_stage)
+    router_loss.install(model, sharding)  # the MoE router loss summed over the group
     return parallel_state_sp
 
 
@@ -684,3 +685,4 @@ def prepare_long_context(model: nn.Module, config: MambaSequenceParallelConfig, 
             f"wraps (transformers' {', '.join(MIXER_CLASSES)})."
         )
     long_context.install(model, config, 1, zero_stage)
+    router_loss.install(model)  # the MoE router loss from the rows the key routes without grad
