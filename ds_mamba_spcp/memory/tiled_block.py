@@ -243,6 +243,11 @@ class TiledFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, dout):
+        with gathered(ctx.block.params):  # ZeRO-3: once for all the tiles
+            return TiledFn._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         x, *states = ctx.saved_tensors
         block = ctx.block
         live = [i for i, p in enumerate(block.params) if p.requires_grad]
@@ -272,6 +277,49 @@ class TiledFn(torch.autograd.Function):
             del out_k, S_out, outputs, got
         dparams = [None if g is None else g.to(p.dtype) for g, p in zip(sums, block.params)]
         return None, dx, *dparams
+
+
+# -- ZeRO stage 3: a block's parameters gathered once around a whole pass of tiles --------------------
+
+_HELD = "ds_mamba_spcp.tiles"  # in ds_active_sub_modules: ZeRO's per-module release leaves the parameter gathered
+
+
+@contextlib.contextmanager
+def gathered(params):
+    """Under ZeRO stage 3 (parameters with ``ds_id``): ``params`` gathered once (DeepSpeed's
+    ``GatheredParameters``, one all-gather) for the whole body, and kept so: each module call inside still runs
+    ZeRO's fetch and release hooks, but a gathered parameter is not fetched again, and the mark added to its
+    active modules keeps the release from partitioning it tile by tile. Partitioned again on exit. Outside
+    ZeRO-3, nothing. The gradients leave the tiled Functions once per block (their ``backward`` returns them
+    summed), so ZeRO's gradient hooks fire once per parameter and pass, as DeepSpeed's TiledMLP arranges with
+    ``ds_grad_is_ready``."""
+    zero = [p for p in params if hasattr(p, "ds_id")]
+    if not zero:
+        yield
+        return
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    with GatheredParameters(zero):
+        for p in zero:
+            p.ds_active_sub_modules.add(_HELD)
+        try:
+            yield
+        finally:
+            for p in zero:
+                p.ds_active_sub_modules.discard(_HELD)
+
+
+def release_stopped(module) -> None:
+    """After a forward of ``module`` ended by an exception (a pass that reads its state path alone): ZeRO-3's
+    fetch marked its own parameters active, and its release hook did not run; the marks are dropped so that
+    the parameters partition on ``gathered``'s exit. Nothing outside ZeRO-3."""
+    ds_id = getattr(module, "ds_id", None)
+    if ds_id is None:
+        return
+    for p in module.parameters(recurse=False):
+        active = getattr(p, "ds_active_sub_modules", None)
+        if active is not None:
+            active.discard(ds_id)
 
 
 # -- a shard of a sequence-parallel group: the tiles of each local segment, the exchange between ranks --
@@ -439,6 +487,11 @@ class ShardTiledFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, dout):
+        with gathered(ctx.block.params):  # ZeRO-3: once for both passes of all the tiles
+            return ShardTiledFn._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         x, halo_x, log_a_all, *states = ctx.saved_tensors
         block, chain = ctx.block, ctx.chain
         plan = chain.plan
@@ -595,7 +648,9 @@ def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None, preserve_rng_sta
     cp = mixer.sequence_parallel_size
     if cp == 1:
         tiles = make_tiles(core, backend, batch, seqlen, tile_tokens, seq_idx, not mixer.config.recompute_output)
-        return TiledFn.apply(_Block(tiles, norm, mixer, params, preserve_rng_state), x, *params)
+        with gathered(params):  # ZeRO-3: the Function records the parameters' gathered shapes
+            return TiledFn.apply(_Block(tiles, norm, mixer, params, preserve_rng_state), x, *params)
     chain = make_chain(core, backend, mixer.config, mixer.process_group, cp, x.shape, tile_tokens, seq_idx)
     block = _Block(None, norm, mixer, params, preserve_rng_state, halo=core.conv1d_weight.shape[1] - 1)
-    return ShardTiledFn.apply(block, chain, x, *params)
+    with gathered(params):
+        return ShardTiledFn.apply(block, chain, x, *params)
