@@ -237,14 +237,14 @@ class TiledFn(torch.autograd.Function):
         ctx.rngs = None if not rngs or rngs[0].same_as(rng_state(x.device)) else rngs
         ctx.autocast = autocast_state(x.device)  # re-entered around each recompute (memory/recompute.py)
         ctx.block = block
+        ctx.nparams = len(params)
         ctx.save_for_backward(x, *states)
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, dout):
-        with gathered(ctx.block.params):  # ZeRO-3: once for all the tiles
-            return TiledFn._backward(ctx, dout)
+        return backward_gathered(TiledFn._backward, ctx, dout, 2)
 
     @staticmethod
     def _backward(ctx, dout):
@@ -254,6 +254,7 @@ class TiledFn(torch.autograd.Function):
         dx = torch.zeros_like(x)
         sums = [None] * len(block.params)
         dS = None  # the gradient reaching the S_out of the tile in hand (none after the shard's last token)
+        zero3 = _zero3(block.params)
         for k in reversed(range(len(block.tiles.spans))):
             s, e = block.tiles.spans[k]
             lo = s - block.tiles.halo_rows(k)
@@ -267,7 +268,7 @@ class TiledFn(torch.autograd.Function):
                 outputs.append(S_out)
                 grads.append(dS)
             wrt = [x_ext] + ([S_in] if S_in is not None else []) + [block.params[i] for i in live]
-            got = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
+            got = _differentiate(outputs, grads, wrt, 2 if S_in is not None else 1, zero3, last=k == 0)
             dx[:, lo:e] += got[0]
             dS = got[1] if S_in is not None else None
             for i, g in zip(live, got[2 if S_in is not None else 1 :]):
@@ -309,17 +310,50 @@ def gathered(params):
                 p.ds_active_sub_modules.discard(_HELD)
 
 
-def release_stopped(module) -> None:
-    """After a forward of ``module`` ended by an exception (a pass that reads its state path alone): ZeRO-3's
-    fetch marked its own parameters active, and its release hook did not run; the marks are dropped so that
-    the parameters partition on ``gathered``'s exit. Nothing outside ZeRO-3."""
-    ds_id = getattr(module, "ds_id", None)
-    if ds_id is None:
-        return
-    for p in module.parameters(recurse=False):
-        active = getattr(p, "ds_active_sub_modules", None)
-        if active is not None:
-            active.discard(ds_id)
+def _zero3(params) -> bool:
+    return any(hasattr(p, "ds_id") for p in params)
+
+
+def _differentiate(outputs, grads, wrt, nleaves: int, zero3: bool, last: bool) -> list:
+    """The gradients of ``outputs`` (given ``grads``) for ``wrt``: its first ``nleaves`` (the tile's input and
+    incoming state: leaves made for the recompute), then the block's parameters. Outside ZeRO-3 all returned
+    (``torch.autograd.grad``; summed over the tiles by the caller, handed over once by the Function). Under ZeRO-3
+    DeepSpeed's TiledMLP way: accumulated into the parameters' ``.grad`` (ZeRO's hooks, its leaf modules' too, fire
+    on every call and need the parameter gathered), with ``ds_grad_is_ready`` false but on the block's ``last``
+    call, so that ZeRO takes each gradient once, whole; the parameters' entries are then None."""
+    if not zero3:
+        return list(torch.autograd.grad(outputs, wrt, grads, allow_unused=True))
+    leaves, params = wrt[:nleaves], wrt[nleaves:]
+    for p in params:
+        p.ds_grad_is_ready = last
+    torch.autograd.backward(outputs, grads, inputs=list(wrt))
+    return [t.grad for t in leaves] + [None] * len(params)
+
+
+def backward_gathered(backward, ctx, dout, first: int) -> tuple:
+    """A tiled Function's ``backward(ctx, dout)`` with the block's parameters gathered once for all its passes
+    (ZeRO-3, ``gathered``; else the plain call). Under ZeRO-3 the parameters' gradients reached ZeRO inside it
+    (``_differentiate``): the Function returns None for them."""
+    params = ctx.block.params
+    if not _zero3(params):
+        return backward(ctx, dout)
+    try:
+        with gathered(params):
+            grads = backward(ctx, dout)
+    finally:
+        for p in params:
+            p.ds_grad_is_ready = True
+    return (*grads[:first], *[None] * ctx.nparams)
+
+
+def autograd_inputs(params) -> list:
+    """What a tiled Function takes beside x: the block's parameters (their gradients leave through its backward),
+    or under ZeRO-3 one empty leaf that requires grad (the output requires grad whatever x does, and the
+    parameters, whose gradients reach ZeRO inside the backward, are no inputs: autograd would hand ZeRO's hooks
+    each of them once more)."""
+    if _zero3(params):
+        return [torch.empty(0, requires_grad=True)]
+    return list(params)
 
 
 # -- a shard of a sequence-parallel group: the tiles of each local segment, the exchange between ranks --
@@ -481,14 +515,14 @@ class ShardTiledFn(torch.autograd.Function):
         ctx.autocast = autocast_state(x.device)
         ctx.block, ctx.chain, ctx.segs = block, chain, [(before, tiles) for before, _, tiles in segs]
         ctx.start0 = summaries.start0
+        ctx.nparams = len(params)
         ctx.save_for_backward(x, halo_x if halo_x is not None else x.new_empty(0), summaries.log_a_all, *states)
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, dout):
-        with gathered(ctx.block.params):  # ZeRO-3: once for both passes of all the tiles
-            return ShardTiledFn._backward(ctx, dout)
+        return backward_gathered(ShardTiledFn._backward, ctx, dout, 3)
 
     @staticmethod
     def _backward(ctx, dout):
@@ -532,6 +566,12 @@ class ShardTiledFn(torch.autograd.Function):
                     g = g.to(torch.promote_types(g.dtype, torch.float32))
                     sums[n] = g if sums[n] is None else sums[n] + g
 
+        zero3 = _zero3(block.params)
+        nseg = plan.cp * nl
+        # the rank's last differentiation (ZeRO-3 hands the parameters' gradients over there, TiledMLP's way)
+        # (under ZeRO-3 on every segment: its ranks must call the same modules as often, its trace compares them)
+        second = [j for j in range(nl) if zero3 or plan.local_ids[j] != nseg - 1]
+        last_call = (2, second[-1]) if second else (1, nl - 1)
         dxs, Ls = [], []
         # pass 1: the output's gradient, the state's from zero at each segment's end
         for j, (before, tiles) in enumerate(ctx.segs):
@@ -545,7 +585,7 @@ class ShardTiledFn(torch.autograd.Function):
                     outputs.append(S_out)
                     grads.append(dS)
                 wrt = [x_t, S_in] + [block.params[n] for n in live]
-                got = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
+                got = _differentiate(outputs, grads, wrt, 2, zero3, last=(1, j) == last_call and k == 0)
                 accumulate(got, dx_ext, lo, e)
                 dS = got[1] if got[1] is not None else torch.zeros_like(S_in)
                 del out_k, S_out, outputs, got
@@ -555,16 +595,18 @@ class ShardTiledFn(torch.autograd.Function):
         summaries = chain.exchange(batch, log_a_all=log_a_all, start0=ctx.start0)
         dS_out = summaries.post_grad(layout.segments_to_rows(torch.stack(Ls))).wait()
         dS_out = layout.rows_to_segments(dS_out, nl)
-        nseg = plan.cp * nl
-        # pass 2: dS_out back through each segment's state path (the chain's last segment receives none)
-        for j, (_, tiles) in enumerate(ctx.segs):
-            if plan.local_ids[j] == nseg - 1:
-                continue
-            x_ext, g = x_ext_of(j), dS_out[j]
+        # pass 2: dS_out back through each segment's state path (the chain's last segment receives none). Under
+        # ZeRO-3 through the whole layer with a zero output gradient: every parameter takes part in each call, so
+        # that the last one hands all of them to ZeRO (and no module's forward is cut short inside its hooks)
+        for j in second:
+            x_ext, g, tiles = x_ext_of(j), dS_out[j], ctx.segs[j][1]
             for k in reversed(range(len(tiles.spans))):
-                lo, s, e, x_t, S_in, _, S_out = recompute(j, k, x_ext, False)
+                lo, s, e, x_t, S_in, out_k, S_out = recompute(j, k, x_ext, zero3)
                 wrt = [x_t, S_in] + [block.params[n] for n in live]
-                got = torch.autograd.grad([S_out], wrt, [g.to(S_out.dtype)], allow_unused=True)
+                outputs, grads = [S_out], [g.to(S_out.dtype)]
+                if zero3:
+                    outputs, grads = [out_k, S_out], [torch.zeros_like(out_k), g.to(S_out.dtype)]
+                got = _differentiate(outputs, grads, wrt, 2, zero3, last=(2, j) == last_call and k == 0)
                 accumulate(got, dxs[j], lo, e)
                 g = got[1] if got[1] is not None else torch.zeros_like(S_in)
                 del S_out, got
@@ -649,8 +691,8 @@ def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None, preserve_rng_sta
     if cp == 1:
         tiles = make_tiles(core, backend, batch, seqlen, tile_tokens, seq_idx, not mixer.config.recompute_output)
         with gathered(params):  # ZeRO-3: the Function records the parameters' gathered shapes
-            return TiledFn.apply(_Block(tiles, norm, mixer, params, preserve_rng_state), x, *params)
+            return TiledFn.apply(_Block(tiles, norm, mixer, params, preserve_rng_state), x, *autograd_inputs(params))
     chain = make_chain(core, backend, mixer.config, mixer.process_group, cp, x.shape, tile_tokens, seq_idx)
     block = _Block(None, norm, mixer, params, preserve_rng_state, halo=core.conv1d_weight.shape[1] - 1)
     with gathered(params):
-        return ShardTiledFn.apply(block, chain, x, *params)
+        return ShardTiledFn.apply(block, chain, x, *autograd_inputs(params))

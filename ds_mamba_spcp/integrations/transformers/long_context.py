@@ -20,8 +20,8 @@ at sequence_parallel_size 1 too. In training (``model.train()``, grad enabled), 
 Outside training, or with a cache, every layer runs as transformers runs it. The mixers run this package's op
 (on a group of one: ``routes_op``), which tiles past mamba-ssm's int32 offsets. On a group of several ranks a tiled
 layer's tiles cover the rank's shard, their incoming state from the op's summary exchange (``ShardTiledFn``).
-Tiled layers need ZeRO stage 0-2 (ZeRO-3 partitions the parameters the recompute reads): refused by name.
-docs/huggingface.md, "Long context".
+Under ZeRO-3 a tiled layer's parameters are gathered once per pass over its tiles and its gradients reach ZeRO
+once (tiled_block.gathered, backward_gathered). docs/huggingface.md, "Long context".
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from ds_mamba_spcp.memory.recompute import autocast_state, rng_state
 from ds_mamba_spcp.memory.tiled_block import (
     ShardTiledFn,
     TiledFn,
+    autograd_inputs,
     gathered,
     make_chain,
     make_tiles,
-    release_stopped,
 )
 from ds_mamba_spcp.ops import get_backend
 
@@ -101,11 +101,13 @@ class _TileCall:
     """What the mixer of a tiled layer computes on tile ``k``: in_proj on the tile and its halo rows, the core
     from ``S_in``, out_proj; the halo rows' outputs are zeros (the layer's caller drops those rows)."""
 
-    def __init__(self, tiles, k: int, S_in, stop: str | None = None):
+    def __init__(self, tiles, k: int, S_in, stop: str | None = None, cut: bool = True):
         self.tiles, self.k, self.S_in, self.S_out = tiles, k, S_in, None
         # "summary" / "state": the call ends the layer's forward (_Stop) once the mixer has its tile's summary or
-        # S_out (ShardTiledFn's passes that read the state path alone); None: the whole layer
-        self.stop, self.summary = stop, None
+        # S_out (ShardTiledFn's passes that read the state path alone); None: the whole layer. Without ``cut``
+        # (ZeRO-3, whose module hooks must see every forward end) the layer runs on: the summary pass's mixer
+        # returns zeros
+        self.stop, self.summary, self.cut = stop, None, cut
 
     def mixer_call(self, adapter, hidden, cache, attention_mask):
         name = f"{type(adapter.mixer).__qualname__} (layer {adapter.mixer.layer_idx})"
@@ -118,9 +120,11 @@ class _TileCall:
         zx = adapter._in_proj(hidden)
         if self.stop == "summary":
             self.summary = self.tiles.summary(self.k, zx, adapter.core())
-            raise _Stop
+            if self.cut:
+                raise _Stop
+            return hidden.new_zeros(*hidden.shape[:2], adapter.mixer.out_proj.out_features)
         y, self.S_out = self.tiles.core(self.k, zx, adapter.core(), self.S_in)
-        if self.stop == "state":
+        if self.stop == "state" and self.cut:
             raise _Stop
         out = adapter.mixer.out_proj(y)
         nhalo = self.tiles.halo_rows(self.k)
@@ -139,6 +143,7 @@ class _LayerTiles:
     def __init__(self, layer: _Layer, tiles, args: tuple, kwargs: dict, params: list, halo: int = 0):
         self.layer, self.tiles, self.args, self.kwargs, self.params = layer, tiles, args, kwargs, params
         self.preserve_rng, self.halo = True, halo
+        self.cut = not any(hasattr(p, "ds_id") for p in params)  # ZeRO-3: every forward runs to its end
 
     def _run(self, call: _TileCall, x_ext):
         adapter = self.layer.adapter
@@ -146,7 +151,6 @@ class _LayerTiles:
         try:
             return self.layer.raw(self.layer.module, x_ext, *self.args, **self.kwargs)
         except _Stop:
-            release_stopped(adapter.mixer)  # ZeRO-3: the mixer's release hook did not run
             return None
         finally:
             adapter.tile = None
@@ -158,12 +162,12 @@ class _LayerTiles:
         return hidden[:, tiles.halo_rows(k) :], call.S_out
 
     def summary(self, tiles, k: int, x_ext):
-        call = _TileCall(tiles, k, None, stop="summary")
+        call = _TileCall(tiles, k, None, stop="summary", cut=self.cut)
         self._run(call, x_ext)
         return call.summary
 
     def state(self, tiles, k: int, x_ext, S_in):
-        call = _TileCall(tiles, k, S_in, stop="state")
+        call = _TileCall(tiles, k, S_in, stop="state", cut=self.cut)
         self._run(call, x_ext)
         return call.S_out
 
@@ -243,12 +247,12 @@ class _Layer:
                                    state.lc.tile_tokens, adapter.seq_idx(kwargs), key=key)  # fmt: skip
                 runner = _LayerTiles(self, None, args, kwargs, params, halo=core.conv1d_weight.shape[1] - 1)
                 with hooks:
-                    return self.rebuild(ShardTiledFn.apply(runner, chain, hidden, *runner.params))
+                    return self.rebuild(ShardTiledFn.apply(runner, chain, hidden, *autograd_inputs(params)))
             tiles = make_tiles(core, backend, batch, seqlen, state.lc.tile_tokens, adapter.seq_idx(kwargs),
                                not cfg.recompute_output, key=key)  # fmt: skip
             runner = _LayerTiles(self, tiles, args, kwargs, params)
             with hooks:
-                out = TiledFn.apply(runner, hidden, *runner.params)
+                out = TiledFn.apply(runner, hidden, *autograd_inputs(params))
         return self.rebuild(out)
 
     def _checkpointed(self, hidden, args, kwargs):
@@ -339,15 +343,6 @@ def installed(model: nn.Module) -> bool:
     return _STATE_ATTR in model.__dict__
 
 
-def _refuse_tiled_layers(cp: int, zero_stage: int) -> None:
-    if zero_stage >= 3:
-        raise ValueError(
-            f'"{KEY}.tiled_layers" is on under ZeRO stage 3, which partitions the parameters between module calls and '
-            'which the tiles\' recompute does not gather. Set "zero_optimization.stage" to 0, 1 or 2, or '
-            f'"{KEY}": {{"tiled_layers": false}} (the other parts work under ZeRO-3).'
-        )
-
-
 def install(model: nn.Module, config: MambaSequenceParallelConfig, cp: int, zero_stage: int) -> bool:
     """Installs ``config.long_context`` on ``model`` (its mixers already wrapped by adapter.py); a no-op when the
     key is unset or the model was installed before. Returns whether it installed."""
@@ -365,8 +360,6 @@ def install(model: nn.Module, config: MambaSequenceParallelConfig, cp: int, zero
         adapters = [m.__dict__[_MIXER_ATTR] for m in layer.modules() if _MIXER_ATTR in m.__dict__]
         tiled = lc.tiled_layers and len(adapters) == 1 and not attention_modules(layer)
         layers.append((layer, adapters[0] if tiled else None))
-    if any(adapter is not None for _, adapter in layers):
-        _refuse_tiled_layers(cp, zero_stage)
     in_tiled = set()
     for layer, adapter in layers:
         tiled = adapter is not None
