@@ -477,7 +477,6 @@ class ShardTiledFn(torch.autograd.Function):
                               else halo_ids[j][:, -1] != seq[j][:, 0])  # fmt: skip
             segs.append((before, x_ext, chain.make(m, ids, before)))
         rngs = [] if block.preserve_rng else None
-        drawn = rng_state(x.device)
         with torch.no_grad():
             # pass 1: every segment's summary from a zero state, folded over its tiles (tiles.py's fold)
             S_ext, log_a = [], []
@@ -511,7 +510,9 @@ class ShardTiledFn(torch.autograd.Function):
                     out[:, s - before : e - before] = out_k
                 outs.append(out)
         out = layout.unpack_segments(layout.segments_to_rows(torch.stack(outs)), nl)
-        ctx.rngs = None if rngs is None or rngs[0].same_as(drawn) else rngs
+        # every recompute replays its tile's generator state (pass 2 and the backward draw inside the replays, which
+        # restore the caller's generators: whether the layer draws after its mixer cannot be read off them)
+        ctx.rngs = rngs
         ctx.autocast = autocast_state(x.device)
         ctx.block, ctx.chain, ctx.segs = block, chain, [(before, tiles) for before, _, tiles in segs]
         ctx.start0 = summaries.start0
