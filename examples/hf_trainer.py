@@ -18,7 +18,7 @@ steps: nothing is downloaded. On CPU (no CUDA) the ranks run on gloo.
 
 ``--long-context`` adds the section's ``"long_context"`` key (tiled layers, tiled MLPs, the fused loss; with
 ``--offload-gpu-budget-gib`` the layer checkpoints past that budget go to host memory): the same losses, memory per
-token flat in the length. Tiled layers run on a group of one: on N ranks add ``--parts-off tiled_layers``.
+token flat in the length, at any number of ranks (tiled layers too).
 
 ``--model llama`` trains a tiny ``LlamaForCausalLM`` instead, a model without Mamba2 mixers, which ``enable()``
 leaves to accelerate, DeepSpeed and transformers as they are (rows of ``--seq-len`` tokens: DeepSpeed's own

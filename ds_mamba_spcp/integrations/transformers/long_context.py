@@ -7,7 +7,8 @@ at sequence_parallel_size 1 too. In training (``model.train()``, grad enabled), 
     decoder layer with a Mamba2 mixer, no attention   its own checkpoint, recomputed in backward tile by tile
       (tiled_layers)                                   through the layer's own forward: the mixer reads its tile
                                                        and conv halo rows, the fp32 state carried between tiles
-                                                       (memory/tiled_block.py: Tiles, TiledFn)
+                                                       (memory/tiled_block.py: Tiles, TiledFn; on N ranks
+                                                       ShardTiledFn, the state from the ranks' exchange)
     every other decoder layer                          one checkpoint of the whole layer (torch.utils.checkpoint,
                                                        or the offloading one below)
     MLP / MoE blocks outside tiled layers (tiled_mlp)  DeepSpeed's TiledMLP
@@ -19,9 +20,10 @@ at sequence_parallel_size 1 too. In training (``model.train()``, grad enabled), 
 Outside training, or with a cache, every layer runs as transformers runs it. A padding mask in a tiled layer:
 padding at the rows' ends only (right padding), a padded position's mixer output what transformers' is there
 (``_TileCall.mixer_call``); left padding or holes are refused. The mixers run this package's op
-(on a group of one: ``routes_op``), which tiles past mamba-ssm's int32 offsets. Tiled layers need a group of one
-rank and ZeRO stage 0-2 (the tiles' incoming state would come from the ranks' exchange; ZeRO-3 partitions the
-parameters the recompute reads): both are refused by name. docs/huggingface.md, "Long context".
+(on a group of one: ``routes_op``), which tiles past mamba-ssm's int32 offsets. On a group of several ranks a tiled
+layer's tiles cover the rank's shard, their incoming state from the op's summary exchange (``ShardTiledFn``).
+Under ZeRO-3 a tiled layer's parameters are gathered once per pass over its tiles and its gradients reach ZeRO
+once (tiled_block.gathered, backward_gathered). docs/huggingface.md, "Long context".
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ from torch import nn
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig
 from ds_mamba_spcp.memory import offload as offload_mod
 from ds_mamba_spcp.memory.recompute import autocast_state, rng_state
-from ds_mamba_spcp.memory.tiled_block import TiledFn, make_tiles, refuse_partitioned
+from ds_mamba_spcp.memory.tiled_block import (
+    ShardTiledFn,
+    TiledFn,
+    autograd_inputs,
+    gathered,
+    make_chain,
+    make_tiles,
+)
 from ds_mamba_spcp.ops import get_backend
 
 KEY = f"{SECTION}.long_context"
@@ -94,8 +103,13 @@ class _TileCall:
     """What the mixer of a tiled layer computes on tile ``k``: in_proj on the tile and its halo rows, the core
     from ``S_in``, out_proj; the halo rows' outputs are zeros (the layer's caller drops those rows)."""
 
-    def __init__(self, tiles, k: int, S_in):
+    def __init__(self, tiles, k: int, S_in, stop: str | None = None, cut: bool = True):
         self.tiles, self.k, self.S_in, self.S_out = tiles, k, S_in, None
+        # "summary" / "state": the call ends the layer's forward (_Stop) once the mixer has its tile's summary or
+        # S_out (ShardTiledFn's passes that read the state path alone); None: the whole layer. Without ``cut``
+        # (ZeRO-3, whose module hooks must see every forward end) the layer runs on: the summary pass's mixer
+        # returns zeros
+        self.stop, self.summary, self.cut = stop, None, cut
 
     def mixer_call(self, adapter, hidden, cache, attention_mask):
         name = f"{type(adapter.mixer).__qualname__} (layer {adapter.mixer.layer_idx})"
@@ -107,7 +121,14 @@ class _TileCall:
         if attention_mask is not None and self.k == 0:  # the first tile, forward and recompute: before any other
             _check_tail_padding(attention_mask, (hidden.shape[0], self.tiles.spans[-1][1]), name)
         zx = adapter._in_proj(hidden)
+        if self.stop == "summary":
+            self.summary = self.tiles.summary(self.k, zx, adapter.core())
+            if self.cut:
+                raise _Stop
+            return hidden.new_zeros(*hidden.shape[:2], adapter.mixer.out_proj.out_features)
         y, self.S_out = self.tiles.core(self.k, zx, adapter.core(), self.S_in)
+        if self.stop == "state" and self.cut:
+            raise _Stop
         out = adapter.mixer.out_proj(y)
         if attention_mask is not None:
             # transformers' mixers zero a padded position's input and conv output (apply_mask_to_padding_states):
@@ -140,24 +161,45 @@ def _check_tail_padding(mask, shape: tuple, name: str) -> None:
         )
 
 
+class _Stop(Exception):
+    """Raised by a ``_TileCall`` that has what its pass reads (the layer's later modules are not run)."""
+
+
 class _LayerTiles:
-    """A decoder layer as ``TiledFn``'s block: ``tile(k, x_ext, S_in)`` runs the layer's own forward on the
-    tile's rows (its halo rows first) with the mixer reading the tile (``_TileCall``)."""
+    """A decoder layer as ``TiledFn``'s (``ShardTiledFn``'s) block: ``tile(k, x_ext, S_in)`` runs the layer's own
+    forward on the tile's rows (its halo rows first) with the mixer reading the tile (``_TileCall``); ``summary``
+    and ``state`` run it up to the mixer's core."""
 
-    def __init__(self, layer: _Layer, tiles, args: tuple, kwargs: dict, params: list):
+    def __init__(self, layer: _Layer, tiles, args: tuple, kwargs: dict, params: list, halo: int = 0):
         self.layer, self.tiles, self.args, self.kwargs, self.params = layer, tiles, args, kwargs, params
-        self.preserve_rng = True
+        self.preserve_rng, self.halo = True, halo
+        self.cut = not any(hasattr(p, "ds_id") for p in params)  # ZeRO-3: every forward runs to its end
 
-    def tile(self, k: int, x_ext, S_in):
-        call = _TileCall(self.tiles, k, S_in)
+    def _run(self, call: _TileCall, x_ext):
         adapter = self.layer.adapter
         adapter.tile = call
         try:
-            out = self.layer.raw(self.layer.module, x_ext, *self.args, **self.kwargs)
+            return self.layer.raw(self.layer.module, x_ext, *self.args, **self.kwargs)
+        except _Stop:
+            return None
         finally:
             adapter.tile = None
-        hidden = self.layer.hidden_of(out)
-        return hidden[:, self.tiles.halo_rows(k) :], call.S_out
+
+    def tile(self, k: int, x_ext, S_in, tiles=None):
+        tiles = self.tiles if tiles is None else tiles
+        call = _TileCall(tiles, k, S_in)
+        hidden = self.layer.hidden_of(self._run(call, x_ext))
+        return hidden[:, tiles.halo_rows(k) :], call.S_out
+
+    def summary(self, tiles, k: int, x_ext):
+        call = _TileCall(tiles, k, None, stop="summary", cut=self.cut)
+        self._run(call, x_ext)
+        return call.summary
+
+    def state(self, tiles, k: int, x_ext, S_in):
+        call = _TileCall(tiles, k, S_in, stop="state", cut=self.cut)
+        self._run(call, x_ext)
+        return call.S_out
 
 
 # -- the decoder layers ----------------------------------------------------------------------------
@@ -222,16 +264,25 @@ class _Layer:
             return self._checkpointed(hidden, args, kwargs)
         cfg = adapter.sharding.config
         params = self.params()
-        refuse_partitioned(params, f'"{KEY}.tiled_layers" is on', f'set "{KEY}": {{"tiled_layers": false}}')
-        core = adapter.core()
         backend = get_backend(cfg.backend, hidden.device)
         batch, seqlen = hidden.shape[:2]
-        tiles = make_tiles(core, backend, batch, seqlen, state.lc.tile_tokens, adapter.seq_idx(kwargs),
-                           not cfg.recompute_output, key=f"{KEY}.tile_tokens")  # fmt: skip
-        runner = _LayerTiles(self, tiles, args, kwargs, params)
+        key, cp = f"{KEY}.tile_tokens", adapter.sharding.size
         hooks = state.offloader.saved_tensors_hooks(hidden) if state.offloader else contextlib.nullcontext()
-        with hooks:
-            out = TiledFn.apply(runner, hidden, *runner.params)
+        # ZeRO-3: the layer's parameters gathered once for the forward's passes over the tiles (the Function records
+        # their gathered shapes); its backward gathers them once again (tiled_block.gathered)
+        with gathered(params):
+            core = adapter.core()
+            if cp > 1:  # the shard's segments tiled, their state from the op's exchange (tiled_block.ShardTiledFn)
+                chain = make_chain(core, backend, cfg, adapter.sharding.group(), cp, hidden.shape,
+                                   state.lc.tile_tokens, adapter.seq_idx(kwargs), key=key)  # fmt: skip
+                runner = _LayerTiles(self, None, args, kwargs, params, halo=core.conv1d_weight.shape[1] - 1)
+                with hooks:
+                    return self.rebuild(ShardTiledFn.apply(runner, chain, hidden, *autograd_inputs(params)))
+            tiles = make_tiles(core, backend, batch, seqlen, state.lc.tile_tokens, adapter.seq_idx(kwargs),
+                               not cfg.recompute_output, key=key)  # fmt: skip
+            runner = _LayerTiles(self, tiles, args, kwargs, params)
+            with hooks:
+                out = TiledFn.apply(runner, hidden, *autograd_inputs(params))
         return self.rebuild(out)
 
     def _checkpointed(self, hidden, args, kwargs):
@@ -325,21 +376,6 @@ def installed(model: nn.Module) -> bool:
     return _STATE_ATTR in model.__dict__
 
 
-def _refuse_tiled_layers(cp: int, zero_stage: int) -> None:
-    if cp > 1:
-        raise ValueError(
-            f'"{KEY}.tiled_layers" is on with a sequence-parallel group of {cp} ranks: a tiled decoder layer runs on a '
-            "group of one only (a shard's incoming state comes from the ranks' exchange, which the tiles do not run). "
-            f'Set "{KEY}": {{"tiled_layers": false}} (the other parts work at any size), or sequence_parallel_size 1.'
-        )
-    if zero_stage >= 3:
-        raise ValueError(
-            f'"{KEY}.tiled_layers" is on under ZeRO stage 3, which partitions the parameters between module calls and '
-            'which the tiles\' recompute does not gather. Set "zero_optimization.stage" to 0, 1 or 2, or '
-            f'"{KEY}": {{"tiled_layers": false}} (the other parts work under ZeRO-3).'
-        )
-
-
 def install(model: nn.Module, config: MambaSequenceParallelConfig, cp: int, zero_stage: int) -> bool:
     """Installs ``config.long_context`` on ``model`` (its mixers already wrapped by adapter.py); a no-op when the
     key is unset or the model was installed before. Returns whether it installed."""
@@ -357,8 +393,6 @@ def install(model: nn.Module, config: MambaSequenceParallelConfig, cp: int, zero
         adapters = [m.__dict__[_MIXER_ATTR] for m in layer.modules() if _MIXER_ATTR in m.__dict__]
         tiled = lc.tiled_layers and len(adapters) == 1 and not attention_modules(layer)
         layers.append((layer, adapters[0] if tiled else None))
-    if any(adapter is not None for _, adapter in layers):
-        _refuse_tiled_layers(cp, zero_stage)
     in_tiled = set()
     for layer, adapter in layers:
         tiled = adapter is not None
