@@ -11,7 +11,9 @@ same contention; the ulysses column pays gloo's host-staged all-to-alls (the who
 on NVLink would not, so read ``ulysses_compute`` beside it. Per cell (global length L, cp), forward and
 forward+backward, the rank-maximum of each rank's median of ``--iters`` (CUDA events):
 
-    ideal            fla on this rank's shard alone: (1, L/cp) tokens, all heads, from a zero state
+    ideal            fla on this rank's shard alone: (1, L/cp) tokens, all heads, as one packed row from a zero
+                     initial state, keeping its final state (the kernels' variant the op's pieces run, so that
+                     the device stage's test has compiled and tuned them)
     state_passing    the op, contiguous shards, summary exchange "auto" (fla on V + K value columns, the exchange, the
                      correction; ``engine/strategies/delta.py``)
     ulysses          the op with mode "ulysses": all-to-all to (L, H/cp), fla, all-to-all back
@@ -23,7 +25,10 @@ in the benchmark's processes only (``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1``
 their db and dg values are wrong there (issue 640) and nothing reads them. The JSON's config says which.
 
 Shapes: Qwen3.5's linear-attention layer (16 heads, K = V = 128; bf16 q, k, v, beta, fp32 g, q and k L2-normalised in
-the kernel). Budget: ``--budget-s`` seconds in all; a cell past it is recorded "skipped".
+the kernel). Budget: ``--budget-s`` seconds in all, shared evenly by the group sizes still to run; within one, the
+forward cells come first; a cell past its share is recorded "skipped". On a fresh machine Triton's compilation and
+fla's autotuning (per head count and V) take most of the first cells' time: forward+backward cells then need a
+larger budget or ``--passes forward_backward``.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=None, help="value (and query/key) heads: 16 (cuda), 4 (cpu)")
     p.add_argument("--head-dim", type=int, default=None, help="K = V: 128 (cuda), 16 (cpu)")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--passes", default="forward,forward_backward")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget-s", type=float, default=80.0, help="seconds for every cell together")
@@ -83,6 +89,9 @@ def parse_args(argv=None):
     args.heads = args.heads or (16 if cuda else 4)
     args.head_dim = args.head_dim or (128 if cuda else 16)
     args.modes = [m for m in args.modes.split(",") if m]
+    args.passes = [m for m in args.passes.split(",") if m]
+    if not set(args.passes) <= {"forward", "forward_backward"}:
+        p.error(f"--passes takes forward and/or forward_backward, got {args.passes}")
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown modes {bad}; choose from {MODES}")
@@ -123,9 +132,14 @@ def _step(mode: str, L: int, cp: int, args, device, backend: str):
 
     if mode in ("ideal", "ulysses_compute"):
         fn = get_delta_backend(backend, device)
+        kw = dict(use_qk_l2norm_in_kernel=True)
+        if mode == "ideal":
+            tokens = x["v"].shape[1]
+            kw.update(cu_seqlens=torch.tensor([0, tokens], device=device), output_final_state=True,
+                      initial_state=torch.zeros(1, H, D, D, device=device))  # fmt: skip
 
         def run():
-            return fn(*[x[n] for n in names], use_qk_l2norm_in_kernel=True)[0]
+            return fn(*[x[n] for n in names], **kw)[0]
     else:
         sp_mode = "ulysses" if mode == "ulysses" else "state_passing"
 
@@ -202,9 +216,9 @@ def _group(rank: int, cp: int, args, deadline: float) -> list[dict]:
 
             importlib.import_module("fla.ops.common.chunk_o").TRITON_ABOVE_3_7_1 = True  # timing only: see docstring
     records = []
-    for L in args.seqlens:
-        for mode in args.modes:
-            for pass_name in ("forward", "forward_backward"):
+    for pass_name in args.passes:
+        for L in args.seqlens:
+            for mode in args.modes:
                 rec = dict(seqlen=L, cp=cp, mode=mode, pass_=pass_name, status="ok")
                 records.append(rec)
                 if not _agree(time.time() < deadline):
@@ -342,7 +356,11 @@ def header(args) -> dict:
             fla_core=_version("fla-core"),
             deepspeed=_version("deepspeed"),
         ),
-        proxy="every rank on one GPU through gloo: ranks contend for the GPU, collectives go through the host",
+        proxy=(
+            "every rank on one GPU through gloo: ranks contend for the GPU, collectives go through the host"
+            if cuda
+            else "a CPU smoke run (gloo, the plain-PyTorch reference): times mean nothing"
+        ),
     )
 
 
@@ -412,8 +430,9 @@ def main(argv=None):
                                modes=args.modes, iters=args.iters, warmup=args.warmup, budget_s=args.budget_s,
                                backward=backward, shared_gpu=True),
                    records=[])  # fmt: skip
-    for cp in args.cps:
-        payload["records"] += _spawn(cp, args, deadline)
+    for i, cp in enumerate(args.cps):
+        share = (deadline - time.time()) / (len(args.cps) - i)
+        payload["records"] += _spawn(cp, args, time.time() + share)
         write(payload, out)
     md = write(payload, out)
     print(f"[bench_delta] wrote {out} and {md}")
