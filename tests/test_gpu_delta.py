@@ -124,8 +124,10 @@ def _run(rank, world, device="cuda", length=T):
         _loss(o, f, up, 1.0).backward()
         truth = dict(o=o.detach(), final=f.detach(), **{"d" + k: v.grad for k, v in truth_in.items()})
         fla = get_delta_backend("fla", dev)
+        # q and k repeated to v's heads, as the op hands them to the kernel: the same tuning key (H, HV, K, V)
+        qk = [x[k].repeat_interleave(H // HK, dim=2) for k in ("q", "k")]
         with torch.no_grad():
-            o, f = fla(*[x[k] for k in NAMES[:5]], initial_state=x["initial_state"], **kw)
+            o, f = fla(*qk, *[x[k] for k in NAMES[2:5]], initial_state=x["initial_state"], **kw)
         own = dict(o=rel_err(o, truth["o"]), final=rel_err(f, truth["final"]))
         b_in = {k: v.clone().requires_grad_() for k, v in x.items()}
         o, f = get_delta_backend(bwd_backend, dev)(*[b_in[k] for k in NAMES[:5]], initial_state=b_in["initial_state"],
