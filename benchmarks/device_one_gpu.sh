@@ -31,6 +31,11 @@
 #                  8 H200s:  SP=8 LENGTHS=8388608 STEPS=1 BUDGET_GIB=40 NAME=hf_sp8 ... COMMIT hf_long
 #                  2 H200s:  SP=2 LENGTHS=2097152 STEPS=1 BUDGET_GIB=16 NAME=hf_sp2 ... COMMIT hf_long
 #                  1 H200:   SP=2 PEAK_CHECK=65536 NAME=hf_peak ... COMMIT hf_long
+#   delta        the gated delta rule on fla (issue 44): tests/test_gpu_delta.py (cp 2 and 4 sharing the GPU, errors
+#                against fp64 beside fla's own; TEST_TIMEOUT= seconds, 170), then benchmarks/bench_delta.py (state
+#                passing, ulysses, fla on the shard alone; BENCH_BUDGET= seconds of cells, 70; BYPASS=0 leaves fla's
+#                refused backward untimed, else it is timed with fla's Hopper check off, values unused;
+#                DELTA_BENCH_ARGS= more arguments, e.g. "--seqlens 32K --cps 2")
 # Results land in $OUT (JSON + Markdown + logs); copy them into benchmarks/results/ with the commit named.
 set -u
 commit=${1:?commit} stage=${2:?stage}
@@ -102,6 +107,18 @@ sys.exit('missing for TRAINER=sft: ' + ' '.join(m) if m else 0)" || exit 1
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${STAGE_TIMEOUT:-560}" python3 benchmarks/train_hf.py \
         "${H[@]}" > "$out/${NAME:-hf_long}.log" 2>&1
     echo "train_hf exit $?"; grep -F "[train_hf]" "$out/${NAME:-hf_long}.log" | cut -c1-400 ;;
+delta)
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
+    python3 -c "import fla, transformers; print('fla', fla.__version__, 'transformers', transformers.__version__)"
+    timeout "${TEST_TIMEOUT:-170}" python3 -u -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_delta.py \
+        > "$out/test_gpu_delta.log" 2>&1
+    echo "test_gpu_delta exit $?: $(grep -E '[0-9]+ (passed|failed|error)' "$out/test_gpu_delta.log" | tail -1)"
+    grep -E "^\[delta|OVER|^(case|none|permute|ulysses|bug)" "$out/test_gpu_delta.log" | cut -c1-160
+    B=(--git-commit "$commit" --budget-s "${BENCH_BUDGET:-70}" --out "$out/delta_${card:-gpu}x1.json")
+    [ "${BYPASS:-1}" = 1 ] && B+=(--time-refused-backward)
+    # shellcheck disable=SC2086
+    timeout 150 python3 benchmarks/bench_delta.py "${B[@]}" ${DELTA_BENCH_ARGS:-} > "$out/bench_delta.log" 2>&1
+    echo "bench_delta exit $?"; cat "$out/delta_${card:-gpu}x1.md" 2>/dev/null || tail -20 "$out/bench_delta.log" ;;
 *)
-    echo "unknown stage $stage (tests, cells, pass_states, longest, offload, hf_long)"; exit 2 ;;
+    echo "unknown stage $stage (tests, cells, pass_states, longest, offload, hf_long, delta)"; exit 2 ;;
 esac

@@ -103,3 +103,59 @@ def test_refusals_name_the_setting():
         chunk_gated_delta_rule_sp(q, k, v, g, beta, initial_state=S0[:1], backend="reference")
     with pytest.raises(ValueError, match="backend must be one of"):
         chunk_gated_delta_rule_sp(q, k, v, g, beta, backend="triton")
+
+
+def _fake_fla(monkeypatch, hopper: bool, triton_3_7_1: bool, tilelang: bool) -> list:
+    """A stand-in for flash-linear-attention 0.6.0's modules that the fla backend reads (its kernel: the reference,
+    recording its calls; the flags of ``fla/ops/common/chunk_o.py``; the TileLang backend's availability)."""
+    import sys
+    import types
+
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return R.chunk_gated_delta_rule(*args, **kwargs)
+
+    class TileLang:
+        @classmethod
+        def is_available(cls):
+            return tilelang
+
+        def is_enabled(self):
+            return True
+
+    mods = {
+        "fla": {}, "fla.ops": {}, "fla.ops.gated_delta_rule": dict(chunk_gated_delta_rule=kernel), "fla.ops.common": {},
+        "fla.ops.common.chunk_o": dict(IS_NVIDIA_HOPPER=hopper, TRITON_ABOVE_3_4_0=True,
+                                       TRITON_ABOVE_3_7_1=triton_3_7_1),
+        "fla.ops.common.backends": dict(CommonTileLangBackend=TileLang), "triton": dict(__version__="3.6.0"),
+    }  # fmt: skip
+    for name, attrs in mods.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs, __path__=[]))
+    return calls
+
+
+def test_fla_backend_refuses_a_backward_that_fla_refuses(monkeypatch):
+    """fla 0.6.0 raises in the gated backward on Hopper with Triton >= 3.4, < 3.7.1 and no TileLang (its issue 640,
+    ``fla/ops/common/chunk_o.py``): backend "fla" refuses such a call before its forward (no rank is left waiting in
+    a collective while another fails in the backward) and names the way out; without gradients the call runs on
+    fla; "auto" falls back to the reference with a warning; with Triton 3.7.1 or TileLang, fla runs with
+    gradients. On the old backend the refused call went through to fla (no error)."""
+    from ds_mamba_spcp.ops import delta as D
+
+    data = _data(B=1, N=1)
+    ins = [t.float().requires_grad_() for t in data[:5]]
+    calls = _fake_fla(monkeypatch, hopper=True, triton_3_7_1=False, tilelang=False)
+    with pytest.raises(RuntimeError, match=r"Triton 3\.6\.0.*issue 640.*Triton >= 3\.7\.1 or tilelang.*'reference'"):
+        D.get_delta_backend("fla", "cuda")(*ins)
+    with torch.no_grad():
+        D.get_delta_backend("fla", "cuda")(*ins)
+    assert calls == [False]
+    with pytest.warns(RuntimeWarning, match="issue 640.*plain-PyTorch reference"):
+        o, _ = D.get_delta_backend("auto", "cuda")(*ins)
+    assert calls == [False] and o.requires_grad
+    for fixed in (dict(triton_3_7_1=True, tilelang=False), dict(triton_3_7_1=False, tilelang=True)):
+        calls = _fake_fla(monkeypatch, hopper=True, **fixed)
+        D.get_delta_backend("fla", "cuda")(*ins)
+        assert calls == [True], fixed

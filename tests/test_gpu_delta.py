@@ -1,0 +1,195 @@
+"""The gated delta-rule op (``delta_op.chunk_gated_delta_rule_sp``) with flash-linear-attention's kernel at cp 2 and 4,
+every rank on one GPU through gloo (marker ``gpu``; skipped without CUDA or fla). Issue 44.
+
+    python -m pytest -m gpu -q -s tests/test_gpu_delta.py        (benchmarks/device_one_gpu.sh COMMIT delta)
+
+Shape: Qwen3.5's linear-attention heads (8 query/key heads serving 16 value heads, K = V = 128: the 16 heads and
+head sizes of benchmarks/bench_delta.py, so that the benchmark after it in the device stage finds fla's kernels
+compiled and tuned for them; fla tunes per head count and V), one row of 4096 tokens,
+bf16 q, k, v, beta and fp32 g (as transformers' Qwen3.5 layer hands them to fla), fp32 initial states, q and k
+L2-normalised in the kernel; gentle decays (g in [-0.005, 0]) so that the state entering a shard still matters
+hundreds of tokens into it. Cases (docs/design.md, "The gated delta rule"):
+
+    none_allgather          contiguous shards, the all-gather exchange, initial and final states
+    none_scan_packed        the same with the log-depth scan and one packed row of documents, one spanning ranks and
+                            (cp 4) one of 1 token starting on a shard border
+    permute_a2a_allgather   zigzag shards permuted to contiguous and back by all-to-all ("permute_p2p" cannot run
+                            here: gloo's point-to-point takes no CUDA tensors, docs/design.md "Traps"; the NCCL
+                            suite's business)
+    bug_drop_incoming_state the negative control: none_allgather with every segment's incoming state dropped
+
+Ulysses is left to the CPU suite's fp64 cases (tests/delta_cases.py) and the benchmark: on fla it would tune and
+compile the kernels again for H/cp heads (tens of seconds a head count on a fresh machine).
+
+Metric: relative RMS against the whole sequence in fp64 (this package's chunked reference, ``ops/delta_reference.py``,
+on the very bf16/fp32 values the kernels see), for o, the final states and every gradient (sharded ones summed over
+the ranks' shards; the initial state's gradient summed over the ranks). Beside it the same backend's own error on
+the whole sequence, in one process. Bound: sharded <= 2 x whole + 2e-3. Why: the op rounds its output to bf16 where
+the kernel does, and twice more (the kernel's extra columns P = M^T q come back in bf16, and o_local + S_in^T P is
+rounded again); one bf16 rounding costs a relative RMS of about 2^-9 / sqrt(3) ~ 1.1e-3, so two extra are under
+2e-3. Segments also cut the kernel's 64-token chunks elsewhere than the whole-sequence run does, so neither is
+closer to fp64 by construction; 2x keeps the check meaningful (a lost or leaked state is O(0.1-1), which the
+negative control must show: it must fail the o bound by 3x at least).
+
+Backward: fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (fla's issue 640; ``ops/delta.py``
+``fla_backward_refusal``). There the forward is checked on fla (under ``torch.no_grad``) and the gradients on the
+plain-PyTorch reference backend (fp32 compute, bf16 in and out: the op's sharding and exchange in the backward at
+bf16's I/O, not fla's backward). The printed table names the backend of every row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs flash-linear-attention (fla-core 0.6.0)"),
+]
+
+T, HK, H, K, V = 4096, 8, 16, 128, 128
+FLOOR = 2e-3  # two extra bf16 roundings of the output (module docstring)
+NEGATIVE_FACTOR = 3.0
+TIMEOUT = float(os.environ.get("DS_MAMBA_SPCP_GPU_TIMEOUT", 300))
+
+# name -> (mode, load_balancing, summary_exchange, packed)
+CASES = {
+    "none_allgather": ("state_passing", "none", "allgather", False),
+    "none_scan_packed": ("state_passing", "none", "scan", True),
+    "permute_a2a_allgather": ("state_passing", "permute_a2a", "allgather", False),
+    "bug_drop_incoming_state": ("state_passing", "none", "allgather", False),
+}
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def cu_seqlens(world: int, length: int = T) -> list[int]:
+    """Documents of the packed row: a short one, one spanning the first shard border (and more ranks at cp > 2), at
+    cp > 2 one of 1 token starting exactly on the last border, a short last one."""
+    border = length // world
+    last = {length - border, length - border + 1} if world > 2 else {border + 300}
+    starts = {100, border - 200, length - 50} | last
+    return sorted({0, length} | starts)
+
+
+def inputs(packed: bool, world: int, device, length: int = T):
+    g = torch.Generator().manual_seed(44 + world + 10 * packed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    n, L = len(cu_seqlens(world, length)) - 1 if packed else 1, length
+    x = dict(q=r(1, L, HK, K).bfloat16(), k=r(1, L, HK, K).bfloat16(), v=r(1, L, H, V).bfloat16(),
+             g=-0.005 * torch.rand(1, L, H, generator=g), beta=torch.sigmoid(r(1, L, H)).bfloat16(),
+             initial_state=r(n, H, K, V))  # fmt: skip
+    up = dict(o=r(1, L, H, V).bfloat16(), final=r(n, H, K, V))
+    return {k: v.to(device) for k, v in x.items()}, {k: v.to(device) for k, v in up.items()}
+
+
+def _loss(o, final, up, final_weight):
+    return (o.float() * up["o"].float()).sum() + final_weight * (final * up["final"]).sum()
+
+
+def _run(rank, world, device="cuda", length=T):
+    """Every case on this rank (device and length: a CPU dry run of this file's logic can pass "cpu" and fewer
+    tokens, with a stand-in for fla)."""
+    import deepspeed.comm as dist
+
+    from ds_mamba_spcp.delta_op import chunk_gated_delta_rule_sp
+    from ds_mamba_spcp.engine import layout
+    from ds_mamba_spcp.engine.strategies import delta as strategy
+    from ds_mamba_spcp.ops import delta_reference
+    from ds_mamba_spcp.ops.delta import fla_backward_refusal, get_delta_backend
+    from tests.delta_cases import _Dropping
+    from tests.dist_utils import agree, rel_err, sharded_rel_err, summed_rel_err
+
+    dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
+    refusal = fla_backward_refusal()
+    bwd_backend = "fla" if refusal is None else "reference"
+    cache = {}
+
+    def whole(packed):
+        """fp64 truth and each backend's whole-sequence run (forward fla; backward ``bwd_backend``)."""
+        if packed in cache:
+            return cache[packed]
+        x, up = inputs(packed, world, dev, length)
+        # one packed row even without documents: fla then runs the variant of its kernels that the op's pieces use
+        cu = torch.tensor(cu_seqlens(world, length) if packed else [0, length], device=dev)
+        kw = dict(output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        truth_in = {k: v.double().requires_grad_() for k, v in x.items()}
+        o, f = delta_reference.chunk_gated_delta_rule(*[truth_in[k] for k in NAMES[:5]],
+                                                      initial_state=truth_in["initial_state"], **kw)  # fmt: skip
+        _loss(o, f, up, 1.0).backward()
+        truth = dict(o=o.detach(), final=f.detach(), **{"d" + k: v.grad for k, v in truth_in.items()})
+        fla = get_delta_backend("fla", dev)
+        # q and k repeated to v's heads, as the op hands them to the kernel: the same tuning key (H, HV, K, V)
+        qk = [x[k].repeat_interleave(H // HK, dim=2) for k in ("q", "k")]
+        with torch.no_grad():
+            o, f = fla(*qk, *[x[k] for k in NAMES[2:5]], initial_state=x["initial_state"], **kw)
+        own = dict(o=rel_err(o, truth["o"]), final=rel_err(f, truth["final"]))
+        b_in = {k: v.clone().requires_grad_() for k, v in x.items()}
+        o, f = get_delta_backend(bwd_backend, dev)(*[b_in[k] for k in NAMES[:5]], initial_state=b_in["initial_state"],
+                                                   **kw)  # fmt: skip
+        _loss(o, f, up, 1.0).backward()
+        own.update({"d" + k: rel_err(v.grad, truth["d" + k]) for k, v in b_in.items()})
+        cache[packed] = x, up, truth, own
+        return cache[packed]
+
+    results = {}
+    for case, (mode, lb, method, packed) in CASES.items():
+        x, up, truth, own = whole(packed)
+        seq_layout = "contiguous" if lb == "none" else "zigzag"
+        shard = lambda t, seq_layout=seq_layout: layout.shard_sequence(t, rank, world, seq_layout)  # noqa: E731
+        cu = torch.tensor(cu_seqlens(world, length), device=dev) if packed else None
+        real = strategy._make_exchange
+        if case.startswith("bug"):
+            strategy._make_exchange = lambda *a, real=real, **kw: _Dropping(real(*a, **kw))
+        try:
+            rows = {}
+            for backend, grads in (("fla", False), (bwd_backend, True)):
+                if backend == "fla" and bwd_backend == "fla" and not grads:
+                    continue  # one run gives both
+                ins = {k: (shard(v) if k != "initial_state" else v).clone().requires_grad_() for k, v in x.items()}
+                with torch.set_grad_enabled(grads):
+                    o, f = chunk_gated_delta_rule_sp(
+                        *[ins[k] for k in NAMES[:5]], initial_state=ins["initial_state"], output_final_state=True,
+                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True, mode=mode, load_balancing=lb,
+                        input_layout=seq_layout, summary_exchange=method, backend=backend,
+                    )  # fmt: skip
+                if backend == "fla":
+                    rows["o"] = (backend, sharded_rel_err(o.detach(), shard(truth["o"])), own["o"])
+                    rows["final"] = (backend, rel_err(f.detach(), truth["final"]), own["final"])
+                if grads:
+                    # the final states' upstream gradient on rank 0 only: the copies' gradients must add up
+                    _loss(o, f, dict(o=shard(up["o"]), final=up["final"]), 1.0 if rank == 0 else 0.0).backward()
+                    for k, v in ins.items():
+                        got = v.grad if v.grad is not None else torch.zeros_like(v)
+                        err = (summed_rel_err(got, truth["d" + k]) if k == "initial_state"
+                               else sharded_rel_err(got, shard(truth["d" + k])))  # fmt: skip
+                        rows["d" + k] = (backend, err, own["d" + k])
+        finally:
+            strategy._make_exchange = real
+        results[case] = rows
+    verdicts = {c: all(e <= 2 * w + FLOOR for _, e, w in rows.values()) for c, rows in results.items()}
+    bug = results["bug_drop_incoming_state"]["o"]
+    caught = bug[1] > NEGATIVE_FACTOR * (2 * bug[2] + FLOOR)
+    ok = agree(all(v for c, v in verdicts.items() if not c.startswith("bug")) and caught)
+    dist.barrier()
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return dict(results=results, ok=ok, caught=caught, refusal=refusal, gpu=gpu)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_delta_rule_fla_ranks_sharing_one_gpu(world):
+    res = run_ranks(_run, world, backend="gloo-cuda", timeout=TIMEOUT)[0]
+    print(f"\n[delta cp={world}] {res['gpu']}; fla backward: {res['refusal'] or 'runs'}")
+    print(f"{'case':<24} {'tensor':<15} {'backend':<9} {'sharded':>9} {'whole':>9} {'bound':>9}")
+    for case, rows in res["results"].items():
+        for name, (backend, err, own) in rows.items():
+            bound = 2 * own + FLOOR
+            flag = "" if err <= bound else "  OVER"
+            print(f"{case:<24} {name:<15} {backend:<9} {err:9.2e} {own:9.2e} {bound:9.2e}{flag}")
+    assert res["caught"], f"the negative control passed the bound: {res['results']['bug_drop_incoming_state']['o']}"
+    assert res["ok"], "a case is over its bound (rows marked OVER above)"
