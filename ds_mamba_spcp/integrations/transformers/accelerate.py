@@ -350,6 +350,9 @@ def _before_call(model: nn.Module, args: tuple, kwargs: dict):
     changed = {}
     if _mask_after_scored(kwargs.get("attention_mask"), kwargs.get("shift_labels"), group, sp):
         changed["attention_mask"] = None  # what the call gets without a mask
+        from ds_mamba_spcp.integrations.transformers import router_loss
+
+        router_loss.hand_over(model, kwargs["attention_mask"])  # its rows weighted by the mask (router_loss.py)
     position_ids = kwargs.get("position_ids")
     if kwargs.get("seq_idx") is None and torch.is_tensor(position_ids) and position_ids.dim() == 2:
         seq_idx = packed_seq_idx(position_ids, group, sp)
