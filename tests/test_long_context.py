@@ -464,6 +464,23 @@ def _acc():
     return importlib.import_module("tests.test_accelerate")
 
 
+def _right_padded(rows):
+    """``crop_collate``'s rows of 18..28 tokens, right-padded to two lengths (2 and 5 tokens of padding: mask 0,
+    labels -100), as TRL pads rows with packing=False."""
+    batch = _acc().crop_collate(rows)
+    mask = torch.ones_like(batch["input_ids"])
+    for row, pad in enumerate((2, 5)[: len(mask)]):
+        mask[row, -pad:] = 0
+    batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    return {**batch, "attention_mask": mask}
+
+
+def _router_padded(world: int, out: str) -> dict:
+    """GraniteMoeHybrid with its router loss (ROUTER) on ``_right_padded`` rows: the Trainer, ZeRO-2, no key."""
+    model = hf_models.build("granitemoehybrid", **ROUTER)
+    return _acc()._train("granitemoehybrid", 2, world, out, _right_padded, model=model, evaluate=False, **ROUTER_RUN)
+
+
 def _count_calls() -> dict:
     """Counts, per kind, the training calls of the key's parts in this process (which parts a run went through)."""
     from ds_mamba_spcp.integrations.transformers import long_context as lc
@@ -565,6 +582,9 @@ def _trainer_runs(rank, world, tmp):
             kw = {"model": hf_models.build(fam, **ROUTER), **ROUTER_RUN} if fam == "granitemoehybrid" else {}
             out[f"{fam}_{key}"] = acc._train(fam, stage, world, path, section=section, evaluate=fam == "bamba", **kw)
             out[f"{fam}_{key}"]["calls"] = dict(calls)
+    # the router loss with right-padded rows: one process without the key is transformers' own (the mask weights
+    # the router rows); at two ranks the call drops the mask (accelerate.py) and hands it to the router loss
+    out["router_padded"] = acc._attempt(_router_padded, world, os.path.join(tmp, "router_padded"))
     for key, section in (("off", None), ("on", {"long_context": {**LC, "tiled_layers": world == 1}})):
         model = hf_models.build("mamba2")
         out[f"packed_{key}"] = acc._train(
@@ -662,9 +682,20 @@ def test_router_loss_at_two_ranks_matches_one_process(trainer_runs):
     """GraniteMoeHybrid with its router loss (ROUTER) at sp_size 2 (ZeRO-2), without the key and with it (tiled
     layers off), against one process without the key (transformers' own loss): per-step loss and grad_norm, every
     parameter's update, the Trainer tests' bound (tests/test_accelerate.py). Before router_loss.py (b97e3d3) the
-    sp_size 2 runs were refused ("adds the router's load-balancing loss")."""
+    sp_size 2 runs were refused ("adds the router's load-balancing loss"). ``padded``: right-padded rows of two
+    lengths (the Trainer, ZeRO-2, no key) against transformers in one process, which leaves the padded rows out of
+    the router loss; before (b97e3d3) the two ranks counted them (the call's mask dropped): loss 3.3e-4, grad_norm
+    and updates 1e-2.. off."""
     acc = _acc()
     one = trainer_runs[0]["granitemoehybrid_off"]
     for key in ("off", "on"):
         errs = acc._errors(trainer_runs[1][0][f"granitemoehybrid_{key}"], one)
         assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, (key, errs)
+    one = trainer_runs[0]["router_padded"]
+    assert "error" not in one, one["error"]
+    for rank in trainer_runs[1]:
+        two = rank["router_padded"]
+        assert "error" not in two, two["error"]
+        errs = acc._errors(two, one)
+        print(f"right-padded rows with the router loss, two ranks against one process: {errs}")
+        assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, ("padded", errs)

@@ -28,8 +28,8 @@ Mamba2 families and trains Falcon-H1 wrong. A script adds one call before it bui
 
 The prepared model gets two more forward hooks: calls in ``eval()`` mode run unsharded, a training call
 whose ``position_ids`` restart inside a row gets the matching ``seq_idx`` (``packed_seq_idx``), and one whose
-``attention_mask`` zeros are right padding gets no mask (``_mask_after_scored``). The loss gives
-each rank ``grad_scale_for_engine(engine) x`` its share (1 at ZeRO 0-2, ``sp`` at ZeRO-3), so that the reduced
+``attention_mask`` zeros are right padding gets no mask (``_mask_after_scored``; the router loss gets it). The loss
+gives each rank ``grad_scale_for_engine(engine) x`` its share (1 at ZeRO 0-2, ``sp`` at ZeRO-3), so that the reduced
 gradient is the one-process one at every stage. The ds_config's ``"mamba_sequence_parallel"`` section decides the
 mode; absent or without ``"enabled"``, it means ``"enabled": true`` here. Errors are raised on every rank alike,
 before any collective. Why each replacement, the settings refused, the tests: docs/huggingface.md, "Trainer,

@@ -29,8 +29,12 @@ weights sum to one over the group: the Trainer's sequence-parallel loss weights 
 tokens over the group's (accelerate.py); a hand-written loop adds ``coef x aux / sp`` on every rank. ``aux_loss``
 is the group's value on every rank; ``router_logits`` is None in such a call (tiles hold a halo row twice).
 
-Refused by name: a padding mask with zeros (transformers weights rows by it; here every row counts), the losses of
-two training forwards under the key backpropagated together (the recomputes would not know which forward's
+A padding mask weights each row's C, P, R and gradient as transformers' does (a row of mask 0 is left out): the
+forward keeps this rank's (batch, seqlen) mask, and a router call takes its rows of it from where it runs (a
+tile's ``spans[k]``, its halo rows out; the chunk of a DeepSpeed TiledMLP tile, long_context.py's ``_MLP.part``;
+else the whole shard). At sp > 1 the call drops a right-padding mask (accelerate.py's ``_before_call``), which
+hands it over first (``hand_over``). Refused by name: a mask that is not (batch, seqlen) of the input, the losses
+of two training forwards under the key backpropagated together (the recomputes would not know which forward's
 gradient to add; one after the other, in any order, is right). Outside training, without grad, or without
 output_router_logits, the model runs as transformers runs it. docs/huggingface.md, "Long context".
 """
