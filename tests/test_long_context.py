@@ -389,7 +389,7 @@ def test_router_loss_with_right_padding(monkeypatch):
     rows of mask 0 out of C, P and R, and out of the gradient. The key's defaults (the padded rows in the last two
     tiles, TiledMLP's tiles in the attention layer, the offloading checkpoint) and whole layers against
     transformers' own path with the mask: aux_loss, the loss, every gradient, bound TOL (module docstring: sums
-    reordered only). Before (b97e3d3): refused ("a padding mask with zeros"). Negative control: the router loss
+    reordered only). Before (d520ed5): refused ("a padding mask with zeros"). Negative control: the router loss
     blind to the mask (the padded rows counted, as the call without its mask at sequence_parallel_size 2 did
     before): aux 8.2e-4 off, the routers' gradients 0.14..0.26."""
     from ds_mamba_spcp.integrations.transformers import router_loss
@@ -584,7 +584,9 @@ def _trainer_runs(rank, world, tmp):
             out[f"{fam}_{key}"]["calls"] = dict(calls)
     # the router loss with right-padded rows: one process without the key is transformers' own (the mask weights
     # the router rows); at two ranks the call drops the mask (accelerate.py) and hands it to the router loss
+    t1 = time.perf_counter()
     out["router_padded"] = acc._attempt(_router_padded, world, os.path.join(tmp, "router_padded"))
+    out["router_padded_s"] = time.perf_counter() - t1
     for key, section in (("off", None), ("on", {"long_context": {**LC, "tiled_layers": world == 1}})):
         model = hf_models.build("mamba2")
         out[f"packed_{key}"] = acc._train(
@@ -684,8 +686,8 @@ def test_router_loss_at_two_ranks_matches_one_process(trainer_runs):
     parameter's update, the Trainer tests' bound (tests/test_accelerate.py). Before router_loss.py (b97e3d3) the
     sp_size 2 runs were refused ("adds the router's load-balancing loss"). ``padded``: right-padded rows of two
     lengths (the Trainer, ZeRO-2, no key) against transformers in one process, which leaves the padded rows out of
-    the router loss; before (b97e3d3) the two ranks counted them (the call's mask dropped): loss 3.3e-4, grad_norm
-    and updates 1e-2.. off."""
+    the router loss; before (d520ed5) the two ranks counted them (the call's mask dropped), silently: loss 3.1e-4,
+    grad_norm 2.5e-3, a router's update 9.7e-2 off; now <= 9.1e-7."""
     acc = _acc()
     one = trainer_runs[0]["granitemoehybrid_off"]
     for key in ("off", "on"):
@@ -698,4 +700,5 @@ def test_router_loss_at_two_ranks_matches_one_process(trainer_runs):
         assert "error" not in two, two["error"]
         errs = acc._errors(two, one)
         print(f"right-padded rows with the router loss, two ranks against one process: {errs}")
+        print(f"their runs: {trainer_runs[0]['router_padded_s']:.1f} s in one process, {rank['router_padded_s']:.1f} s")
         assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, ("padded", errs)
