@@ -338,10 +338,12 @@ def test_refusals():
 ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.5, num_local_experts=4, num_experts_per_tok=2)
 
 
-def _router_run(model, ids) -> dict:
-    """The model's loss (cross-entropy + coef x aux) backpropagated: aux_loss, the loss, every gradient."""
+def _router_run(model, ids, mask=None) -> dict:
+    """The model's loss (cross-entropy + coef x aux) backpropagated: aux_loss, the loss, every gradient. ``mask``:
+    right padding (its zeros' labels -100)."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids, use_cache=False)
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    out = model(input_ids=ids, labels=labels, attention_mask=mask, use_cache=False)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return {"aux": out.aux_loss.detach().reshape(1), "loss": out.loss.detach().reshape(1), **grads}
@@ -378,14 +380,48 @@ def test_router_loss_matches_transformers(monkeypatch):
     assert len(errs) == 3 and min(errs) > 1e-2, errs
 
 
-def test_router_loss_refusals():
-    """A padding mask (transformers weights the router rows by it) and the losses of two training forwards
-    backpropagated together (the recomputes could not tell the two apart): refused by name."""
-    model = _prepared(hf_models.build("granitemoehybrid", dtype=torch.float32, **ROUTER), fused_loss=True)
+def test_router_loss_with_right_padding(monkeypatch):
+    """Right-padded rows of two lengths (13 and 9 of 16; TRL pads so with packing=False): transformers leaves the
+    rows of mask 0 out of C, P and R, and out of the gradient. The key's defaults (the padded rows in the last two
+    tiles, TiledMLP's tiles in the attention layer, the offloading checkpoint) and whole layers against
+    transformers' own path with the mask: aux_loss, the loss, every gradient, bound TOL (module docstring: sums
+    reordered only). Before (d520ed5): refused ("a padding mask with zeros"). Negative control: the router loss
+    blind to the mask (the padded rows counted, as the call without its mask at sequence_parallel_size 2 did
+    before): aux 8.2e-4 off, the routers' gradients 0.14..0.26."""
+    from ds_mamba_spcp.integrations.transformers import router_loss
+
+    base = hf_models.build("granitemoehybrid", dtype=torch.float32, **ROUTER)
     ids = _inputs()[0][:, :16]
     mask = torch.ones_like(ids)
-    mask[1, -2:] = 0
-    with pytest.raises(NotImplementedError, match="padding mask"):
+    mask[0, 13:] = 0
+    mask[1, 9:] = 0
+    want = _router_run(base, ids, mask)
+    settings = {"defaults": {"fused_loss": True, "offload_gpu_budget_gib": 0}, "whole_layers": {"tiled_layers": False}}
+    for parts, lc in settings.items():
+        model = _prepared(base, **lc)
+        err, key = _worst(_router_run(model, ids, mask), want)
+        print(f"right padding, {parts}: the worst is {key}, {err:.1e} off")
+        assert err < TOL, f"{parts}: {key} is {err:.2e} off"
+
+    class Unmasked(router_loss._Pass):  # the negative control: the router loss never sees the mask
+        mask = property(lambda self: None, lambda self, value: None)
+
+    monkeypatch.setattr(router_loss, "_Pass", Unmasked)
+    got = _router_run(model, ids, mask)
+    errs = {k: float((got[k] - want[k]).norm() / want[k].norm()) for k in want if k == "aux" or "router" in k}
+    print(f"the padded rows counted: {errs}")
+    assert len(errs) == 4 and min(errs.values()) > 10 * TOL, errs
+
+
+def test_router_loss_refusals():
+    """A padding mask that is not the input's (batch, seqlen) (transformers' router loss flattens it against the
+    rows) and the losses of two training forwards backpropagated together (the recomputes could not tell the two
+    apart): refused by name."""
+    model = _prepared(hf_models.build("granitemoehybrid", dtype=torch.float32, **ROUTER), fused_loss=True)
+    ids = _inputs()[0][:, :16]
+    mask = torch.ones_like(ids)[:, None, None, :].float()
+    mask[1, ..., -2:] = 0
+    with pytest.raises(NotImplementedError, match="a padding mask of shape"):
         model(input_ids=ids, labels=ids, attention_mask=mask)
     first, second = model(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
     with pytest.raises(RuntimeError, match="backpropagated together"):
@@ -420,6 +456,23 @@ ROUTER_RUN = {"learning_rate": 0.02, "max_steps": 3}
 
 def _acc():
     return importlib.import_module("tests.test_accelerate")
+
+
+def _right_padded(rows):
+    """``crop_collate``'s rows of 18..28 tokens, right-padded to two lengths (2 and 5 tokens of padding: mask 0,
+    labels -100), as TRL pads rows with packing=False."""
+    batch = _acc().crop_collate(rows)
+    mask = torch.ones_like(batch["input_ids"])
+    for row, pad in enumerate((2, 5)[: len(mask)]):
+        mask[row, -pad:] = 0
+    batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    return {**batch, "attention_mask": mask}
+
+
+def _router_padded(world: int, out: str) -> dict:
+    """GraniteMoeHybrid with its router loss (ROUTER) on ``_right_padded`` rows: the Trainer, ZeRO-2, no key."""
+    model = hf_models.build("granitemoehybrid", **ROUTER)
+    return _acc()._train("granitemoehybrid", 2, world, out, _right_padded, model=model, evaluate=False, **ROUTER_RUN)
 
 
 def _count_calls() -> dict:
@@ -527,6 +580,11 @@ def _trainer_runs(rank, world, tmp):
             out[f"{fam}_{key}"] = acc._train(family, stage, world, path, section=section, evaluate=fam == "bamba",
                                              **kw)  # fmt: skip
             out[f"{fam}_{key}"]["calls"] = dict(calls)
+    # the router loss with right-padded rows: one process without the key is transformers' own (the mask weights
+    # the router rows); at two ranks the call drops the mask (accelerate.py) and hands it to the router loss
+    t1 = time.perf_counter()
+    out["router_padded"] = acc._attempt(_router_padded, world, os.path.join(tmp, "router_padded"))
+    out["router_padded_s"] = time.perf_counter() - t1
     for key, section in (("off", None), ("on", {"long_context": LC})):
         model = hf_models.build("mamba2")
         out[f"packed_{key}"] = acc._train(
@@ -615,9 +673,21 @@ def test_router_loss_at_two_ranks_matches_one_process(trainer_runs):
     """GraniteMoeHybrid with its router loss (ROUTER) at sp_size 2 (ZeRO-2), without the key and with it (its
     defaults: tiled layers on each shard), against one process without the key (transformers' own loss): per-step
     loss and grad_norm, every parameter's update, the Trainer tests' bound (tests/test_accelerate.py). Before
-    router_loss.py (b97e3d3) the sp_size 2 runs were refused ("adds the router's load-balancing loss")."""
+    router_loss.py (b97e3d3) the sp_size 2 runs were refused ("adds the router's load-balancing loss"). ``padded``:
+    right-padded rows of two lengths (the Trainer, ZeRO-2, no key) against transformers in one process, which leaves
+    the padded rows out of the router loss; before (d520ed5) the two ranks counted them (the call's mask dropped),
+    silently: loss 3.1e-4, grad_norm 2.5e-3, a router's update 9.7e-2 off; now <= 9.1e-7."""
     acc = _acc()
     one = trainer_runs[0]["granitemoehybrid_off"]
     for key in ("off", "on"):
         errs = acc._errors(trainer_runs[1][0][f"granitemoehybrid_{key}"], one)
         assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, (key, errs)
+    one = trainer_runs[0]["router_padded"]
+    assert "error" not in one, one["error"]
+    for rank in trainer_runs[1]:
+        two = rank["router_padded"]
+        assert "error" not in two, two["error"]
+        errs = acc._errors(two, one)
+        print(f"right-padded rows with the router loss, two ranks against one process: {errs}")
+        print(f"their runs: {trainer_runs[0]['router_padded_s']:.1f} s in one process, {rank['router_padded_s']:.1f} s")
+        assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, ("padded", errs)

@@ -28,8 +28,8 @@ Mamba2 families and trains Falcon-H1 wrong. A script adds one call before it bui
 
 The prepared model gets two more forward hooks: calls in ``eval()`` mode run unsharded, a training call
 whose ``position_ids`` restart inside a row gets the matching ``seq_idx`` (``packed_seq_idx``), and one whose
-``attention_mask`` zeros are right padding gets no mask (``_mask_after_scored``). The loss gives
-each rank ``grad_scale_for_engine(engine) x`` its share (1 at ZeRO 0-2, ``sp`` at ZeRO-3), so that the reduced
+``attention_mask`` zeros are right padding gets no mask (``_mask_after_scored``; the router loss gets it). The loss
+gives each rank ``grad_scale_for_engine(engine) x`` its share (1 at ZeRO 0-2, ``sp`` at ZeRO-3), so that the reduced
 gradient is the one-process one at every stage. The ds_config's ``"mamba_sequence_parallel"`` section decides the
 mode; absent or without ``"enabled"``, it means ``"enabled": true`` here. Errors are raised on every rank alike,
 before any collective. Why each replacement, the settings refused, the tests: docs/huggingface.md, "Trainer,
@@ -350,6 +350,9 @@ def _before_call(model: nn.Module, args: tuple, kwargs: dict):
     changed = {}
     if _mask_after_scored(kwargs.get("attention_mask"), kwargs.get("shift_labels"), group, sp):
         changed["attention_mask"] = None  # what the call gets without a mask
+        from ds_mamba_spcp.integrations.transformers import router_loss
+
+        router_loss.hand_over(model, kwargs["attention_mask"])  # its rows weighted by the mask (router_loss.py)
     position_ids = kwargs.get("position_ids")
     if kwargs.get("seq_idx") is None and torch.is_tensor(position_ids) and position_ids.dim() == 2:
         seq_idx = packed_seq_idx(position_ids, group, sp)

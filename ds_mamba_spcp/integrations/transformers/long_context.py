@@ -312,6 +312,7 @@ class _MLP:
     def __init__(self, module: nn.Module, tile_tokens: int):
         self.module, self.tile_tokens = module, tile_tokens
         self.raw = type(module).forward
+        self.part = None  # the tile running now, for router_loss.py's padding mask: (index, shards, along seqlen)
 
     def __call__(self, x, *args, **kwargs):
         module = self.module
@@ -328,9 +329,16 @@ class _MLP:
         # the tiles run under the forward's autocast settings, as torch.utils.checkpoint's recompute does
         autocast, drawn = autocast_state(x.device), rng_state(x.device)
 
+        calls = {True: 0, False: 0}  # TiledMLP's forward hands (batch, tile) slices, its backward flattened rows
+
         def per_tile(m, tile):
-            with autocast.context():
-                return self._per_token(m, tile)
+            seqwise = tile.dim() == 3
+            self.part, calls[seqwise] = (calls[seqwise], shards, seqwise), calls[seqwise] + 1
+            try:
+                with autocast.context():
+                    return self._per_token(m, tile)
+            finally:
+                self.part = None
 
         out = TiledMLP.apply(per_tile, module, x, shards, params)  # under no_grad: its forward's tiles only
         # TiledMLP replays no generator state: the recompute would differ (nothing is recomputed under no_grad)

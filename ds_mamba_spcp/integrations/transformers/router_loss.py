@@ -29,8 +29,12 @@ weights sum to one over the group: the Trainer's sequence-parallel loss weights 
 tokens over the group's (accelerate.py); a hand-written loop adds ``coef x aux / sp`` on every rank. ``aux_loss``
 is the group's value on every rank; ``router_logits`` is None in such a call (tiles hold a halo row twice).
 
-Refused by name: a padding mask with zeros (transformers weights rows by it; here every row counts), the losses of
-two training forwards under the key backpropagated together (the recomputes would not know which forward's
+A padding mask weights each row's C, P, R and gradient as transformers' does (a row of mask 0 is left out): the
+forward keeps this rank's (batch, seqlen) mask, and a router call takes its rows of it from where it runs (a
+tile's ``spans[k]``, its halo rows out; the chunk of a DeepSpeed TiledMLP tile, long_context.py's ``_MLP.part``;
+else the whole shard). At sp > 1 the call drops a right-padding mask (accelerate.py's ``_before_call``), which
+hands it over first (``hand_over``). Refused by name: a mask that is not (batch, seqlen) of the input, the losses
+of two training forwards under the key backpropagated together (the recomputes would not know which forward's
 gradient to add; one after the other, in any order, is right). Outside training, without grad, or without
 output_router_logits, the model runs as transformers runs it. docs/huggingface.md, "Long context".
 """
@@ -42,7 +46,7 @@ import inspect
 import torch
 from torch import nn
 
-__all__ = ["ROUTER_LOSS_CLASSES", "install", "installed"]
+__all__ = ["ROUTER_LOSS_CLASSES", "hand_over", "install", "installed"]
 
 # The CausalLM classes whose router loss was read (class name -> (modeling module, router class name)).
 ROUTER_LOSS_CLASSES = {
@@ -65,14 +69,15 @@ class _Pass:
         self.grad: torch.Tensor | None = None  # dLoss/dP (E,), the group's sum
         self.injected = 0  # rows whose gradient a backpropagated router graph received
         self.rows = 0  # this rank's rows routed in forward
+        self.mask: torch.Tensor | None = None  # (batch, seqlen) fp32 weights of this rank's rows, or None (all 1)
 
 
 class _Inject(torch.autograd.Function):
     """weights -> weights; backward adds dLoss/dP's contribution to the router logits' gradient (halo rows out)."""
 
     @staticmethod
-    def forward(ctx, state, fixed, nhalo, batch, weights, logits):
-        ctx.state, ctx.fixed, ctx.nhalo, ctx.batch = state, fixed, nhalo, batch
+    def forward(ctx, state, fixed, nhalo, batch, rows_mask, weights, logits):
+        ctx.state, ctx.fixed, ctx.nhalo, ctx.batch, ctx.rows_mask = state, fixed, nhalo, batch, rows_mask
         ctx.save_for_backward(logits)
         return weights.view_as(weights)
 
@@ -92,8 +97,11 @@ class _Inject(torch.autograd.Function):
         if ctx.nhalo:
             dlogits.view(ctx.batch, -1, logits.shape[-1])[:, : ctx.nhalo] = 0
             rows -= ctx.batch * ctx.nhalo
+        if ctx.rows_mask is not None:  # dP sums the rows times their mask: a padded row gets no gradient
+            own = dlogits.view(ctx.batch, -1, logits.shape[-1])[:, ctx.nhalo :]
+            own.mul_(ctx.rows_mask.to(own.dtype).view(ctx.batch, -1, 1))
         p.injected += rows
-        return None, None, None, None, dweights, dlogits.to(logits.dtype)
+        return None, None, None, None, None, dweights, dlogits.to(logits.dtype)
 
 
 class _AuxLoss(torch.autograd.Function):
@@ -137,12 +145,17 @@ class _RouterLoss:
         self.backward_pass: _Pass | None = None  # the pass whose backward runs (set by its aux's node)
         self.experts = int(model.num_experts)
         self.top_k = int(model.num_experts_per_tok)
+        self.handed: torch.Tensor | None = None  # a padding mask the call's caller dropped (``hand_over``)
+
+    def hand_over(self, mask: torch.Tensor) -> None:
+        self.handed = mask
 
     # -- the model's forward ----------------------------------------------------------------------
 
     def before(self, model: nn.Module, args: tuple, kwargs: dict):
         # no backward runs now (a recompute calls the layers, not the model): a backward that raised is over
         self.current, self.backward_pass = None, None
+        handed, self.handed = self.handed, None
         if not (model.training and torch.is_grad_enabled()):
             return None
         if args:  # every argument by name
@@ -159,16 +172,22 @@ class _RouterLoss:
             asked = getattr(model.config, "output_router_logits", False)
         if not asked:
             return None
-        name = type(model).__qualname__
         mask = kwargs.get("attention_mask")
-        if torch.is_tensor(mask) and bool((mask == 0).any()):
-            raise NotImplementedError(
-                f"{name}: a padding mask with zeros and output_router_logits in training under the long-context key "
-                "or sequence parallelism: transformers' router loss weights the rows by the mask, which the router "
-                "calls here cannot see. Train on full or packed rows without padding, or set "
-                "config.output_router_logits=False (TRL: router_aux_loss_coef=0.0)."
-            )
+        mask = handed if mask is None else mask
         self.current = _Pass()
+        if torch.is_tensor(mask) and bool((mask == 0).any()):  # transformers weights each row by its mask
+            tokens = kwargs.get("input_ids")
+            tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+            if mask.dim() != 2 or not torch.is_tensor(tokens) or tuple(mask.shape) != tuple(tokens.shape[:2]):
+                self.current = None
+                got = tuple(mask.shape)
+                raise NotImplementedError(
+                    f"{type(model).__qualname__}: a padding mask of shape {got} and output_router_logits in training "
+                    "under the long-context key or sequence parallelism: the router loss weights the rows by a 2-D "
+                    "(batch, seqlen) mask of the input's shape, as transformers' does. Pass the collator's 2-D mask, "
+                    "or set config.output_router_logits=False (TRL: router_aux_loss_coef=0.0)."
+                )
+            self.current.mask = mask.detach().float()
         wants_dict = kwargs.get("return_dict")
         self.wants_tuple = wants_dict is False or (wants_dict is None and not model.config.return_dict)
         return args, {**kwargs, "output_router_logits": False, "return_dict": True}
@@ -211,17 +230,38 @@ class _RouterLoss:
         if self.current is not None:
             self.current.anchor = output[0] if isinstance(output, tuple) else output
 
-    def router_output(self, adapter, router, args, output):
+    def router_output(self, adapter, router, args, output, part=None):
         logits, weights, index = output
         p = self.current
         nhalo, batch = 0, 1
         call = getattr(adapter, "tile", None) if adapter is not None else None
+        span = None  # the (batch, seqlen) mask -> this call's rows (halo rows out)
         if call is not None:  # inside a tiled layer: (batch, halo rows + tile rows) flattened
             nhalo = call.tiles.halo_rows(call.k)
             s, e = call.tiles.spans[call.k]
             batch, rest = divmod(logits.shape[0], nhalo + e - s)
             if rest:
                 raise RuntimeError(f"router_loss: {logits.shape[0]} router rows in a tile of {nhalo} + {e - s} rows")
+
+            def span(mask, s=s, e=e):
+                return mask[:, s:e]
+
+        elif part is not None:  # a tile of DeepSpeed's TiledMLP (long_context.py's _MLP): the same chunks of the mask
+            i, shards, seqwise = part
+
+            def span(mask, i=i, shards=shards, seqwise=seqwise):
+                return torch.chunk(mask, shards, dim=1)[i] if seqwise else torch.chunk(mask.reshape(-1), shards)[i]
+
+        owner = p if p is not None else self.backward_pass
+        rows_mask = None
+        if owner is not None and owner.mask is not None:
+            rows_mask = owner.mask.reshape(-1) if span is None else span(owner.mask).reshape(-1)
+            if rows_mask.numel() != logits.shape[0] - batch * nhalo:
+                raise RuntimeError(
+                    f"router_loss: {logits.shape[0]} router rows ({batch} x {nhalo} halo rows) against "
+                    f"{rows_mask.numel()} of the padding mask; this is a bug of ds_mamba_spcp, please report it."
+                )
+            rows_mask = rows_mask.to(logits.device)
         if p is not None:  # the forward: this call's rows, once
             with torch.no_grad():
                 rows = logits.detach()
@@ -230,9 +270,13 @@ class _RouterLoss:
                 probs = torch.softmax(rows.float(), dim=-1)
                 _, chosen = torch.topk(probs, self.top_k, dim=-1)
                 counts = torch.zeros(self.experts, dtype=torch.float32, device=rows.device)
-                counts.scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=rows.device))
-                n = torch.tensor([rows.shape[0]], dtype=torch.float32, device=rows.device)
-                sums = torch.cat([counts, probs.sum(0), n])
+                if rows_mask is None:
+                    counts.scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=rows.device))
+                    n = torch.tensor([rows.shape[0]], dtype=torch.float32, device=rows.device)
+                    sums = torch.cat([counts, probs.sum(0), n])
+                else:  # as transformers: each row's assignments, probabilities and count times its mask
+                    counts.scatter_add_(0, chosen.reshape(-1), rows_mask.repeat_interleave(self.top_k))
+                    sums = torch.cat([counts, (probs * rows_mask[:, None]).sum(0), rows_mask.sum().reshape(1)])
                 p.sums = sums if p.sums is None else p.sums + sums
                 p.rows += rows.shape[0]
             if not logits.requires_grad:
@@ -241,11 +285,21 @@ class _RouterLoss:
             return None
         if p is None and self.backward_pass is None:  # a call of a forward without the router loss
             return None
-        return logits, _Inject.apply(self, p, nhalo, batch, weights, logits), index
+        return logits, _Inject.apply(self, p, nhalo, batch, rows_mask, weights, logits), index
 
 
 def installed(model: nn.Module) -> bool:
     return any(_ATTR in m.__dict__ for m in model.modules())
+
+
+def hand_over(model: nn.Module, mask: torch.Tensor) -> None:
+    """Gives the router loss of ``model``'s next call the padding mask that its caller drops from that call
+    (accelerate.py's ``_before_call``: right padding after the scored tokens at sequence_parallel_size > 1); this
+    rank's shard of the rows, (batch, local seqlen)."""
+    for m in model.modules():
+        state = m.__dict__.get(_ATTR)
+        if state is not None:
+            state.hand_over(mask)
 
 
 def install(model: nn.Module, sharding=None) -> bool:
@@ -279,19 +333,24 @@ def install(model: nn.Module, sharding=None) -> bool:
             adapter = adapters[0] if len(adapters) == 1 else None
             for m in layer.modules():
                 if type(m).__name__ == spec[1]:
-                    m.register_forward_hook(_RouterHook(state, adapter))
+                    mlps = [a for a in layer.modules() if a is not m and any(c is m for c in a.modules())]
+                    m.register_forward_hook(_RouterHook(state, adapter, mlps))
                     hooked.add(id(m))
         for m in lm.modules():
             if type(m).__name__ == spec[1] and id(m) not in hooked:
-                m.register_forward_hook(_RouterHook(state, None))
+                m.register_forward_hook(_RouterHook(state, None, []))
     return found
 
 
 class _RouterHook:
-    """A router's forward hook: the state and the mixer adapter of its layer (a copied model copies both)."""
+    """A router's forward hook: the state, the mixer adapter of its layer and the modules of the layer that hold the
+    router (long_context.py's TiledMLP wrapper, ``_MLP``, may be one's forward; a copied model copies all)."""
 
-    def __init__(self, state: _RouterLoss, adapter) -> None:
-        self.state, self.adapter = state, adapter
+    def __init__(self, state: _RouterLoss, adapter, holders: list) -> None:
+        self.state, self.adapter, self.holders = state, adapter, holders
 
     def __call__(self, module, args, output):
-        return self.state.router_output(self.adapter, module, args, output)
+        part = None
+        for holder in self.holders:
+            part = getattr(holder.__dict__.get("forward"), "part", None) or part
+        return self.state.router_output(self.adapter, module, args, output, part)
