@@ -23,8 +23,8 @@
 #                the key beside it), GA= gradient accumulation steps (1), PADDED=1: batches of two right-padded rows
 #                (L and 3L/4). TRL needs trl, datasets, dill and multiprocess (in .whl/extra, carried with .whl) and
 #                accelerate, tokenizers, pyarrow (>= 24), pandas, xxhash, fsspec, jinja2 on the machine: the stage
-#                names any that is missing before it starts (carry its wheel in .whl/extra). With the key's tiled
-#                layers on, padded rows are refused by name (a tile cannot honour a padding mask): PARTS_OFF=tiled_layers.
+#                names any that is missing before it starts (carry its wheel in .whl/extra). Padded rows: sdpa builds
+#                an (L x L) mask per attention layer (16 GiB at 65,536), so keep them short.
 #                  1 H200:   TRAINER=sft GA=2 STEPS=3 COMPARE_AT=65536 NAME=hf_sft ... COMMIT hf_long
 #                  1 H200:   TRAINER=sft GA=2 STEPS=3 SEARCH="131072 1.5 1600000" BUDGET_GIB=16 NAME=hf_sft_long ...
 #                  1 H200:   TRAINER=sft GA=2 PADDED=1 STEPS=3 LENGTHS=65536 NAME=hf_sft_padded ... COMMIT hf_long

@@ -18,8 +18,7 @@ itself (env MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE: no launcher). Two pa
 through accelerate (``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``, variable lengths, SDPA) as
 examples/hf_trainer.py does, and ``enable()`` on both paths (accelerate alone refuses Bamba; on the transformers
 path the section has no ``"long_context"``). L is the whole row's length (each rank holds L/N; L must divide by
-N); tokens/s counts the whole row. Tiled layers run on one rank only, so at N > 1 the key gets
-``"tiled_layers": false`` unless ``--parts-off`` is given (it must then name tiled_layers). Rank r runs on
+N); tokens/s counts the whole row. The key's parts run at any N (tiled layers on each rank's shard). Rank r runs on
 cuda:r with nccl; ``--shared-gpu`` puts every rank on cuda:0 with gloo (LOCAL_RANK=0 for all: accelerate and
 DeepSpeed pick the device from it; the process group is up before the Trainer, which keeps it); on CPU, gloo.
 Each rank records its own steps, losses and peaks: the trial's record is rank 0's, every rank's values listed in
@@ -49,8 +48,9 @@ equal length each, position_ids restarting per document). TRL computes the loss 
 paths (the key's fused loss leaves it to TRL: record ``loss_by``), and logs ``entropy`` and ``mean_token_accuracy``
 (recorded per step). ``--grad-accum N``: N micro-batches a step. ``--padded``: batches of two rows, of L and
 ``short_row(L)`` = 3L/4 tokens, the shorter right-padded to L (attention_mask 0 and label -100 there; with
-``--trainer sft`` packing is off and TRL's collator pads); the key's tiled layers refuse a padding mask by name
-(``--parts-off tiled_layers``). The rows of a step are the whole dataset, read in order (``row_lengths``).
+``--trainer sft`` packing is off and TRL's collator pads; the key's tiled layers take right padding; transformers'
+sdpa attention builds an (L x L) mask for a padded batch). The rows of a step are the whole dataset, read in order
+(``row_lengths``).
 Every record states ``trainer``, ``grad_accum``, ``padded``, ``packed``, ``docs_per_row`` and ``steps`` (the
 table's "run" column), and tokens/s counts the step's tokens (``tokens_per_step``: every row's, padding not
 counted). ``--compare-at L --trainer sft`` puts the key's run beside TRL's without it.
@@ -61,7 +61,7 @@ counted). ``--compare-at L --trainer sft`` puts the key's run beside TRL's witho
         --search 131072 --factor 1.5 --max 1600000 --out /tmp/sft_long.json
     # right-padded batches of two rows
     python benchmarks/train_hf.py --trainer sft --padded --grad-accum 2 --steps 3 --long-context \
-        --parts-off tiled_layers --lengths 65536 --out /tmp/sft_padded.json
+        --lengths 65536 --out /tmp/sft_padded.json
 
 Per trial: status ("ok", "oom": torch's OutOfMemoryError or a CUDA "out of memory", "error": any other exception,
 its type and message, "timeout", "killed": SIGKILL, the host's out-of-memory killer most likely), each step's wall
@@ -935,13 +935,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if length % args.sp:
             p.error(f"{flag} {length}: each of the --sp {args.sp} ranks holds an equal shard of the row: give lengths "
                     f"that divide by {args.sp}")  # fmt: skip
-    if args.sp > 1 and (args.long_context or args.compare_at):
-        parts = set(filter(None, args.parts_off.split(",")))
-        if not parts:
-            args.parts_off = "tiled_layers"  # tiled layers run on a group of one only (long_context.py refuses them)
-        elif "tiled_layers" not in parts:
-            p.error(f"--parts-off {args.parts_off} at --sp {args.sp}: tiled layers run on one rank only; add "
-                    "tiled_layers to --parts-off (without --parts-off it is added)")  # fmt: skip
     return args
 
 

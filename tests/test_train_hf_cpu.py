@@ -115,12 +115,12 @@ def test_sp_trials_on_cpu(tmp_path, monkeypatch):
     ], got  # fmt: skip
     n = bench.parameter_count("hf-bamba-tiny")
     hf, lc, ref, failed = payload["records"]
-    # at sp > 1 the long-context key gets "tiled_layers": false (tiled layers run on one rank only), the
-    # one-process reference of the peak check the same key
+    # at sp > 1 the key at its defaults: the two Mamba2 layers tiled on each rank's shard, the attention layer's
+    # MLP through TiledMLP; the one-process reference of the peak check the same key
     for r in (lc, ref):
-        assert r["long_context"] == {"tile_tokens": 16, "tiled_layers": False}, r["long_context"]
-        assert r["memory_report"]["installed"] and r["memory_report"]["layers_tiled"] == 0, r["memory_report"]
-        assert r["memory_report"]["mlps_tiled"] == 3, r["memory_report"]
+        assert r["long_context"] == {"tile_tokens": 16}, r["long_context"]
+        assert r["memory_report"]["installed"] and r["memory_report"]["layers_tiled"] == 2, r["memory_report"]
+        assert r["memory_report"]["mlps_tiled"] == 1, r["memory_report"]
     for r in (hf, lc):
         per = r["per_rank"]
         assert set(per) == set(bench.RANK_FIELDS) and all(len(v) == 2 for v in per.values()), per
@@ -161,19 +161,18 @@ def test_sp_trials_on_cpu(tmp_path, monkeypatch):
 
     text = (tmp_path / "hf.md").read_text()
     assert "| hf-bamba-tiny | transformers (sp 2) | 64 | ok |" in text
-    assert "| hf-bamba-tiny | long_context (tiles 16, tiled_layers off, sp 2) | 64 | ok |" in text
-    assert "| hf-bamba-tiny | long_context (tiles 16, tiled_layers off, sp 2) | 128 | oom |" in text
+    assert "| hf-bamba-tiny | long_context (tiles 16, sp 2) | 64 | ok |" in text
+    assert "| hf-bamba-tiny | long_context (tiles 16, sp 2) | 128 | oom |" in text
 
 
 def test_sp_refusals_timeout_and_peak_ratios(tmp_path, monkeypatch, capsys):
-    """Lengths that do not divide by --sp and parts that keep tiled layers on at --sp 2 are refused before any trial;
+    """Lengths that do not divide by --sp are refused before any trial (the key's parts, tiled layers too, are kept);
     a two-rank trial past --trial-timeout is killed whole (both ranks' records say so); the peak check's ratios."""
     bench = _train_hf()
     common = ["--preset", "hf-bamba-tiny", "--out", str(tmp_path / "x.json"), "--sp", "2"]
     for extra, message in [
         (["--lengths", "64,97"], "--lengths 97: each of the --sp 2 ranks"),
         (["--search", "64", "--max", "200", "--round", "15"], "--round 15: each of the --sp 2 ranks"),
-        (["--lengths", "64", "--long-context", "--parts-off", "fused_loss"], "add tiled_layers to --parts-off"),
     ]:
         with pytest.raises(SystemExit):
             bench.parse_args(common + extra)
@@ -182,7 +181,7 @@ def test_sp_refusals_timeout_and_peak_ratios(tmp_path, monkeypatch, capsys):
         bench.parse_args(["--preset", "hf-bamba-tiny", "--out", "x", "--peak-check", "64"])
     assert "give --sp 2 or more" in capsys.readouterr().err
     args = bench.parse_args(common + ["--lengths", "64", "--long-context"])
-    assert args.parts_off == "tiled_layers" and bench.long_context_key(args) == {"tiled_layers": False}
+    assert args.parts_off == "" and bench.long_context_key(args) == {}
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     payload = bench.main(common + ["--lengths", "64", "--trial-timeout", "2"])
