@@ -49,6 +49,9 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mixer import _git, _version  # noqa: E402  (the JSON header's helpers, shared)
+
 SCHEMA = "ds_mamba_spcp.bench_delta/1"
 MODES = ("ideal", "state_passing", "ulysses", "ulysses_compute")
 KIB = 1024
@@ -313,25 +316,6 @@ def _spawn(cp: int, args, deadline: float) -> list[dict]:
 
 
 # -- output -----------------------------------------------------------------------------------------------------
-
-
-def _version(name: str):
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _git(*cmd):
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "-C", REPO, *cmd], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def header(args) -> dict:
