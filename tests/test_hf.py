@@ -614,6 +614,17 @@ def test_generate_and_deepcopy_after_wrapping():
     assert torch.equal(twin.generate(prompt, **kw), plain.generate(prompt, **kw))
 
 
+@pytest.mark.parametrize("family", list(hf_models.DELTA_MODULES))
+def test_delta_families_refuse_sequence_parallel_generate(family):
+    """The Gated DeltaNet families are refused by name (their sharded prefill cache is not built yet)."""
+    from ds_mamba_spcp.config import load_mamba_sp_config
+    from ds_mamba_spcp.integrations.transformers import generation
+
+    cfg = load_mamba_sp_config(ds_config(2, "sp_none"))
+    problem = generation._model_problem(hf_models.build(family), cfg, 2)
+    assert isinstance(problem, NotImplementedError) and "Gated DeltaNet" in str(problem), problem
+
+
 def test_disabled_config_leaves_the_model_alone():
     from ds_mamba_spcp.integrations.transformers import prepare_sequence_parallel
     from ds_mamba_spcp.module import wrap_mamba2_mixers
