@@ -31,12 +31,56 @@ MODULES = {
 }
 
 
+# the Gated DeltaNet families (ds_mamba_spcp/integrations/transformers/delta.py): family -> modeling module
+DELTA_MODULES = {
+    "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
+    "qwen3_5_moe": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+    "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+}
+# 2 query/key heads of dim 4 serving 4 value heads of dim 3 (grouped value heads), conv kernel 4
+DELTA = dict(k_heads=2, v_heads=4, k_dim=4, v_dim=3, d_conv=4)
+
+
 def import_models() -> None:
-    """Imports the six modeling modules (in any order with ds_mamba_spcp: tests/test_import_order.py)."""
+    """Imports the modeling modules (in any order with ds_mamba_spcp: tests/test_import_order.py)."""
     import importlib
 
-    for name in MODULES.values():
+    for name in (*MODULES.values(), *DELTA_MODULES.values()):
         importlib.import_module(name)
+
+
+def build_delta(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa", **extra):
+    """A tiny Gated DeltaNet ``<Family>ForCausalLM`` (delta, attention, delta layers; ``attention=False``: two
+    delta layers) with randomized parameters; ``extra`` overrides config fields."""
+    import transformers as tf
+
+    d = DELTA
+    types = ["linear_attention", "full_attention", "linear_attention"] if attention else ["linear_attention"] * 2
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, tie_word_embeddings=False, num_attention_heads=ATTN["heads"],
+        num_key_value_heads=ATTN["kv_heads"], head_dim=HIDDEN // ATTN["heads"], intermediate_size=20,
+        num_hidden_layers=len(types), layer_types=types, linear_num_key_heads=d["k_heads"],
+        linear_num_value_heads=d["v_heads"], linear_key_head_dim=d["k_dim"], linear_value_head_dim=d["v_dim"],
+        linear_conv_kernel_dim=d["d_conv"], pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    # top-2 of 2 experts: no discrete routing choice, which fp32 and fp64 runs could make differently (the
+    # router's gradient then disagreed by ~1 between the oracle's two runs with top-1)
+    experts = dict(num_experts=2, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8)
+    config_cls, model_cls, more = {
+        "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, {}),
+        "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, experts),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, experts),
+        "olmo_hybrid": (tf.OlmoHybridConfig, tf.OlmoHybridForCausalLM, {}),
+    }[family]
+    cfg = config_cls(**{**fields, **more, **extra})
+    cfg._attn_implementation = attn
+    if more:
+        cfg._experts_implementation = "eager"  # the loop over experts (the grouped GEMM refuses fp64 on CPU)
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    randomize(model, seed)
+    return model.to(dtype).train()
 
 
 def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa", sizes=None,
@@ -47,6 +91,8 @@ def build(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.flo
     ``initializer_range=init`` (its dt, A and D initialisations too) instead of ``randomize``."""
     import transformers as tf
 
+    if family in DELTA_MODULES:
+        return build_delta(family, attention=attention, seed=seed, dtype=dtype, attn=attn, **extra)
     if init is not None:
         extra["initializer_range"] = init
     sizes = sizes or SIZES

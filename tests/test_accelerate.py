@@ -778,6 +778,16 @@ def test_unwrapped_linear_attention_keeps_accelerate_refusal():
     assert not mamba_sp.enabled()
 
 
+@pytest.mark.parametrize("family", list(hf_models.DELTA_MODULES))
+def test_gated_deltanet_families_are_covered(family):
+    """enable() lets the Gated DeltaNet families past accelerate's refusal of linear_attention layers (they are
+    prepared by prepare_sequence_parallel, tests/test_hf.py); a model without them is not covered."""
+    from ds_mamba_spcp.integrations.transformers import accelerate as mamba_sp
+
+    assert mamba_sp._holds_mixers(hf_models.build(family))
+    assert not mamba_sp._holds_mixers(torch.nn.Linear(2, 2))
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU (marker gpu)
 # ---------------------------------------------------------------------------------------------------

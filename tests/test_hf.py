@@ -103,6 +103,14 @@ def _cases() -> dict:
     two["bamba_noattn_zero3_sp_none"] = dict(family="bamba", mode="sp_none", attention=False, zero3=True)
     two["zamba2_zero3_sp_none"] = dict(family="zamba2", mode="sp_none", zero3=True)
     two["granitemoehybrid_zero3_ulysses"] = dict(family="granitemoehybrid", mode="ulysses", zero3=True)
+    # the Gated DeltaNet families (integrations/transformers/delta.py), each once, and Qwen3-Next at ZeRO-3
+    two["qwen3_5_sp_none"] = dict(family="qwen3_5", mode="sp_none")
+    two["qwen3_5_moe_sp_none"] = dict(family="qwen3_5_moe", mode="sp_none")
+    two["qwen3_next_ulysses"] = dict(family="qwen3_next", mode="ulysses")
+    two["olmo_hybrid_sp_none"] = dict(family="olmo_hybrid", mode="sp_none")
+    two["qwen3_next_zero3_sp_none"] = dict(family="qwen3_next", mode="sp_none", zero3=True)
+    # negative control: DeepSpeed's Ulysses attention alone, each rank's delta layers restarting from zero
+    two["bug_attention_only_qwen3_5"] = dict(family="qwen3_5", mode="sp_none", bug="attention_only")
     four = {
         **{f"{fam}_sp_none": dict(family=fam, mode="sp_none") for fam in FAMILIES},
         "nemotron_h_ulysses": dict(family="nemotron_h", mode="ulysses"),
@@ -126,6 +134,7 @@ PACKED = {
         "zamba2_noattn_sp_permute_a2a": dict(family="zamba2", mode="sp_permute_a2a", attention=False),
         "nemotron_h_noattn_ulysses": dict(family="nemotron_h", mode="ulysses", attention=False),
         "granitemoehybrid_noattn_sp_none": dict(family="granitemoehybrid", mode="sp_none", attention=False),
+        "qwen3_5_noattn_sp_none": dict(family="qwen3_5", mode="sp_none", attention=False),
     },
     4: {"mamba2_sp_virtual": dict(family="mamba2", mode="sp_virtual")},
 }
@@ -492,9 +501,10 @@ def test_matches_unwrapped_model(request, world, case):
     assert len(res["grads"]) > 10 or CASES[world][case].get("level") == "mixer"
 
 
-def test_negative_control_attention_only_fails(results2):
+@pytest.mark.parametrize("family", ["bamba", "qwen3_5"])
+def test_negative_control_attention_only_fails(results2, family):
     """DeepSpeed's attention sharding alone: the first shard's logits are right, the rest and the gradients not."""
-    case = [r["cases"]["bug_attention_only_bamba"] for r in results2]
+    case = [r["cases"][f"bug_attention_only_{family}"] for r in results2]
     assert case[0]["local_out"] <= TOL  # rank 0's Mamba layers start from the zero state anyway
     assert case[1]["local_out"] > 100 * TOL
     assert max(case[0]["grads"].values()) > 100 * TOL, case[0]["grads"]
@@ -602,6 +612,17 @@ def test_generate_and_deepcopy_after_wrapping():
     mixer = twin.model.layers[0].mixer
     assert mixer.__dict__["_ds_mamba_spcp_mixer"].mixer is mixer  # the copy's adapter drives the copy
     assert torch.equal(twin.generate(prompt, **kw), plain.generate(prompt, **kw))
+
+
+@pytest.mark.parametrize("family", list(hf_models.DELTA_MODULES))
+def test_delta_families_refuse_sequence_parallel_generate(family):
+    """The Gated DeltaNet families are refused by name (their sharded prefill cache is not built yet)."""
+    from ds_mamba_spcp.config import load_mamba_sp_config
+    from ds_mamba_spcp.integrations.transformers import generation
+
+    cfg = load_mamba_sp_config(ds_config(2, "sp_none"))
+    problem = generation._model_problem(hf_models.build(family), cfg, 2)
+    assert isinstance(problem, NotImplementedError) and "Gated DeltaNet" in str(problem), problem
 
 
 def test_disabled_config_leaves_the_model_alone():

@@ -143,7 +143,9 @@ def _ds_config() -> dict:
 
 
 def _holds_mixers(model: nn.Module) -> bool:
-    classes = mixer_classes()
+    from ds_mamba_spcp.integrations.transformers.delta import delta_classes
+
+    classes = mixer_classes() + delta_classes()  # the Mamba2 mixers and the Gated DeltaNet layers
     return bool(classes) and any(isinstance(m, classes) for m in model.modules())
 
 

@@ -642,6 +642,9 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
             "then this call."
         )
     wrap_hf_mamba2_mixers(model, group, cfg)
+    from ds_mamba_spcp.integrations.transformers.delta import wrap_delta_layers
+
+    wrap_delta_layers(model, lambda: _Sharding(group, cfg))  # the Gated DeltaNet families (delta.py)
     if not any(is_sharded(m) for m in model.modules()):
         raise ValueError(
             f"{type(model).__qualname__} holds no Mamba2 mixer this package can shard (transformers' "

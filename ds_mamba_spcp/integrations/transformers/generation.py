@@ -138,6 +138,16 @@ def _model_problem(model: nn.Module, cfg: MambaSequenceParallelConfig, cp: int) 
         )
     if not hasattr(model, "generate") or not hasattr(model, "config"):
         return TypeError(f"{name} is not a transformers generative model (no generate / config)")
+    from ds_mamba_spcp.integrations.transformers.delta import delta_classes
+
+    deltas = [m for m in model.modules() if isinstance(m, delta_classes())] if delta_classes() else []
+    if deltas:
+        return NotImplementedError(
+            f"{name} holds Gated DeltaNet layers ({type(deltas[0]).__qualname__}): sequence-parallel prefill does "
+            "not yet leave their cache (conv state and recurrent state) in transformers' DynamicCache. Generate "
+            "with the model's own generate on whole prompts (inside sequence_parallel_disabled(model) if it was "
+            "prepared)."
+        )
     mixers = _mixers(model)
     if not mixers:
         return ValueError(

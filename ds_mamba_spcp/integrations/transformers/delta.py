@@ -1,0 +1,250 @@
+"""transformers' Gated DeltaNet layers (Qwen3.5 dense and MoE, Qwen3-Next, OLMo-hybrid) made sequence-parallel.
+
+    hidden (batch, local_seqlen, hidden) --the layer's own projections--> mixed_qkv, z (gate), b, a
+    mixed_qkv --the K-1 rows of the previous rank (halo) + causal conv1d + activation--> q, k, v
+    q, k, v, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) --chunk_gated_delta_rule_sp--> o
+    o --the layer's gated RMSNorm with z, its output projection--> out
+
+A wrapped layer keeps its class and place, as the Mamba2 mixers do (``adapter.py``): its instance ``forward``
+is replaced, the previous one runs every unsharded call, it is a ZeRO-3 leaf (the conv weight is read without
+calling ``conv1d``). ``DELTA_CLASSES`` names the layers; each family's projections and output are read through
+``_Family``. A sharded call takes no cache (generation runs inside ``sequence_parallel_disabled``) and no
+padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer is given) and become the op's
+``cu_seqlens`` (one packed row per call). The user's page: docs/huggingface.md, "Gated DeltaNet families".
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_mamba_spcp import comm
+from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig
+from ds_mamba_spcp.delta_op import chunk_gated_delta_rule_sp
+from ds_mamba_spcp.engine import modes
+
+# class name -> modeling module of transformers' Gated DeltaNet layers
+DELTA_CLASSES = {
+    "Qwen3_5GatedDeltaNet": "transformers.models.qwen3_5.modeling_qwen3_5",
+    "Qwen3_5MoeGatedDeltaNet": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "Qwen3NextGatedDeltaNet": "transformers.models.qwen3_next.modeling_qwen3_next",
+    "OlmoHybridGatedDeltaNet": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+}
+
+
+def delta_classes() -> tuple[type, ...]:
+    """The classes of ``DELTA_CLASSES`` whose modeling module is loaded."""
+    found = []
+    for name, module_name in DELTA_CLASSES.items():
+        cls = getattr(sys.modules.get(module_name), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+# -- the families' projections ----------------------------------------------------------------------
+
+
+def _projections(m: nn.Module, hidden: torch.Tensor):
+    """(mixed_qkv (batch, seqlen, 2*key_dim + value_dim) before the conv, z (batch, seqlen, v_heads, head_v_dim),
+    b, a (batch, seqlen, v_heads)) computed by the layer's own projections, as its forward does."""
+    B, L, _ = hidden.shape
+    if hasattr(m, "in_proj_qkvz"):  # Qwen3-Next: fused and interleaved per key head
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hidden), m.in_proj_ba(hidden))
+        mixed = torch.cat([t.reshape(B, L, -1) for t in (q, k, v)], dim=-1)
+        return mixed, z, b, a
+    if hasattr(m, "in_proj_qkv"):  # Qwen3.5 dense and MoE
+        z = m.in_proj_z(hidden).reshape(B, L, -1, m.head_v_dim)
+        return m.in_proj_qkv(hidden), z, m.in_proj_b(hidden), m.in_proj_a(hidden)
+    # OLMo-hybrid: separate projections, a dedicated gate projection
+    mixed = torch.cat([m.q_proj(hidden), m.k_proj(hidden), m.v_proj(hidden)], dim=-1)
+    return mixed, m.g_proj(hidden).reshape(B, L, -1, m.head_v_dim), m.b_proj(hidden), m.a_proj(hidden)
+
+
+def _output(m: nn.Module, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The layer's gated RMSNorm (per value head, gated by z) and output projection."""
+    B, L = o.shape[:2]
+    norm, proj = (m.norm, m.out_proj) if hasattr(m, "out_proj") else (m.o_norm, m.o_proj)
+    y = norm(o.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+    return proj(y.reshape(B, L, -1))
+
+
+# -- the conv halo ----------------------------------------------------------------------------------
+
+
+class _Halo(torch.autograd.Function):
+    """The last ``K-1`` rows of the previous rank's shard (zeros on rank 0); backward returns each rank's rows'
+    gradient to the rank that owns them. Both directions are one all-gather over the group."""
+
+    @staticmethod
+    def forward(ctx, tail, group, rank, cp):
+        ctx.group, ctx.rank, ctx.cp = group, rank, cp
+        every = comm.all_gather(tail, group, cp, async_op=False).wait()  # (cp, *tail.shape)
+        return every[rank - 1].clone() if rank > 0 else torch.zeros_like(tail)
+
+    @staticmethod
+    def backward(ctx, grad):
+        every = comm.all_gather(grad.contiguous(), ctx.group, ctx.cp, async_op=False).wait()
+        mine = every[ctx.rank + 1].clone() if ctx.rank + 1 < ctx.cp else torch.zeros_like(grad)
+        return mine, None, None, None
+
+
+def _cu_seqlens(labels: torch.Tensor) -> torch.Tensor:
+    """The cumulative document lengths (0, ..., len) of one whole row's document labels."""
+    starts = torch.nonzero(labels[1:] != labels[:-1]).flatten() + 1
+    return torch.cat([labels.new_zeros(1), starts, labels.new_full((1,), labels.numel())])
+
+
+class DeltaAdapter:
+    """The sequence-parallel forward of one Gated DeltaNet layer (held in its ``__dict__`` under the attribute of
+    the Mamba2 adapter, so that ``sequence_parallel_disabled`` and ``prepare_sequence_parallel`` find it)."""
+
+    def __init__(self, layer: nn.Module, sharding) -> None:
+        self.mixer = layer
+        self.original_forward = layer.forward
+        self.sharding = sharding
+        self.model_state = None  # set by prepare_sequence_parallel
+        self.tile = None
+
+    def __call__(self, *args, **kwargs):
+        from ds_mamba_spcp.integrations.transformers.adapter import _cache_error, _mixer_call, _padding_error
+
+        hidden, cache, attention_mask, rest = _mixer_call(args, kwargs)
+        if not self.sharding.active():
+            return self.original_forward(*args, **kwargs)
+        name = f"{type(self.mixer).__qualname__} (layer {self.mixer.layer_idx})"
+        if cache is not None:
+            raise _cache_error(name)
+        if attention_mask is not None:
+            raise _padding_error(f"an attention_mask reached {name}")
+        seq_idx = rest.get("seq_idx")
+        if seq_idx is None and self.model_state is not None:
+            seq_idx = self.model_state.seq_idx
+        return self.forward(hidden, seq_idx)
+
+    def forward(self, hidden: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
+        m, cfg = self.mixer, self.sharding.config
+        group, cp = self.sharding.group(), self.sharding.size
+        rank = comm.group_rank_size(group)[0]
+        B, L, _ = hidden.shape
+        mixed, z, b, a = _projections(m, hidden)
+        K = m.conv_kernel_size
+        tail = mixed[:, L - (K - 1) :] if L >= K - 1 else None
+        if tail is None:
+            raise ValueError(
+                f"{type(m).__qualname__}: each rank's shard must hold at least conv_kernel_size - 1 = {K - 1} tokens "
+                f"(got {L}); use fewer ranks or longer rows."
+            )
+        halo = _Halo.apply(tail.contiguous(), group, rank, cp)
+        x = torch.cat([halo, mixed], dim=1).transpose(1, 2)  # (B, C, K-1+L)
+        weight = m.conv1d.weight
+        x = x.to(weight.dtype)
+        cu = None
+        if seq_idx is None:
+            x = F.conv1d(x, weight, m.conv1d.bias, groups=x.shape[1])
+        else:
+            if tuple(seq_idx.shape) != (B, L):
+                raise ValueError(
+                    f"{type(m).__qualname__}: seq_idx has shape {tuple(seq_idx.shape)} but this rank's hidden_states "
+                    f"hold (batch, local_seqlen) = {(B, L)}; shard seq_idx with the tokens."
+                )
+            labels = comm.all_gather(seq_idx.to(torch.int64), group, cp, async_op=False).wait()  # (cp, B, L)
+            cu = [_cu_seqlens(row) for row in labels.transpose(0, 1).reshape(B, cp * L)]
+            before = labels[rank - 1][:, L - (K - 1) :] if rank > 0 else labels.new_full((B, K - 1), -1)
+            x = _packed_conv(x, torch.cat([before, labels[rank]], dim=1), weight, m.conv1d.bias)
+        x = _act(m.activation)(x).to(mixed.dtype).transpose(1, 2)
+        q, k, v = torch.split(x, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        q = q.reshape(B, L, -1, m.head_k_dim)
+        k = k.reshape(B, L, -1, m.head_k_dim)
+        v = v.reshape(B, L, -1, m.head_v_dim)
+        beta = b.sigmoid()
+        if getattr(m, "allow_neg_eigval", False):
+            beta = beta * 2.0
+        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+        options = dict(
+            use_qk_l2norm_in_kernel=True, process_group=group, mode=cfg.mode, load_balancing=cfg.load_balancing,
+            input_layout=cfg.input_layout, summary_exchange=cfg.summary_exchange,
+            backend=_delta_backend(cfg.backend), check_shapes=cfg.check_shapes,
+        )  # fmt: skip
+        if cu is None:
+            o, _ = chunk_gated_delta_rule_sp(q, k, v, g, beta, **options)
+        else:  # the op takes one packed row per call (cu_seqlens): row by row, alike on every rank
+            rows = [
+                chunk_gated_delta_rule_sp(*(t[r : r + 1] for t in (q, k, v, g, beta)), cu_seqlens=cu[r], **options)[0]
+                for r in range(B)
+            ]  # fmt: skip
+            o = torch.cat(rows)
+        return _output(m, o, z)
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.mixer = copy.deepcopy(self.mixer, memo)
+        new.original_forward = copy.deepcopy(self.original_forward, memo)
+        new.sharding = copy.deepcopy(self.sharding, memo)
+        new.model_state = copy.deepcopy(self.model_state, memo)
+        return new
+
+
+def _act(name: str):
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def _delta_backend(backend: str) -> str:
+    """The delta op's backend for the section's ``"backend"`` (the Mamba2 backends' names: only "auto" and
+    "reference" mean the same here)."""
+    return backend if backend in ("auto", "reference") else "auto"
+
+
+def _packed_conv(x, labels, weight, bias):
+    """The depthwise causal conv of ``x`` (batch, C, K-1+L: halo rows first) where a token reads only rows of its
+    own document (``labels`` (batch, K-1+L)), as transformers' fused causal_conv1d does with cu_seqlens."""
+    K = weight.shape[-1]
+    windows = x.unfold(-1, K, 1)  # (B, C, L, K)
+    own = labels.unfold(-1, K, 1) == labels[:, K - 1 :, None]  # (B, L, K)
+    y = (windows * own[:, None].to(x.dtype) * weight[:, 0][None, :, None, :]).sum(-1)
+    return y if bias is None else y + bias[None, :, None]
+
+
+def wrap_delta_layers(model: nn.Module, make_sharding) -> int:
+    """Makes every Gated DeltaNet layer of ``model`` sequence-parallel, in place (``make_sharding()``: a fresh
+    ``_Sharding``); returns how many it wrapped."""
+    from ds_mamba_spcp.integrations.core import SHARDED_ATTR
+    from ds_mamba_spcp.integrations.transformers.adapter import _MIXER_ATTR, _hidden_states_positional, _mixer_forward
+
+    classes = delta_classes()
+    if not classes:
+        return 0
+    todo = [m for m in model.modules() if isinstance(m, classes) and _MIXER_ATTR not in m.__dict__]
+    for m in todo:
+        check_delta_supported(m, make_sharding().config)
+    for m in todo:
+        m.__dict__[_MIXER_ATTR] = DeltaAdapter(m, make_sharding())
+        m.__dict__[SHARDED_ATTR] = True
+        m.forward = types.MethodType(_mixer_forward, m)
+        m._z3_leaf = True
+        m.register_forward_pre_hook(_hidden_states_positional, with_kwargs=True, prepend=True)
+    return len(todo)
+
+
+def check_delta_supported(m: nn.Module, cfg: MambaSequenceParallelConfig) -> None:
+    """Raises for a layer or setting the sequence-parallel path cannot run exactly as transformers does."""
+    name = f"{type(m).__qualname__} (layer {m.layer_idx})"
+    if cfg.input_layout != modes.CONTIGUOUS:
+        raise NotImplementedError(
+            f'{name}: "{SECTION}.input_layout" is {cfg.input_layout!r}; the Gated DeltaNet layers take contiguous '
+            'shards (their conv halo comes from the previous rank). Set "input_layout": "contiguous" and '
+            '"load_balancing": "none".'
+        )
+    if cfg.long_context is not None:
+        raise NotImplementedError(
+            f'{name}: "{SECTION}.long_context" (tiled layers, offload) covers the Mamba2 mixers only; drop it for '
+            "the Gated DeltaNet families."
+        )
