@@ -10,6 +10,7 @@ than the wider zxbcdt. See docs/design.md, "Adapters".
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -18,7 +19,7 @@ from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig
 from ds_mamba_spcp.engine import dispatch
 from ds_mamba_spcp.engine.call import MixerCore, Projections, prepare
 
-__all__ = ["SHARDED_ATTR", "MixerCore", "is_sharded", "mixer_forward"]
+__all__ = ["SHARDED_ATTR", "MixerCore", "is_sharded", "loaded_classes", "mixer_forward"]
 
 # set on every mixer an adapter made sequence-parallel: one adapter sees another's without importing it
 SHARDED_ATTR = "_ds_mamba_spcp_sharded"
@@ -62,3 +63,14 @@ def mixer_forward(
         projections=Projections(hidden, in_proj, out_proj),
     )  # fmt: skip
     return dispatch.run(call)
+
+
+def loaded_classes(table: dict[str, str]) -> tuple[type, ...]:
+    """The classes of ``table`` (class name -> its modeling module) whose module is loaded: a model that holds one
+    has loaded it, and nothing here imports a modeling module."""
+    found = []
+    for name, module_name in table.items():
+        cls = getattr(sys.modules.get(module_name), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import sys
 import types
 import warnings
 from collections.abc import Iterator
@@ -46,7 +45,13 @@ if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release
 from ds_mamba_spcp import comm  # noqa: E402
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config  # noqa: E402
 from ds_mamba_spcp.groups import group_of_one, group_size, resolve_sequence_process_group  # noqa: E402
-from ds_mamba_spcp.integrations.core import SHARDED_ATTR, MixerCore, is_sharded, mixer_forward  # noqa: E402
+from ds_mamba_spcp.integrations.core import (  # noqa: E402
+    SHARDED_ATTR,
+    MixerCore,
+    is_sharded,
+    loaded_classes,
+    mixer_forward,
+)
 from ds_mamba_spcp.integrations.transformers import long_context, router_loss  # noqa: E402
 
 # The Mamba2-style mixer classes of transformers (class name -> modeling module).
@@ -72,12 +77,7 @@ _warned_norm: set = set()
 
 def mixer_classes() -> tuple[type, ...]:
     """The classes of ``MIXER_CLASSES`` whose modeling module is loaded (a model that holds one has loaded it)."""
-    found = []
-    for name, module_name in MIXER_CLASSES.items():
-        cls = getattr(sys.modules.get(module_name), name, None)
-        if isinstance(cls, type):
-            found.append(cls)
-    return tuple(found)
+    return loaded_classes(MIXER_CLASSES)
 
 
 # -- when a call is sharded -------------------------------------------------------------------------

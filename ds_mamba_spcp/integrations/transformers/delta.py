@@ -16,7 +16,6 @@ padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer i
 from __future__ import annotations
 
 import copy
-import sys
 import types
 
 import torch
@@ -27,6 +26,7 @@ from ds_mamba_spcp import comm
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig
 from ds_mamba_spcp.delta_op import chunk_gated_delta_rule_sp
 from ds_mamba_spcp.engine import modes
+from ds_mamba_spcp.integrations.core import loaded_classes
 
 # class name -> modeling module of transformers' Gated DeltaNet layers
 DELTA_CLASSES = {
@@ -39,12 +39,7 @@ DELTA_CLASSES = {
 
 def delta_classes() -> tuple[type, ...]:
     """The classes of ``DELTA_CLASSES`` whose modeling module is loaded."""
-    found = []
-    for name, module_name in DELTA_CLASSES.items():
-        cls = getattr(sys.modules.get(module_name), name, None)
-        if isinstance(cls, type):
-            found.append(cls)
-    return tuple(found)
+    return loaded_classes(DELTA_CLASSES)
 
 
 # -- the families' projections ----------------------------------------------------------------------
