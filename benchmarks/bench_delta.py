@@ -50,20 +50,10 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_mixer import _git, _version  # noqa: E402  (the JSON header's helpers, shared)
+from bench_mixer import _fmt_len, _git, _parse_len, _version  # noqa: E402  (shared with bench_mixer)
 
 SCHEMA = "ds_mamba_spcp.bench_delta/1"
 MODES = ("ideal", "state_passing", "ulysses", "ulysses_compute")
-KIB = 1024
-
-
-def _fmt_len(n: int) -> str:
-    return f"{n // KIB}K" if n % KIB == 0 and n >= KIB else str(n)
-
-
-def _parse_len(s: str) -> int:
-    s = s.strip().upper()
-    return int(s[:-1]) * KIB if s.endswith("K") else int(s)
 
 
 def parse_args(argv=None):
