@@ -53,10 +53,12 @@
 # Results land in $OUT (JSON + Markdown + logs); copy them into benchmarks/results/ with the commit named.
 set -u
 commit=${1:?commit} stage=${2:?stage}
+if [ "$stage" != collect ]; then  # collect installs nothing under the detached run's feet
 source .whl/install-on-device.sh >/dev/null || exit 1
 if ls .whl/extra/*.whl >/dev/null 2>&1; then
     pip install -q --no-index --no-deps --target /tmp/site2 .whl/extra/*.whl >/dev/null 2>&1
     export PYTHONPATH=/tmp/site2:$PYTHONPATH
+fi
 fi
 export MAMBA_DETERMINISTIC=1 TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
 out=${OUT:-/tmp/ds_mamba_spcp_out}
