@@ -406,8 +406,31 @@ def _gib(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}" if a is not None and b else "-"
+def _ratio(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _cells(records: list) -> dict:
+    cells = {}
+    for r in records:
+        cells.setdefault(r["shard_length"], {})[r["setting"]] = r
+    return cells
+
+
+def ratios(records: list) -> list:
+    """Per L_shard: sp 2's fwd+bwd per rank over sp 1's (ranks sharing the GPU), and the turns' sum of phases over sp
+    1's (each compute phase on a GPU of its own: the two-GPU estimate); None where a setting did not run."""
+    out = []
+    for L, row in sorted(_cells(records).items()):
+        ok = {k: v for k, v in row.items() if v["status"] == "ok"}
+        one, shared, turns = ok.get("sp1", {}), ok.get("sp2_shared", {}), ok.get("sp2_turns", {})
+
+        def over(a, b):
+            return None if a is None or not b else a / b
+
+        out.append(dict(shard_length=L, shared_over_sp1=over(shared.get("fwd_bwd_ms"), one.get("fwd_bwd_ms")),
+                        turns_over_sp1=over(turns.get("phases_sum_ms"), one.get("phases_sum_ms"))))  # fmt: skip
+    return out
 
 
 def markdown(payload: dict) -> str:
@@ -423,16 +446,15 @@ def markdown(payload: dict) -> str:
         "| turns compute ms | sp 1 peak GiB | sp 2 peak GiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    cells = {}
-    for r in payload["records"]:
-        cells.setdefault(r["shard_length"], {})[r["setting"]] = r
+    cells = _cells(payload["records"])
     for L, row in sorted(cells.items()):
         ok = {k: v for k, v in row.items() if v["status"] == "ok"}
         one, shared, turns = ok.get("sp1", {}), ok.get("sp2_shared", {}), ok.get("sp2_turns", {})
+        ratio = next((r for r in payload.get("ratios", []) if r["shard_length"] == L), {})
         lines.append(
             f"| {_fmt_len(L)} | {_ms(one.get('fwd_bwd_ms'))} | {_ms(shared.get('fwd_bwd_ms'))} | "
-            f"{_ratio(shared.get('fwd_bwd_ms'), one.get('fwd_bwd_ms'))} | {_ms(turns.get('phases_sum_ms'))} | "
-            f"{_ratio(turns.get('phases_sum_ms'), one.get('phases_sum_ms'))} | {_ms(turns.get('compute_ms'))} | "
+            f"{_ratio(ratio.get('shared_over_sp1'))} | {_ms(turns.get('phases_sum_ms'))} | "
+            f"{_ratio(ratio.get('turns_over_sp1'))} | {_ms(turns.get('compute_ms'))} | "
             f"{_gib(one.get('peak_gib'))} | {_gib(shared.get('peak_gib'))} |"
         )
     names = [n for n in PHASES if any(n in r.get("phases_ms", {}) for r in payload["records"])]
@@ -453,6 +475,7 @@ def markdown(payload: dict) -> str:
 
 
 def write(payload: dict, out: str) -> str:
+    payload["ratios"] = ratios(payload["records"])
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(f"{out}.tmp", "w") as f:
         json.dump(payload, f, indent=1)

@@ -326,5 +326,7 @@ def test_bench_tiled_sp_cpu(tmp_path):
         assert len(r["per_rank"]) == (1 if setting == "sp1" else 2)
         if setting != "sp2_turns":
             assert r["fwd_bwd_ms"] > 0 and r["rest_ms"] >= 0, r  # the phases lie inside the timed iteration
+    (ratio,) = data["ratios"]  # sp 2 over sp 1 at the one L_shard
+    assert ratio["shard_length"] == 64 and ratio["shared_over_sp1"] > 0 and ratio["turns_over_sp1"] > 0, ratio
     text = (tmp_path / "tiled_sp.md").read_text()
     assert "| shared / sp 1 |" in text and "| 64 | sp2_turns |" in text, text
