@@ -31,6 +31,20 @@
 #                  8 H200s:  SP=8 LENGTHS=8388608 STEPS=1 BUDGET_GIB=40 NAME=hf_sp8 ... COMMIT hf_long
 #                  2 H200s:  SP=2 LENGTHS=2097152 STEPS=1 BUDGET_GIB=16 NAME=hf_sp2 ... COMMIT hf_long
 #                  1 H200:   SP=2 PEAK_CHECK=65536 NAME=hf_peak ... COMMIT hf_long
+#                ZERO=3: ZeRO stage 3 (the default 2), e.g. ZeRO-3 against ZeRO-2 at one length, two calls:
+#                  1 H200:   LENGTHS=262144 ZERO=3 NAME=hf_zero3 ... COMMIT hf_long   (ZERO=2 NAME=hf_zero2 beside it)
+#                DETACH=1: the run started detached (setsid nohup) and the stage returns at once: its JSON, Markdown
+#                and log under DETACH_DIR (/tmp/hf_detached, emptied first), the ranks' own logs in its work/; the
+#                limits then TRIAL_TIMEOUT= 1680 and STAGE_TIMEOUT= 1700 (the machine's 30 minutes); `collect` below
+#                  1 H200:   DETACH=1 LENGTHS=1048576 STEPS=3 BUDGET_GIB=16 NAME=hf_1m ... COMMIT hf_long
+#   collect      waits up to WAIT_S= seconds (540) for the run DETACH=1 started, printing its new [train_hf] lines (the
+#                driver's and rank 0's, its steps) every POLL_S= seconds (20), then copies its JSON, Markdown and logs
+#                into $OUT; "still running" if it has not ended (collect again); exit status: the run's, else 3
+#   tiled_sp     benchmarks/bench_tiled_sp.py (issue 43 item 3): a tiled hf-bamba-2b decoder layer, forward+backward
+#                per rank at sp 1 (L_shard tokens) against sp 2 (2 ranks sharing the GPU through gloo, each holding
+#                L_shard; and taking turns at each compute phase), every phase (summary, exchange, correction,
+#                backward passes); L_shard 64K and 128K in tiles of 16K. TILED_ARGS= more arguments (e.g.
+#                "--shard-lengths 32K --tile 8K"); BENCH_BUDGET= seconds of cells (200)
 #   delta        the gated delta rule on fla (issue 44): tests/test_gpu_delta.py (cp 2 and 4 sharing the GPU, errors
 #                against fp64 beside fla's own; TEST_TIMEOUT= seconds, 170), then benchmarks/bench_delta.py (state
 #                passing, ulysses, fla on the shard alone; BENCH_BUDGET= seconds of cells, 70; BYPASS=0 leaves fla's
@@ -39,10 +53,12 @@
 # Results land in $OUT (JSON + Markdown + logs); copy them into benchmarks/results/ with the commit named.
 set -u
 commit=${1:?commit} stage=${2:?stage}
+if [ "$stage" != collect ]; then  # collect installs nothing under the detached run's feet
 source .whl/install-on-device.sh >/dev/null || exit 1
 if ls .whl/extra/*.whl >/dev/null 2>&1; then
     pip install -q --no-index --no-deps --target /tmp/site2 .whl/extra/*.whl >/dev/null 2>&1
     export PYTHONPATH=/tmp/site2:$PYTHONPATH
+fi
 fi
 export MAMBA_DETERMINISTIC=1 TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
 out=${OUT:-/tmp/ds_mamba_spcp_out}
@@ -84,8 +100,14 @@ hf_long)
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)  # the JSON names the card
     card=${card:-gpu}
     [ "${SP:-1}" -gt 1 ] && [ "${SHARED:-0}" != 1 ] && [ -z "${PEAK_CHECK:-}" ] && gpus=$SP
-    H=(--preset hf-bamba-2b --git-commit "$commit" --steps "${STEPS:-2}" --trial-timeout "${TRIAL_TIMEOUT:-530}"
-       --out "$out/${NAME:-hf_long}_${card}x$gpus.json" --sp "${SP:-1}")
+    dest=$out trial_s=530 stage_s=560
+    if [ "${DETACH:-0}" = 1 ]; then
+        dest=${DETACH_DIR:-/tmp/hf_detached} trial_s=1680 stage_s=1700
+        rm -rf "$dest" && mkdir -p "$dest/work"
+    fi
+    H=(--preset hf-bamba-2b --git-commit "$commit" --steps "${STEPS:-2}" --trial-timeout "${TRIAL_TIMEOUT:-$trial_s}"
+       --out "$dest/${NAME:-hf_long}_${card}x$gpus.json" --sp "${SP:-1}")
+    [ -n "${ZERO:-}" ] && H+=(--zero "$ZERO")
     [ "${SHARED:-0}" = 1 ] && H+=(--shared-gpu)
     [ -n "${PEAK_CHECK:-}" ] && H+=(--peak-check "$PEAK_CHECK")
     [ "${LONG:-1}" = 1 ] && H+=(--long-context)
@@ -104,9 +126,38 @@ hf_long)
 'accelerate', 'tokenizers', 'pyarrow', 'pandas', 'xxhash', 'fsspec', 'jinja2') if u.find_spec(n) is None]
 sys.exit('missing for TRAINER=sft: ' + ' '.join(m) if m else 0)" || exit 1
     fi
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${STAGE_TIMEOUT:-560}" python3 benchmarks/train_hf.py \
-        "${H[@]}" > "$out/${NAME:-hf_long}.log" 2>&1
+    if [ "${DETACH:-0}" = 1 ]; then  # the ranks' logs (their steps) in work/ for `collect`; rc written at the end
+        TMPDIR=$dest/work PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True setsid nohup bash -c \
+            'timeout "$1" python3 benchmarks/train_hf.py "${@:3}" > "$2" 2>&1; echo $? > "${2%/*}/rc"' \
+            detached "${STAGE_TIMEOUT:-$stage_s}" "$dest/${NAME:-hf_long}.log" "${H[@]}" < /dev/null > /dev/null 2>&1 &
+        echo $! > "$dest/pid"
+        echo "train_hf detached: pid $(cat "$dest/pid"), log $dest/${NAME:-hf_long}.log; then the stage collect"
+        exit 0
+    fi
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${STAGE_TIMEOUT:-$stage_s}" python3 \
+        benchmarks/train_hf.py "${H[@]}" > "$out/${NAME:-hf_long}.log" 2>&1
     echo "train_hf exit $?"; grep -F "[train_hf]" "$out/${NAME:-hf_long}.log" | cut -c1-400 ;;
+collect)
+    dir=${DETACH_DIR:-/tmp/hf_detached}
+    [ -f "$dir/pid" ] || { echo "collect: nothing started in $dir (DETACH=1 ... hf_long first)"; exit 2; }
+    end=$((SECONDS + ${WAIT_S:-540})); touch "$dir/seen"
+    while :; do
+        # the [train_hf] lines not shown before: the driver's log, the ranks' (deleted with their trial's work dir)
+        grep -hF "[train_hf]" "$dir"/*.log "$dir"/work/train_hf_*/log_*_rank0.txt 2>/dev/null \
+            | grep -vxFf "$dir/seen" | tee -a "$dir/seen" | cut -c1-400
+        [ -f "$dir/rc" ] || [ $SECONDS -ge "$end" ] && break
+        sleep "${POLL_S:-20}"
+    done
+    cp "$dir"/*.json "$dir"/*.md "$dir"/*.log "$out"/ 2>/dev/null
+    if [ -f "$dir/rc" ]; then echo "train_hf exit $(cat "$dir/rc") (detached)"; exit "$(cat "$dir/rc")"; fi
+    echo "still running after ${WAIT_S:-540} s (pid $(cat "$dir/pid")): collect again"; exit 3 ;;
+tiled_sp)
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
+    # shellcheck disable=SC2086
+    timeout 290 python3 benchmarks/bench_tiled_sp.py --git-commit "$commit" --budget-s "${BENCH_BUDGET:-200}" \
+        ${TILED_ARGS:-} --out "$out/tiled_sp_${card:-gpu}x1.json" > "$out/tiled_sp.log" 2>&1
+    echo "bench_tiled_sp exit $?"; grep -F "[bench_tiled_sp]" "$out/tiled_sp.log" | cut -c1-300
+    cat "$out/tiled_sp_${card:-gpu}x1.md" 2>/dev/null || tail -30 "$out/tiled_sp.log" ;;
 delta)
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
     python3 -c "import fla, transformers; print('fla', fla.__version__, 'transformers', transformers.__version__)"
@@ -120,5 +171,5 @@ delta)
     timeout 150 python3 benchmarks/bench_delta.py "${B[@]}" ${DELTA_BENCH_ARGS:-} > "$out/bench_delta.log" 2>&1
     echo "bench_delta exit $?"; cat "$out/delta_${card:-gpu}x1.md" 2>/dev/null || tail -20 "$out/bench_delta.log" ;;
 *)
-    echo "unknown stage $stage (tests, cells, pass_states, longest, offload, hf_long, delta)"; exit 2 ;;
+    echo "unknown stage $stage (tests, cells, pass_states, longest, offload, hf_long, collect, tiled_sp, delta)"; exit 2 ;;
 esac

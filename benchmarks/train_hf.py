@@ -787,6 +787,8 @@ def _variant(r: dict) -> str:
 def _setting(r: dict) -> str:
     sp = r.get("sp", 1)
     group = f"sp {sp}" + (" on one GPU" if r.get("shared_gpu") else "") if sp > 1 else ""
+    if r.get("zero", 2) != 2:  # ZeRO 2 unsaid (the default); another stage named beside the group
+        group = ", ".join(filter(None, [group, f"ZeRO {r['zero']}"]))
     if r["path"] != "long_context":
         return f"transformers ({group})" if group else "transformers"
     lc = r.get("long_context") or {}

@@ -296,3 +296,37 @@ def test_probe_host_sync_steps_cpu():
     for name in ("tiles_32", "tiles_64"):
         for got, want in zip(results[name], results["ideal"]):
             assert ((got - want).norm() / want.norm()).item() < 1e-4, name
+
+
+def test_bench_tiled_sp_cpu(tmp_path):
+    """benchmarks/bench_tiled_sp.py --device cpu (the tiny preset, fp32, two gloo ranks, one spawn): every setting's
+    record, each with the phases tiled_block.py marks for its Function (sp 1: TiledFn's two; sp 2: ShardTiledFn's
+    eight), phases that fit in the iteration they were timed in (on CPU nothing runs asynchronously), the Markdown's
+    ratio column. Times mean nothing here."""
+    out = tmp_path / "tiled_sp.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_tiled_sp.py"), "--device", "cpu", "--out", str(out),
+           "--no-progress", "--git-commit", "test"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (
+        f"bench_tiled_sp failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
+    data = json.loads(out.read_text())
+    assert data["schema"] == "ds_mamba_spcp.bench_tiled_sp/1" and data["complete"] is True
+    assert data["header"]["git_commit"] == "test"
+    records = {r["setting"]: r for r in data["records"]}
+    assert sorted(records) == ["sp1", "sp2_shared", "sp2_turns"], records
+    want = {
+        "sp1": {"fwd_tiles", "bwd_tiles"},
+        "sp2": {"fwd_halo", "summary", "exchange", "pass2", "bwd_pass1", "bwd_exchange", "bwd_pass2", "bwd_halo"},
+    }
+    for setting, r in records.items():
+        assert r["status"] == "ok", (setting, r.get("reason"))
+        assert set(r["phases_ms"]) == want[setting[:3]], (setting, r["phases_ms"])
+        assert all(v >= 0 for v in r["phases_ms"].values()) and r["phases_sum_ms"] > 0
+        assert len(r["per_rank"]) == (1 if setting == "sp1" else 2)
+        if setting != "sp2_turns":
+            assert r["fwd_bwd_ms"] > 0 and r["rest_ms"] >= 0, r  # the phases lie inside the timed iteration
+    (ratio,) = data["ratios"]  # sp 2 over sp 1 at the one L_shard
+    assert ratio["shard_length"] == 64 and ratio["shared_over_sp1"] > 0 and ratio["turns_over_sp1"] > 0, ratio
+    text = (tmp_path / "tiled_sp.md").read_text()
+    assert "| shared / sp 1 |" in text and "| 64 | sp2_turns |" in text, text

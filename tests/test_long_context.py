@@ -16,6 +16,8 @@ The Trainer's runs (losses, grad_norms, updates against the same run without the
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import importlib
 import os
@@ -447,6 +449,10 @@ ONE = {
 # (tiled_block.ShardTiledFn), under ZeRO-3 too (a layer's parameters gathered once per pass, its gradients handed
 # to ZeRO once); Falcon-H1 has no layer to tile (attention beside every mixer). "<family>_zero3": that family again
 TWO = {"bamba": (2, LC), "bamba_zero3": (3, LC), "granitemoehybrid": (2, LC), "falcon_h1": (3, LC)}
+# "bamba_zero3": every parameter partitioned and released after each use (no persistence, no reuse, no prefetch), so
+# that each use of a parameter is one all-gather and _count_gathers sees every one
+ZERO3_EVERY_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                   "stage3_prefetch_bucket_size": 0}  # fmt: skip
 # GraniteMoeHybrid trains with its router loss on (ROUTER), at one process and at two ranks: 3 steps (its runs with
 # the key cost 3x those without) at a learning rate of 0.02 (at 0.05 the router loss's coefficient of 0.5 makes
 # the steps amplify rounding: grad_norm 3.5e-7 off at step 1 between runs that differ by the order of sums,
@@ -489,6 +495,41 @@ def _count_calls() -> dict:
 
         setattr(owner, name, spy)
     return calls
+
+
+@contextlib.contextmanager
+def _count_gathers():
+    """Under ZeRO-3, per pass of a tiled layer over its tiles (its forward, ``_Layer._tiled``; its backward,
+    ``tiled_block.backward_gathered``): ("forward" / "backward", the fewest and the most all-gathers of any of the
+    layer's parameters in it). Counted as DeepSpeed's releases (``Init._partition`` of an available parameter: one
+    after each gather), read around the pass; with ZERO3_EVERY_USE nothing stays gathered between passes."""
+    from deepspeed.runtime.zero.partition_parameters import Init, ZeroParamStatus
+
+    from ds_mamba_spcp.integrations.transformers import long_context as lc
+
+    tiled_block = importlib.import_module("ds_mamba_spcp.memory.tiled_block")  # the package exports the function
+    released, passes = collections.Counter(), []
+    partition, tiled, backward_gathered = Init._partition, lc._Layer._tiled, tiled_block.backward_gathered
+
+    def counted(self, param_list, *args, **kwargs):
+        released.update(id(p) for p in param_list if p.ds_status == ZeroParamStatus.AVAILABLE)
+        return partition(self, param_list, *args, **kwargs)
+
+    def window(kind, params, call):
+        before = [released[id(p)] for p in params]
+        out = call()
+        got = [released[id(p)] - b for p, b in zip(params, before)]
+        passes.append((kind, min(got), max(got)))
+        return out
+
+    Init._partition = counted
+    lc._Layer._tiled = lambda self, *a: window("forward", self.params(), lambda: tiled(self, *a))
+    tiled_block.backward_gathered = lambda fn, ctx, *a: window("backward", ctx.block.params,
+                                                               lambda: backward_gathered(fn, ctx, *a))  # fmt: skip
+    try:
+        yield passes
+    finally:
+        Init._partition, lc._Layer._tiled, tiled_block.backward_gathered = partition, tiled, backward_gathered
 
 
 SFT_ROWS = [31, 27, 29, 25] * 2  # odd lengths: at two ranks each row gets one padded token
@@ -576,9 +617,12 @@ def _trainer_runs(rank, world, tmp):
             family = fam.removesuffix("_zero3")
             kw = {"model": hf_models.build(family, **ROUTER), **ROUTER_RUN} if family == "granitemoehybrid" else {}
             if fam != family:
-                kw["max_steps"] = 3  # ZeRO-3's tiled layers are the slow runs (CPU gloo)
-            out[f"{fam}_{key}"] = acc._train(family, stage, world, path, section=section, evaluate=fam == "bamba",
-                                             **kw)  # fmt: skip
+                kw.update(max_steps=3, zero=ZERO3_EVERY_USE)  # ZeRO-3's tiled layers are the slow runs (CPU gloo)
+            counting = _count_gathers() if fam == "bamba_zero3" and key == "on" else contextlib.nullcontext([])
+            with counting as passes:
+                out[f"{fam}_{key}"] = acc._train(family, stage, world, path, section=section, evaluate=fam == "bamba",
+                                                 **kw)  # fmt: skip
+            out[f"{fam}_{key}"]["gathers"] = passes
             out[f"{fam}_{key}"]["calls"] = dict(calls)
     # the router loss with right-padded rows: one process without the key is transformers' own (the mask weights
     # the router rows); at two ranks the call drops the mask (accelerate.py) and hands it to the router loss
@@ -659,6 +703,21 @@ def test_trl_and_peft_with_the_key_match_without(trainer_runs, case):
             for (entropy, accuracy), (want_entropy, want_accuracy) in zip(on["metrics"], off["metrics"]):
                 assert abs(entropy - want_entropy) <= acc.TOL * abs(want_entropy), (on["metrics"], off["metrics"])
                 assert abs(accuracy - want_accuracy) <= 1e-6, (on["metrics"], off["metrics"])
+
+
+def test_zero3_gathers_a_tiled_layer_once_per_pass(trainer_runs):
+    """Bamba at sp_size 2 under ZeRO-3 with every parameter released after each use (ZERO3_EVERY_USE): in each pass
+    of a tiled layer over its tiles (forward: halo, summaries, exchange, the tiles from the state; backward: both
+    passes and the exchange) every parameter of the layer is all-gathered exactly once (tiled_block.gathered), on
+    both ranks, 3 steps x 2 tiled layers x forward and backward. Negative control, run by hand (gathered replaced by
+    a no-op in long_context.py and tiled_block.py): ZeRO's module hooks then gather per module call, per tile:
+    4 gathers a forward pass and up to 8 a backward one (0 for parameters the state path does not reach), the losses
+    unchanged."""
+    for rank, run in enumerate(trainer_runs[1]):
+        passes = run["bamba_zero3_on"]["gathers"]
+        assert len(passes) == 3 * 2 * 2, passes
+        assert sorted({kind for kind, _, _ in passes}) == ["backward", "forward"], passes
+        assert all((fewest, most) == (1, 1) for _, fewest, most in passes), (rank, passes)
 
 
 def test_offload_plans_alike_on_data_parallel_ranks(trainer_runs):

@@ -55,6 +55,15 @@ KEY = "mamba_sequence_parallel.block_tile_tokens"
 
 __all__ = ["Tiles", "TiledFn", "make_tiles", "refuse_partitioned", "tile_spans", "tiled_block"]
 
+# A benchmark's recorder of the tiled Functions' phases (benchmarks/bench_tiled_sp.py), or None: called with each
+# phase's name as it begins ("fwd_end" / "bwd_end": the pass is over). Read nowhere else; nothing is recorded here.
+PHASES = None
+
+
+def _mark(name: str) -> None:
+    if PHASES is not None:
+        PHASES(name)
+
 
 def tile_spans(seqlen: int, tile_tokens: int, key: str = KEY) -> tuple:
     """The tiles [(s, e)] of a shard of ``seqlen`` tokens, ``tile_tokens`` each, the last one shorter."""
@@ -221,6 +230,7 @@ class TiledFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block: _Block, x, *params):
+        _mark("fwd_tiles")
         out = None  # of the first tile's dtype: a block may return another (a residual kept in fp32)
         states, S_in, rngs = [], None, []
         with torch.no_grad():
@@ -233,6 +243,7 @@ class TiledFn(torch.autograd.Function):
                 if out is None:
                     out = x.new_empty(x.shape, dtype=out_k.dtype)
                 out[:, s:e] = out_k
+        _mark("fwd_end")
         # backward runs the tiles in reverse: each replays its forward's generator state (if anything drew)
         ctx.rngs = None if not rngs or rngs[0].same_as(rng_state(x.device)) else rngs
         ctx.autocast = autocast_state(x.device)  # re-entered around each recompute (memory/recompute.py)
@@ -248,6 +259,7 @@ class TiledFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dout):
+        _mark("bwd_tiles")
         x, *states = ctx.saved_tensors
         block = ctx.block
         live = [i for i, p in enumerate(block.params) if p.requires_grad]
@@ -277,6 +289,7 @@ class TiledFn(torch.autograd.Function):
                     sums[i] = g if sums[i] is None else sums[i] + g
             del out_k, S_out, outputs, got
         dparams = [None if g is None else g.to(p.dtype) for g, p in zip(sums, block.params)]
+        _mark("bwd_end")
         return None, dx, *dparams
 
 
@@ -448,6 +461,7 @@ class ShardTiledFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block, chain: Chain, x, *params):
+        _mark("fwd_halo")
         plan = chain.plan
         nl, P = plan.nlocal, block.halo
         batch, seqlen = x.shape[:2]
@@ -478,6 +492,7 @@ class ShardTiledFn(torch.autograd.Function):
             segs.append((before, x_ext, chain.make(m, ids, before)))
         rngs = [] if block.preserve_rng else None
         with torch.no_grad():
+            _mark("summary")
             # pass 1: every segment's summary from a zero state, folded over its tiles (tiles.py's fold)
             S_ext, log_a = [], []
             for _, x_ext, tiles in segs:
@@ -490,11 +505,13 @@ class ShardTiledFn(torch.autograd.Function):
                     total = a_k if total is None else total + a_k
                 S_ext.append(acc)
                 log_a.append(total)
+            _mark("exchange")
             summaries = chain.exchange(batch)
             summaries.start0 = None if seq is None else layout.segments_to_rows(torch.stack(start0))
             S_in = summaries.post(layout.segments_to_rows(torch.stack(S_ext)),
                                   layout.segments_to_rows(torch.stack(log_a))).wait()  # fmt: skip
             S_in = layout.rows_to_segments(S_in, nl)
+            _mark("pass2")
             # pass 2: the tiles from S_in
             outs, states, i = [], [], 0
             for j, (before, x_ext, tiles) in enumerate(segs):
@@ -509,6 +526,7 @@ class ShardTiledFn(torch.autograd.Function):
                         out = x.new_empty(batch, m, x.shape[2], dtype=out_k.dtype)
                     out[:, s - before : e - before] = out_k
                 outs.append(out)
+        _mark("fwd_end")
         out = layout.unpack_segments(layout.segments_to_rows(torch.stack(outs)), nl)
         # every recompute replays its tile's generator state (pass 2 and the backward draw inside the replays, which
         # restore the caller's generators: whether the layer draws after its mixer cannot be read off them)
@@ -527,6 +545,7 @@ class ShardTiledFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dout):
+        _mark("bwd_pass1")
         x, halo_x, log_a_all, *states = ctx.saved_tensors
         block, chain = ctx.block, ctx.chain
         plan = chain.plan
@@ -592,10 +611,12 @@ class ShardTiledFn(torch.autograd.Function):
                 del out_k, S_out, outputs, got
             dxs.append(dx_ext)
             Ls.append(dS)
+        _mark("bwd_exchange")
         # the reverse scan over the group: the gradient reaching each segment's S_out from the later ones
         summaries = chain.exchange(batch, log_a_all=log_a_all, start0=ctx.start0)
         dS_out = summaries.post_grad(layout.segments_to_rows(torch.stack(Ls))).wait()
         dS_out = layout.rows_to_segments(dS_out, nl)
+        _mark("bwd_pass2")
         # pass 2: dS_out back through each segment's state path (the chain's last segment receives none). Under
         # ZeRO-3 through the whole layer with a zero output gradient: every parameter takes part in each call, so
         # that the last one hands all of them to ZeRO (and no module's forward is cut short inside its hooks)
@@ -611,6 +632,7 @@ class ShardTiledFn(torch.autograd.Function):
                 accumulate(got, dxs[j], lo, e)
                 g = got[1] if got[1] is not None else torch.zeros_like(S_in)
                 del S_out, got
+        _mark("bwd_halo")
         # the halo rows' gradients return to the segments that own them (their last d_conv-1 rows)
         dx = torch.stack([dx_ext[:, before:] for dx_ext, (before, _) in zip(dxs, ctx.segs)])  # (nl, batch, m, d)
         if P:
@@ -620,6 +642,7 @@ class ShardTiledFn(torch.autograd.Function):
             dx[:, :, -P:] += back
         dx = layout.unpack_segments(layout.segments_to_rows(dx), nl)
         dparams = [None if g is None else g.to(p.dtype) for g, p in zip(sums, block.params)]
+        _mark("bwd_end")
         return None, None, dx, *dparams
 
 
