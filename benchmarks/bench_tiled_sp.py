@@ -311,6 +311,9 @@ def _worker(rank, port, args, deadline, out_queue):
             torch.cuda.set_device(0)
         import deepspeed.comm as dist
 
+        # gloo up before DeepSpeed: its init passes device_id on a GPU, and torch 2.11's new_group then splits the
+        # group, which gloo cannot ("no attribute 'perform_nocolor_split'": the first H100 run of this benchmark)
+        torch.distributed.init_process_group(backend="gloo")
         dist.init_distributed(dist_backend="gloo", verbose=False)
         _ranks(rank, args, deadline, out_queue)
         dist.barrier()

@@ -388,6 +388,10 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
         torch.cuda.set_device(local)
     backend = "nccl" if cuda and not args.shared_gpu else "gloo"
     # accelerate and the Trainer find the process group up and keep it (their own pick would be nccl on a GPU)
+    if backend == "gloo" and cuda:
+        # DeepSpeed's init passes device_id on a GPU, and torch 2.11's new_group then splits the group, which gloo
+        # cannot ("no attribute 'perform_nocolor_split'"): gloo up first, without a device
+        torch.distributed.init_process_group(backend="gloo")
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     rec.update(backend=backend, device=str(device), hf_mixer_kernel=_bound_kernel())
