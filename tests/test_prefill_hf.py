@@ -595,12 +595,33 @@ def _delta_padded(rank, world, seed):
     return out
 
 
+def _delta_prepared(rank, world, seed):
+    """A Qwen3-Next model prepared for training generates (one process's tokens) and keeps its sharding after."""
+    from ds_mamba_spcp.integrations.transformers import prepare_sequence_parallel, sequence_parallel_generate
+
+    model = hf_models.build("qwen3_next", seed=seed).eval()
+    model.generation_config.eos_token_id = None
+    ids = prompt(4 * world + 1, seed)
+    want = model.generate(ids, **GEN)
+    ds_config = {"train_micro_batch_size_per_gpu": BATCH, "sequence_parallel_size": world,
+                 "mamba_sequence_parallel": {"enabled": True}}  # fmt: skip
+    prepare_sequence_parallel(model, ds_config)
+    got = sequence_parallel_generate(model, ids, **GEN)
+    still = _raises(lambda: model.generate(ids, **GEN), NotImplementedError, "sequence_parallel_disabled")
+    return {"same_tokens": agree(torch.equal(got, want)), "sharding_kept": (agree(still[0]), still[1])}
+
+
 def _delta_world(rank, world):
     """The delta families' cases, each reporting its error instead of ending the group's other cases."""
     out = {}
-    for i, name in enumerate([*DELTA_CASES, "padded"]):
+    for i, name in enumerate([*DELTA_CASES, "padded", "prepared"]):
         try:
-            out[name] = _delta_padded(rank, world, 70) if name == "padded" else _delta_case(rank, world, name, 60 + i)
+            if name == "padded":
+                out[name] = _delta_padded(rank, world, 70)
+            elif name == "prepared":
+                out[name] = _delta_prepared(rank, world, 71)
+            else:
+                out[name] = _delta_case(rank, world, name, 60 + i)
         except Exception:  # noqa: BLE001 - reported
             out[name] = {"error": traceback.format_exc()[-1500:]}
     return out
@@ -850,6 +871,13 @@ def test_delta_left_padded_and_short_prompts(results2):
         control = res["errs_without_mask"]
         assert max(e for k, e in control.items() if k.endswith("recurrent_states")) > 1e-2, control
         assert res["shortest"] and res["one_short"]
+
+
+def test_delta_prepared_model_generates_and_stays_prepared(results2):
+    res = results2[0]["delta"]["prepared"]
+    assert "error" not in res, res["error"]
+    assert res["same_tokens"]
+    assert res["sharding_kept"][0], res["sharding_kept"][1]
 
 
 def _started_by_torch(rank, world):

@@ -8,7 +8,8 @@
 A wrapped layer keeps its class and place, as the Mamba2 mixers do (``adapter.py``): its instance ``forward``
 is replaced, the previous one runs every unsharded call, it is a ZeRO-3 leaf (the conv weight is read without
 calling ``conv1d``). ``DELTA_CLASSES`` names the layers; each family's projections and output are read through
-``_Family``. A sharded call takes no cache (generation runs inside ``sequence_parallel_disabled``) and no
+``_Family``. A sharded call takes no cache (generation runs inside ``sequence_parallel_disabled``; the sharded
+prefill of ``generation.py`` calls ``forward(..., decode_state=True)`` and fills the cache itself) and no
 padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer is given) and become the op's
 ``cu_seqlens`` (one packed row per call). The user's page: docs/huggingface.md, "Gated DeltaNet families".
 """

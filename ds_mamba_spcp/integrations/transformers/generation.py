@@ -16,6 +16,8 @@
         the model's own forward on the shard, with a cache (``PrefilledCache``, a ``DynamicCache``):
         Mamba2 mixers   in_proj -> the op with return_final_states -> out_proj; the cache's
                         LinearAttentionLayer gets the state and the conv tail (``inference.prefill``)
+        Gated DeltaNet  ``delta.DeltaAdapter`` with the op's final state (``_delta_forward``); the cache's
+                        LinearAttentionLayer gets it and the last K pre-conv rows, the last rank's
         attention       DeepSpeed's Ulysses attention (all-to-all [L/cp, heads] -> [L, heads/cp]), as
                         in training; ``cache.update`` gathers every rank's K/V into each rank's cache
         -> (the last prompt token's logits, from the last rank, and the cache), on every rank
