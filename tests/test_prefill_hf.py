@@ -27,6 +27,8 @@ Checks per case, every rank reporting and the test asserting every rank's verdic
   the zero state (the op on a group of one per rank) gives other tokens, and states off by > 1e-2.
 - initialisations (all six families, 2 ranks): transformers' own initialisation at initializer_range 0.02
   and 0.5 instead of the test models' (``INITS``, see ``test_generation_at_transformers_init``).
+- the Gated DeltaNet families (2 ranks, ``DELTA_CASES``): tokens, logits and cache as above, use_cache=False, left
+  padding, short prompts, a prepared model; negative control: a zero recurrent state in the cache.
 - bad input raised on every rank alike (padding on one rank only, shards of different lengths, too short
   a prompt, different prompts, sampling with unlike seeds, a cache passed in, unsupported models); sampling
   with like seeds gives the same tokens on every rank.
