@@ -21,11 +21,11 @@ from ds_mamba_spcp.ops.delta import DELTA_BACKENDS, get_delta_backend
 
 def _check(q, k, v, g, beta, initial_state, cu_seqlens, mode, load_balancing, input_layout, summary_exchange,
            backend, cp) -> tuple[modes.Entry, list | None]:  # fmt: skip
-    kda = " (a scalar gate per head: the per-channel gate of Kimi's KDA is not supported by this op)"
-    for name, t, dims in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
-        if not torch.is_tensor(t) or t.dim() != dims or not t.dtype.is_floating_point:
+    kda = " (batch, seqlen, H): a scalar gate per head, or (batch, seqlen, H, K): a gate per key channel (KDA)"
+    for name, t, dims in (("q", q, (4,)), ("k", k, (4,)), ("v", v, (4,)), ("g", g, (3, 4)), ("beta", beta, (3,))):
+        if not torch.is_tensor(t) or t.dim() not in dims or not t.dtype.is_floating_point:
             raise ValueError(
-                f"{name} must be a floating tensor with {dims} dims (batch, seqlen, heads, ...)"
+                f"{name} must be a floating tensor with {dims[0]} dims (batch, seqlen, heads, ...)"
                 + (kda if name == "g" else "")
             )
     B, L, Hk, K = k.shape
@@ -37,17 +37,21 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, mode, load_balancing, in
             f"v must be (batch, seqlen, H, V) like q's (batch, seqlen) = {(B, L)} with H a multiple of q/k's {Hk} "
             f"heads, got {tuple(v.shape)}"
         )
-    for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (B, L, H):
-            raise ValueError(
-                f"{name} must have shape (batch, seqlen, H) = {(B, L, H)}{kda if name == 'g' else ''}, got "
-                f"{tuple(t.shape)}"
-            )
+    if tuple(beta.shape) != (B, L, H):
+        raise ValueError(f"beta must have shape (batch, seqlen, H) = {(B, L, H)}, got {tuple(beta.shape)}")
+    if tuple(g.shape) not in ((B, L, H), (B, L, H, K)):
+        raise ValueError(f"g must have shape {(B, L, H)} or {(B, L, H, K)}{kda}, got {tuple(g.shape)}")
     devices = {t.device for t in (q, k, v, g, beta)}
     if len(devices) > 1:
         raise ValueError(f"q, k, v, g, beta must be on one device, got {sorted(map(str, devices))}")
     if backend not in DELTA_BACKENDS:
         raise ValueError(f"backend must be one of {DELTA_BACKENDS}, got {backend!r}")
+    if g.dim() == 4 and backend == "fla":
+        raise NotImplementedError(
+            'backend="fla" with a gate per key channel (g of shape (batch, seqlen, H, K), KDA): this op calls fla\'s '
+            'chunk_gated_delta_rule, which takes a scalar gate per head; pass backend="reference" (plain PyTorch) '
+            "for KDA."
+        )
     if summary_exchange not in exchange.SUMMARY_EXCHANGES:
         raise ValueError(f"summary_exchange must be one of {exchange.SUMMARY_EXCHANGES}, got {summary_exchange!r}")
     entry = modes.entry(mode, load_balancing, input_layout)
@@ -78,12 +82,13 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, mode, load_balancing, in
     return entry, cu
 
 
-def _descriptor(q, v, initial_state, cu, options, scale, problem):
+def _descriptor(q, v, g, initial_state, cu, options, scale, problem):
     dims = lambda t, n: (list(t.shape) + [-1] * n)[:n] if torch.is_tensor(t) else [-1] * n  # noqa: E731
     fields = [("problem", 0 if problem is None else _call._ERROR_CODES.get(type(problem), 1))]
     fields += list(zip(("batch", "local_seqlen", "k_heads", "K"), dims(q, 4)))
     fields += list(zip(("v_heads", "V"), dims(v, 4)[2:]))
     fields += [("dtype", comm.DTYPE_CODES.get(getattr(v, "dtype", None), 99))]
+    fields += [("g.dims", g.dim() if torch.is_tensor(g) else -1)]
     fields += [("initial_state", initial_state is not None), ("scale", _call._float_code(float(scale or 0.0)))]
     fields += [("cu_seqlens.len", -1 if cu is None else len(cu)),
                ("cu_seqlens.sum", -1 if cu is None else sum(cu) & 0x3FFF_FFFF_FFFF)]  # fmt: skip
@@ -116,7 +121,9 @@ def chunk_gated_delta_rule_sp(
     Arguments mean what they mean in flash-linear-attention's ``chunk_gated_delta_rule``:
         q, k: (batch, local_seqlen, Hk, K); v: (batch, local_seqlen, H, V), H a multiple of Hk (each query/key
             head serves H/Hk consecutive value heads); g: (batch, local_seqlen, H) log decays (<= 0); beta:
-            (batch, local_seqlen, H). This rank's shard in ``input_layout``.
+            (batch, local_seqlen, H); g may also be (batch, local_seqlen, H, K), a gate per key channel (Kimi's
+            KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T; the reference backend
+            only). This rank's shard in ``input_layout``.
         scale: q's scale (None: K ** -0.5). use_qk_l2norm_in_kernel: L2-normalise q and k first.
         initial_state: (N, H, K, V), the state before each sequence: N = batch, or the documents of cu_seqlens.
         cu_seqlens: the global row's cumulative document lengths (0, ..., global seqlen), the same 1-D tensor on
@@ -149,7 +156,7 @@ def chunk_gated_delta_rule_sp(
     except (ValueError, NotImplementedError, TypeError) as e:
         problem = e
     if check_shapes and cp > 1:
-        fields = _descriptor(q, v, initial_state, cu, options, scale, problem)
+        fields = _descriptor(q, v, g, initial_state, cu, options, scale, problem)
         rows = comm.gather_ints([v for _, v in fields], q.device, process_group, cp, width=len(fields) + 1)
         bad = [r for r, row in enumerate(rows) if row[0] != 0]
         if bad and problem is None:
@@ -171,7 +178,8 @@ def chunk_gated_delta_rule_sp(
         q=q, k=k, v=v, g=g, beta=beta, scale=K**-0.5 if scale is None else float(scale), initial_state=initial_state,
         output_final_state=bool(output_final_state), cu_seqlens=cu,
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        entry=entry, input_layout=input_layout, summary_exchange=method, backend=get_delta_backend(backend, v.device),
+        entry=entry, input_layout=input_layout, summary_exchange=method,
+        backend=get_delta_backend("reference" if g.dim() == 4 else backend, v.device),  # KDA: the reference only
         group=process_group if cp > 1 else None, rank=rank, cp=cp,
     )  # fmt: skip
     if cp > 1 and entry.strategy == modes.ULYSSES:

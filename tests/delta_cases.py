@@ -26,6 +26,11 @@ CASES = {
     "permute_a2a_scan_init_final_gqa": ("state_passing", "permute_a2a", "scan", False, True, True, True, True),
     "ulysses_packed_init_final": ("ulysses", "none", "auto", True, True, True, False, True),
     "ulysses_zigzag_init": ("ulysses", "none", "auto", False, True, False, False, True),
+    # a gate per key channel (Kimi's KDA, g (batch, T, H, K)): packed rows, zigzag shards, the head all-to-all
+    "kda_none_scan_packed_init_final_gqa": ("state_passing", "none", "scan", True, True, True, True, True),
+    "kda_permute_a2a_allgather_init_final": ("state_passing", "permute_a2a", "allgather", False, True, True, False,
+                                             True),
+    "kda_ulysses_packed_init_final": ("ulysses", "none", "auto", True, True, True, False, True),
     # negative control: the incoming state dropped (S_in = 0) must fail the same checks
     "bug_drop_incoming_state": ("state_passing", "none", "allgather", False, True, True, False, True),
 }  # fmt: skip
@@ -49,7 +54,8 @@ def inputs(case: str, world: int):
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     hk = heads // 2 if gqa else heads
     x = dict(q=r(batch, T, hk, K_DIM), k=r(batch, T, hk, K_DIM), v=r(batch, T, heads, V_DIM),
-             g=-torch.rand(batch, T, heads, generator=gen, dtype=torch.float64),
+             g=-torch.rand(batch, T, heads, *([K_DIM] if case.startswith("kda") else []), generator=gen,
+                           dtype=torch.float64),
              beta=torch.rand(batch, T, heads, generator=gen, dtype=torch.float64),
              initial_state=r(n, heads, K_DIM, V_DIM) if init else None)  # fmt: skip
     if not l2:  # unit keys keep (I - beta k k^T) a contraction without the kernel's normalisation
@@ -140,7 +146,25 @@ def transformers_chunk_fp64():
     algorithm untouched), to compare at fp64's rounding."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as m
 
-    fn = m.torch_chunk_gated_delta_rule
+    return _fp64(m.torch_chunk_gated_delta_rule)
+
+
+def transformers_kda_fp64():
+    """transformers' ``recurrent_kimi_delta_attention`` (models/kimi_linear: the KDA recurrence, token by token) in
+    fp64 as above, taking this package's arguments (chunk_size ignored; grouped q/k heads repeated to v's). Its
+    chunked form casts its decay mask with ``.float()`` (fp32 whatever the namespace: 1.2e-8 off in fp64)."""
+    import transformers.models.kimi_linear.modeling_kimi_linear as m
+
+    fn = _fp64(m.recurrent_kimi_delta_attention)
+
+    def call(q, k, v, g, beta, chunk_size=None, **kw):
+        q, k = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in (q, k))
+        return fn(q, k, v, g, beta, **kw)
+
+    return call
+
+
+def _fp64(fn):
     fn = getattr(fn, "__wrapped__", fn)
 
     class _Fp64Torch:
@@ -166,7 +190,7 @@ def reference(case: str, world: int, which: str):
                                             cu_seqlens=None if cu is None else torch.tensor(cu),
                                             use_qk_l2norm_in_kernel=l2)  # fmt: skip
     else:
-        hf = transformers_chunk_fp64()
+        hf = transformers_kda_fp64() if case.startswith("kda") else transformers_chunk_fp64()
         spans = [(0, args[0].shape[1])] if cu is None else list(zip(cu[:-1], cu[1:]))
         outs, fins = [], []
         for d, (a, b) in enumerate(spans):

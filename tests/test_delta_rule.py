@@ -65,6 +65,37 @@ def test_recurrence_matches_transformers_chunked_form():
     assert max(errs) <= TOL, errs
 
 
+def _kda_data(packed: bool = False):
+    """``_data`` with a gate per key channel, g (B, T, H, K)."""
+    data = _data(B=1 if packed else 2, N=4 if packed else None)
+    gen = torch.Generator().manual_seed(3)
+    data[3] = -torch.rand(*data[3].shape, 4, generator=gen, dtype=torch.float64)
+    return data
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch2", "packed"])
+def test_kda_chunked_reference_and_group_of_one_match_the_recurrence(packed):
+    """A gate per key channel (Kimi's KDA): the chunked form (chunks of 4 and 64) and the op as a group of one against
+    the per-token recurrence, o, final, and every gradient (dg per channel), grouped heads; the recurrence against
+    transformers' KDA recurrence (models/kimi_linear, fp64; its chunked form rounds its decay mask to fp32). Negative
+    control: the gate averaged over the channels (a scalar per head) is off by > 1e-2."""
+    cu = torch.tensor([0, 3, 4, 11, 19]) if packed else None
+    data = _kda_data(packed)
+    want = _run(R.recurrent_gated_delta_rule, data, cu)
+    for got in (_run(R.chunk_gated_delta_rule, data, cu, chunk_size=4), _run(R.chunk_gated_delta_rule, data, cu),
+                _run(chunk_gated_delta_rule_sp, data, cu, backend="reference")):  # fmt: skip
+        errs = [_rel(a, b) for a, b in zip(got, want)]
+        assert max(errs) <= TOL, errs
+    if not packed:
+        hf = delta_cases.transformers_kda_fp64()
+        got = _run(lambda *a, cu_seqlens=None, **kw: hf(*a, **kw), data)
+        errs = [_rel(a, b) for a, b in zip(got, want)]
+        assert max(errs) <= TOL, errs
+    scalar = list(data)
+    scalar[3] = data[3].mean(-1)
+    assert _rel(_run(R.recurrent_gated_delta_rule, scalar, cu)[0], want[0]) > 1e-2
+
+
 def test_matrix_summary_composes_as_the_recurrence():
     """(U, M) of two runs composed = the summary of their concatenation; the sequential exclusive and reverse scans
     agree with applying the maps one by one (the adjoint: M^T)."""
@@ -92,8 +123,10 @@ def test_matrix_summary_composes_as_the_recurrence():
 
 def test_refusals_name_the_setting():
     q, k, v, g, beta, S0 = _data()
-    with pytest.raises(ValueError, match="per-channel gate of Kimi's KDA"):
-        chunk_gated_delta_rule_sp(q, k, v, g[..., None].expand(*g.shape, 4), beta, backend="reference")
+    with pytest.raises(ValueError, match=r"a gate per key channel \(KDA\)"):
+        chunk_gated_delta_rule_sp(q, k, v, g[..., None].expand(*g.shape, 5), beta, backend="reference")  # K is 4
+    with pytest.raises(NotImplementedError, match='backend="reference"'):
+        chunk_gated_delta_rule_sp(q, k, v, g[..., None].expand(*g.shape, 4), beta, backend="fla")
     with pytest.raises(ValueError, match="cu_seqlens describes one packed row"):
         chunk_gated_delta_rule_sp(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 19]), backend="reference")
     with pytest.raises(ValueError, match="no empty documents"):

@@ -615,14 +615,17 @@ def test_generate_and_deepcopy_after_wrapping():
 
 
 @pytest.mark.parametrize("family", list(hf_models.DELTA_MODULES))
-def test_delta_families_refuse_sequence_parallel_generate(family):
-    """The Gated DeltaNet families are refused by name (their sharded prefill cache is not built yet)."""
+def test_delta_families_pass_the_generation_checks(family):
+    """The Gated DeltaNet families are taken by sequence_parallel_generate (refused by name before; the 2-rank runs:
+    tests/test_prefill_hf.py ``test_delta_families_generate_one_process_tokens``), and a prompt too short for shards
+    of conv_kernel_size - 1 tokens is left to plain generate (the count was d_conv of the Mamba2 mixers only)."""
     from ds_mamba_spcp.config import load_mamba_sp_config
     from ds_mamba_spcp.integrations.transformers import generation
 
     cfg = load_mamba_sp_config(ds_config(2, "sp_none"))
-    problem = generation._model_problem(hf_models.build(family), cfg, 2)
-    assert isinstance(problem, NotImplementedError) and "Gated DeltaNet" in str(problem), problem
+    model = hf_models.build(family)
+    assert generation._model_problem(model, cfg, 2) is None
+    assert generation._least_prompt(model, 2) == 2 * (hf_models.DELTA["d_conv"] - 1) + generation._FED
 
 
 def test_disabled_config_leaves_the_model_alone():

@@ -27,6 +27,8 @@ Checks per case, every rank reporting and the test asserting every rank's verdic
   the zero state (the op on a group of one per rank) gives other tokens, and states off by > 1e-2.
 - initialisations (all six families, 2 ranks): transformers' own initialisation at initializer_range 0.02
   and 0.5 instead of the test models' (``INITS``, see ``test_generation_at_transformers_init``).
+- the Gated DeltaNet families (2 ranks, ``DELTA_CASES``): tokens, logits and cache as above, use_cache=False, left
+  padding, short prompts, a prepared model; negative control: a zero recurrent state in the cache.
 - bad input raised on every rank alike (padding on one rank only, shards of different lengths, too short
   a prompt, different prompts, sampling with unlike seeds, a cache passed in, unsupported models); sampling
   with like seeds gives the same tokens on every rank.
@@ -493,6 +495,140 @@ def _prepared_model(rank, world):
     return {"same_tokens": agree(torch.equal(got, want)), "sharding_kept": (agree(still[0]), still[1])}
 
 
+# The Gated DeltaNet families (integrations/transformers/delta.py), 2 ranks: hybrids (delta, attention, delta) of each
+# family and the attention-free Qwen3.5 (two delta layers), one prompt length each, seqlen - 2 dividing by the group or
+# leaving one token more for generate. hf_models.build_delta's models as they come (randomize: per-token decays
+# exp(g) ~ 0.2..0.9): the zero-state control below shows that the state after the first shard still moves the tokens.
+DELTA_CASES = {"qwen3_5": (True, 15), "qwen3_5_moe": (True, 16), "qwen3_next": (True, 15), "olmo_hybrid": (True, 16),
+               "qwen3_5_noattn": (False, 15)}  # fmt: skip
+DELTA_PADDED = 17  # qwen3_5, a left-padded batch: 2 ranks prefill 14 tokens
+
+
+def _zero_delta_states():
+    """The negative control: every Gated DeltaNet layer of the sharded prefill hands the cache a zero recurrent
+    state (its conv state kept)."""
+    from ds_mamba_spcp.integrations.transformers.delta import DeltaAdapter
+
+    real = DeltaAdapter.forward
+
+    def zeroed(self, hidden, seq_idx, decode_state=False):
+        out = real(self, hidden, seq_idx, decode_state)
+        return (out[0], torch.zeros_like(out[1]), out[2]) if decode_state else out
+
+    DeltaAdapter.forward = zeroed
+
+    def restore():
+        DeltaAdapter.forward = real
+
+    return restore
+
+
+def _delta_case(rank, world, name, seed):
+    """One delta family: generate's tokens and the logits that chose them against one process's, use_cache=False,
+    the prefill's logits and cache against transformers' own prefill, and the zero-state control."""
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate, sequence_parallel_prefill
+
+    attention, seqlen = DELTA_CASES[name]
+    model = hf_models.build(name.replace("_noattn", ""), attention=attention, seed=seed).eval()
+    model.generation_config.eos_token_id = None
+    ids = prompt(seqlen, seed)
+    n = (seqlen - 2) // world
+    want = oracle(model, ids, attention, "nemotron_h" if not attention else name)  # attention-free: no generate
+    with torch.no_grad():  # the logits that chose each token: one forward over the oracle's tokens, no cache
+        want_logits = model(input_ids=want[:, :-1], use_cache=False).logits[:, seqlen - 1 :]
+        whole = model(input_ids=ids[:, : n * world], use_cache=False).logits[:, -1]
+    top = want_logits.topk(2, dim=-1).values
+    gen = dict(GEN, output_logits=True, return_dict_in_generate=True)
+    out = {"margin": float((top[..., 0] - top[..., 1]).min()), "want": want[:, seqlen:].tolist()}
+    _, ref_cache = own_prefill(model, ids[:, : n * world], attention)
+    for run in ("sharded", "zero_state"):
+        restore = _zero_delta_states() if run == "zero_state" else None
+        try:
+            got = sequence_parallel_generate(model, ids, **gen)
+            logits, cache = sequence_parallel_prefill(model, ids[:, rank * n : (rank + 1) * n])
+        finally:
+            if restore is not None:
+                restore()
+        out[run] = {
+            "same_tokens": agree(torch.equal(got.sequences, want)),
+            "tokens": got.sequences[:, seqlen:].tolist(),
+            "steps": rel_err(torch.stack(got.logits, 1), want_logits),
+            "prefill": rel_err(logits, whole),
+            "cache": cache_errors(cache, ref_cache),
+        }
+    uncached = sequence_parallel_generate(model, ids, use_cache=False, **GEN)
+    out["sharded"]["uncached_same_tokens"] = agree(torch.equal(uncached, want))
+    return out
+
+
+def _delta_padded(rank, world, seed):
+    """A left-padded Qwen3.5 batch (one row padded into rank 0's shard, one whose prefilled part is all padding):
+    one process's tokens, and the cache against transformers' own prefill of the padded prefix."""
+    from ds_mamba_spcp.integrations.transformers import sequence_parallel_generate, sequence_parallel_prefill
+
+    model = hf_models.build("qwen3_5", seed=seed).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(1, hf_models.VOCAB, (3, DELTA_PADDED), generator=torch.Generator().manual_seed(seed))
+    n = (DELTA_PADDED - 2) // world
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, : n * world] = 0
+    want = model.generate(ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True, **GEN)
+    plain = model.generate(ids, **GEN)
+    out = {"margin": scores_margin(want), "padding_matters": not torch.equal(plain, want.sequences)}
+    got = sequence_parallel_generate(model, ids, attention_mask=mask, **GEN)
+    out["same_tokens"] = agree(torch.equal(got, want.sequences))
+    out["tokens"], out["want"] = got[:, DELTA_PADDED:].tolist(), want.sequences[:, DELTA_PADDED:].tolist()
+    prefix = mask[:, : n * world]
+    positions = (prefix.cumsum(-1) - 1).masked_fill(prefix == 0, 0)
+    _, ref = own_prefill(model, ids[:, : n * world], True, attention_mask=prefix, position_ids=positions)
+    shard = slice(rank * n, (rank + 1) * n)
+    cache = sequence_parallel_prefill(model, ids[:, shard], attention_mask_shard=mask[:, shard]).cache
+    out["errs"] = masked_cache_errors(cache, ref, prefix)
+    # negative control: the same prefill without the mask (the padding fed as tokens) against the same reference
+    unmasked = sequence_parallel_prefill(model, ids[:, shard]).cache
+    out["errs_without_mask"] = masked_cache_errors(unmasked, ref, prefix)
+    # the shortest prompt the sharded prefill takes (cp * (K - 1) + 2) and one token less (plain generate)
+    need = world * (hf_models.DELTA["d_conv"] - 1) + 2
+    for name, k in (("shortest", need), ("one_short", need - 1)):
+        out[name] = agree(
+            torch.equal(sequence_parallel_generate(model, ids[:, :k], **GEN), model.generate(ids[:, :k], **GEN))
+        )
+    return out
+
+
+def _delta_prepared(rank, world, seed):
+    """A Qwen3-Next model prepared for training generates (one process's tokens) and keeps its sharding after."""
+    from ds_mamba_spcp.integrations.transformers import prepare_sequence_parallel, sequence_parallel_generate
+
+    model = hf_models.build("qwen3_next", seed=seed).eval()
+    model.generation_config.eos_token_id = None
+    ids = prompt(4 * world + 1, seed)
+    want = model.generate(ids, **GEN)
+    ds_config = {"train_micro_batch_size_per_gpu": BATCH, "sequence_parallel_size": world,
+                 "mamba_sequence_parallel": {"enabled": True}}  # fmt: skip
+    prepare_sequence_parallel(model, ds_config)
+    got = sequence_parallel_generate(model, ids, **GEN)
+    still = _raises(lambda: model.generate(ids, **GEN), NotImplementedError, "sequence_parallel_disabled")
+    return {"same_tokens": agree(torch.equal(got, want)), "sharding_kept": (agree(still[0]), still[1])}
+
+
+def _delta_world(rank, world):
+    """The delta families' cases, each reporting its error instead of ending the group's other cases."""
+    out = {}
+    for i, name in enumerate([*DELTA_CASES, "padded", "prepared"]):
+        try:
+            if name == "padded":
+                out[name] = _delta_padded(rank, world, 70)
+            elif name == "prepared":
+                out[name] = _delta_prepared(rank, world, 71)
+            else:
+                out[name] = _delta_case(rank, world, name, 60 + i)
+        except Exception:  # noqa: BLE001 - reported
+            out[name] = {"error": traceback.format_exc()[-1500:]}
+    return out
+
+
 def _run_world(rank, world):
     out = {"cases": {}}
     for i, (family, attention) in enumerate(FAMILIES):
@@ -514,6 +650,9 @@ def _run_world(rank, world):
         out["use_cache_false"] = _use_cache_false(rank, world)
         out["padded"] = {f: _padded_case(rank, world, f, a, seed=40 + i) for i, (f, a) in enumerate(PADDED)}
         out["short"] = _short_prompts(rank, world)
+        start = time.perf_counter()
+        out["delta"] = _delta_world(rank, world)
+        out["delta_seconds"] = time.perf_counter() - start
     out["prepared"] = _prepared_model(rank, world)
     return out
 
@@ -687,6 +826,58 @@ def test_short_prompts_at_two_ranks(results2, check):
 @pytest.mark.parametrize("world", [2, 4])
 def test_prepared_model_generates_and_stays_prepared(request, world):
     res = request.getfixturevalue(f"results{world}")[0]["prepared"]
+    assert res["same_tokens"]
+    assert res["sharding_kept"][0], res["sharding_kept"][1]
+
+
+@pytest.mark.parametrize("name", list(DELTA_CASES))
+def test_delta_families_generate_one_process_tokens(results2, name):
+    """A Gated DeltaNet family at 2 ranks: 12 greedy tokens equal one process's (``generate``; the attention-free
+    model: a greedy loop without cache, as for Nemotron-H) on every rank, with use_cache=False too; the logits that
+    chose them and the prefill's last logits within LOGITS_TOL of one process's forward without cache (same sums in
+    other orders: the op's chunks and state passing, the decode step's recurrence; measured <= 3.3e-6); every delta
+    layer's conv and recurrent state and every attention layer's K/V within STATE_TOL of transformers' own prefill
+    (measured <= 2e-6). Negative control: the same run with a zero recurrent state in the cache gives other tokens,
+    logits off by > 0.1 and states off by 1."""
+    res = results2[0]["delta"][name]
+    assert "error" not in res, res["error"]
+    print(f"{name}: steps {res['sharded']['steps']:.1e}, prefill {res['sharded']['prefill']:.1e}, cache "
+          f"{max(res['sharded']['cache'].values()):.1e}, margin {res['margin']:.1e}; the delta cases took "
+          f"{results2[0]['delta_seconds']:.1f} s")  # fmt: skip
+    assert res["margin"] > MARGIN, f"a near-tie in the oracle's tokens ({res['margin']:.1e}): pick another seed"
+    for rank, r in enumerate(results2):
+        got = r["delta"][name]["sharded"]
+        assert got["same_tokens"], f"rank {rank}: tokens {got['tokens']} != one process's {res['want']}"
+        assert got["uncached_same_tokens"], f"rank {rank}: use_cache=False gave other tokens"
+        assert got["steps"] <= LOGITS_TOL and got["prefill"] <= LOGITS_TOL, (rank, got["steps"], got["prefill"])
+        bad = {k: e for k, e in got["cache"].items() if not e <= STATE_TOL}
+        assert not bad, f"rank {rank}: cached tensors over {STATE_TOL}: {bad}"
+        assert sum(k.endswith("recurrent_states") for k in got["cache"]) == 2
+    control = res["zero_state"]
+    assert not control["same_tokens"] and control["steps"] > 0.1, control
+    assert min(e for k, e in control["cache"].items() if k.endswith("recurrent_states")) > 1e-2, control["cache"]
+
+
+def test_delta_left_padded_and_short_prompts(results2):
+    """Qwen3.5, 2 ranks: a left-padded batch (the padding a document of its own, as for the Mamba2 families) gives one
+    process's tokens, its cache within STATE_TOL of transformers' own prefill of the padded prefix (control: the same
+    prefill without the mask is off by > 1e-2); the shortest prompt the sharded prefill takes and one token less
+    (plain generate: a shard under K - 1 tokens raised before) give one process's tokens."""
+    for rank, r in enumerate(results2):
+        res = r["delta"]["padded"]
+        assert "error" not in res, f"rank {rank}: {res['error']}"
+        assert res["padding_matters"] and res["margin"] > MARGIN, res
+        assert res["same_tokens"], f"rank {rank}: tokens {res['tokens']} != one process's {res['want']}"
+        bad = {k: e for k, e in res["errs"].items() if not e <= STATE_TOL}
+        assert not bad, f"rank {rank}: cached tensors over {STATE_TOL}: {bad}"
+        control = res["errs_without_mask"]
+        assert max(e for k, e in control.items() if k.endswith("recurrent_states")) > 1e-2, control
+        assert res["shortest"] and res["one_short"]
+
+
+def test_delta_prepared_model_generates_and_stays_prepared(results2):
+    res = results2[0]["delta"]["prepared"]
+    assert "error" not in res, res["error"]
     assert res["same_tokens"]
     assert res["sharding_kept"][0], res["sharding_kept"][1]
 

@@ -18,7 +18,8 @@ before this module (the same arithmetic, so Mamba2's results are unchanged bit f
 
 ``MATRIX`` is the gated delta rule's (docs/design.md, "The gated delta rule"): off = U (b, h, K, V), lin = M
 (b, h, K, K), the product of alpha_t (I - beta_t k_t k_t^T) over the segment, later tokens on the left; lin(S) =
-M S, the adjoint is M^T, a cut is M = 0.
+M S, the adjoint is M^T, a cut is M = 0. Kimi's KDA (a gate per key channel) has factors (I - beta_t k_t k_t^T)
+Diag(alpha_t): M is a general K x K matrix either way, so the type is the same.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ contract (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
                 Not yet run on a GPU when written (tests/test_gpu_delta.py is its check).
     auto        fla for CUDA tensors when it imports, else the reference (with a warning on CUDA); also the
                 reference (warned once) for a call needing gradients where fla's backward refuses
+A gate per key channel (Kimi's KDA, g (B, T, H, K)) runs on the reference only: ``delta_op.py`` refuses it for
+"fla" and resolves "auto" to the reference (fla's ``chunk_kda`` is another function, not wired or checked here).
 
 The sharded op (``delta_op.py``) calls a backend on each rank's pieces as one packed row (``cu_seqlens``, batch 1)
 with one initial state per piece; ``v`` and the state carry V + K columns there (``engine/strategies/delta.py``).

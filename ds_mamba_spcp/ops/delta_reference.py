@@ -20,6 +20,11 @@ lower-triangular system
 and the chunks run one after the other. Packed rows (``cu_seqlens``, batch 1) run sequence by sequence, each
 from its own row of ``initial_state`` (N, H, K, V); the final states are one per sequence, like the kernel's.
 
+A per-channel gate (Kimi's KDA: g of shape (B, T, H, K), a diagonal decay Diag(alpha_t) of the state's key rows,
+applied before the delta update: S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T) runs the
+same chunked form with exp(G_t - G_j) taken channel by channel: (k_t . k_j) becomes sum_c k_tc k_jc exp(G_tc - G_jc)
+(and likewise for q), exp(G_t) S_0^T k_t becomes S_0^T (exp(G_t) * k_t), and the state's decay Diag(exp(G_C)).
+
 ``recurrent_gated_delta_rule`` is the recurrence itself, token by token: the ground truth of the tests.
 Grouped heads (q and k with fewer heads than v) are repeated to v's heads, each query/key head serving
 consecutive value heads.
@@ -56,6 +61,8 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
 
 def _dense(q, k, v, g, beta, S, chunk_size: int):
     """The chunked form on (B, H, T, *) prepared tensors from the state S (B, H, K, V): (o, S_end)."""
+    if g.dim() == 4:
+        return _dense_per_channel(q, k, v, g, beta, S, chunk_size)
     T = q.shape[2]
     outs = []
     for start in range(0, T, chunk_size):
@@ -75,6 +82,30 @@ def _dense(q, k, v, g, beta, S, chunk_size: int):
         outs.append(G.exp()[..., None] * (qc @ S) + attn @ w)
         tail = (G[..., -1:] - G).exp()[..., None] * kc  # (B, H, C, K)
         S = G[..., -1].exp()[..., None, None] * S + tail.transpose(-1, -2) @ w
+    return torch.cat(outs, dim=2), S
+
+
+def _dense_per_channel(q, k, v, g, beta, S, chunk_size: int):
+    """``_dense`` with a gate per key channel, g (B, H, T, K) (the module docstring's KDA form)."""
+    T = q.shape[2]
+    outs = []
+    for start in range(0, T, chunk_size):
+        sl = slice(start, min(start + chunk_size, T))
+        qc, kc, vc, gc, bc = q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl]
+        C = qc.shape[2]
+        G = gc.cumsum(2)  # (B, H, C, K)
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[..., None], float("-inf"))
+        decay = diff.exp()  # (B, H, C, C, K): exp(G_tc - G_jc) for j <= t, 0 above the diagonal
+        kk = (kc[..., :, None, :] * kc[..., None, :, :] * decay).sum(-1)  # sum_c k_tc k_jc exp(G_tc - G_jc)
+        system = torch.eye(C, dtype=q.dtype, device=q.device) + bc[..., None] * kk.tril(-1)
+        rhs = torch.cat([bc[..., None] * vc, bc[..., None] * G.exp() * kc], dim=-1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        w = solved[..., : vc.shape[-1]] - solved[..., vc.shape[-1] :] @ S  # (B, H, C, V)
+        attn = (qc[..., :, None, :] * kc[..., None, :, :] * decay).sum(-1)
+        outs.append((G.exp() * qc) @ S + attn @ w)
+        tail = (G[..., -1:, :] - G).exp() * kc  # (B, H, C, K)
+        S = G[..., -1, :].exp()[..., None] * S + tail.transpose(-1, -2) @ w
     return torch.cat(outs, dim=2), S
 
 
@@ -115,7 +146,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size: int | None = None):  # fmt: skip
     """flash-linear-attention's ``chunk_gated_delta_rule`` in plain PyTorch (module docstring).
 
-    q, k: (B, T, Hk, K); v: (B, T, H, V); g (log decays, <= 0), beta: (B, T, H); initial_state: (N, H, K, V)
+    q, k: (B, T, Hk, K); v: (B, T, H, V); g (log decays, <= 0): (B, T, H), or (B, T, H, K) for a gate per key
+    channel (KDA: flash-linear-attention's ``chunk_kda`` contract); beta: (B, T, H); initial_state: (N, H, K, V)
     with N = B, or the number of sequences of ``cu_seqlens`` (batch 1). Returns o (B, T, H, V) in v's dtype and
     the final states (N, H, K, V) in fp32 (fp64 for fp64 input), or None. Differentiable by autograd. chunk_size:
     tokens per chunk (None: ``CHUNK_SIZE``).
@@ -137,6 +169,11 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         outs = []
         for t in range(q.shape[2]):
             kt = k[:, :, t]
+            if g.dim() == 4:  # a gate per key channel (KDA): Diag(alpha_t) first, then the delta update
+                S = g[:, :, t].exp()[..., :, None] * S
+                S = S + beta[:, :, t, None, None] * kt[..., :, None] * (v[:, :, t, None, :] - kt[..., None, :] @ S)
+                outs.append((q[:, :, t, None, :] @ S)[..., 0, :])
+                continue
             S = g[:, :, t].exp()[..., None, None] * (S - beta[:, :, t, None, None] * kt[..., :, None]
                                                      * (kt[..., None, :] @ S))  # fmt: skip
             S = S + beta[:, :, t, None, None] * kt[..., :, None] * v[:, :, t, None, :]

@@ -8,7 +8,8 @@
 A wrapped layer keeps its class and place, as the Mamba2 mixers do (``adapter.py``): its instance ``forward``
 is replaced, the previous one runs every unsharded call, it is a ZeRO-3 leaf (the conv weight is read without
 calling ``conv1d``). ``DELTA_CLASSES`` names the layers; each family's projections and output are read through
-``_Family``. A sharded call takes no cache (generation runs inside ``sequence_parallel_disabled``) and no
+``_Family``. A sharded call takes no cache (generation runs inside ``sequence_parallel_disabled``; the sharded
+prefill of ``generation.py`` calls ``forward(..., decode_state=True)`` and fills the cache itself) and no
 padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer is given) and become the op's
 ``cu_seqlens`` (one packed row per call). The user's page: docs/huggingface.md, "Gated DeltaNet families".
 """
@@ -122,7 +123,11 @@ class DeltaAdapter:
             seq_idx = self.model_state.seq_idx
         return self.forward(hidden, seq_idx)
 
-    def forward(self, hidden: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, seq_idx: torch.Tensor | None, decode_state: bool = False):
+        """This rank's shard of the layer's output; with ``decode_state`` (a prefill, ``generation.py``) also the
+        decode state after the shard: (out, the op's final states (N, H, K, V) fp32, identical on every rank, N the
+        batch or the rows' documents in row order; the last K pre-conv rows (batch, conv_dim, K), this rank's,
+        halo included, zero where they lie before the row's last document)."""
         m, cfg = self.mixer, self.sharding.config
         group, cp = self.sharding.group(), self.sharding.size
         rank = comm.group_rank_size(group)[0]
@@ -166,15 +171,24 @@ class DeltaAdapter:
             input_layout=cfg.input_layout, summary_exchange=cfg.summary_exchange,
             backend=_delta_backend(cfg.backend), check_shapes=cfg.check_shapes,
         )  # fmt: skip
+        options["output_final_state"] = decode_state
         if cu is None:
-            o, _ = chunk_gated_delta_rule_sp(q, k, v, g, beta, **options)
+            o, final = chunk_gated_delta_rule_sp(q, k, v, g, beta, **options)
         else:  # the op takes one packed row per call (cu_seqlens): row by row, alike on every rank
             rows = [
-                chunk_gated_delta_rule_sp(*(t[r : r + 1] for t in (q, k, v, g, beta)), cu_seqlens=cu[r], **options)[0]
+                chunk_gated_delta_rule_sp(*(t[r : r + 1] for t in (q, k, v, g, beta)), cu_seqlens=cu[r], **options)
                 for r in range(B)
             ]  # fmt: skip
-            o = torch.cat(rows)
-        return _output(m, o, z)
+            o = torch.cat([row[0] for row in rows])
+            final = torch.cat([row[1] for row in rows]) if decode_state else None
+        out = _output(m, o, z)
+        if not decode_state:
+            return out
+        window = torch.cat([halo, mixed], dim=1)[:, -K:]  # (B, K, C): L >= K-1, so the halo fills what L lacks
+        if seq_idx is not None:
+            marks = torch.cat([before, labels[rank]], dim=1)[:, -K:]
+            window = window * (marks == marks[:, -1:]).to(window.dtype)[..., None]
+        return out, final, window.transpose(1, 2).contiguous()
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)

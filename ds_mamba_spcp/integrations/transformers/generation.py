@@ -16,6 +16,8 @@
         the model's own forward on the shard, with a cache (``PrefilledCache``, a ``DynamicCache``):
         Mamba2 mixers   in_proj -> the op with return_final_states -> out_proj; the cache's
                         LinearAttentionLayer gets the state and the conv tail (``inference.prefill``)
+        Gated DeltaNet  ``delta.DeltaAdapter`` with the op's final state (``_delta_forward``); the cache's
+                        LinearAttentionLayer gets it and the last K pre-conv rows, the last rank's
         attention       DeepSpeed's Ulysses attention (all-to-all [L/cp, heads] -> [L, heads/cp]), as
                         in training; ``cache.update`` gathers every rank's K/V into each rank's cache
         -> (the last prompt token's logits, from the last rank, and the cache), on every rank
@@ -138,21 +140,12 @@ def _model_problem(model: nn.Module, cfg: MambaSequenceParallelConfig, cp: int) 
         )
     if not hasattr(model, "generate") or not hasattr(model, "config"):
         return TypeError(f"{name} is not a transformers generative model (no generate / config)")
-    from ds_mamba_spcp.integrations.transformers.delta import delta_classes
-
-    deltas = [m for m in model.modules() if isinstance(m, delta_classes())] if delta_classes() else []
-    if deltas:
-        return NotImplementedError(
-            f"{name} holds Gated DeltaNet layers ({type(deltas[0]).__qualname__}): sequence-parallel prefill does "
-            "not yet leave their cache (conv state and recurrent state) in transformers' DynamicCache. Generate "
-            "with the model's own generate on whole prompts (inside sequence_parallel_disabled(model) if it was "
-            "prepared)."
-        )
     mixers = _mixers(model)
-    if not mixers:
+    if not mixers and not _deltas(model):
         return ValueError(
-            f"{name} holds no Mamba2 mixer this package can shard (transformers' {', '.join(hf.MIXER_CLASSES)}); "
-            "an attention-only model has nothing for state passing: prefill it with the model's own forward."
+            f"{name} holds no Mamba2 mixer this package can shard (transformers' {', '.join(hf.MIXER_CLASSES)}) and "
+            "no Gated DeltaNet layer (delta.DELTA_CLASSES); an attention-only model has nothing for state passing: "
+            "prefill it with the model's own forward."
         )
     try:
         for m in mixers:
@@ -163,6 +156,13 @@ def _model_problem(model: nn.Module, cfg: MambaSequenceParallelConfig, cp: int) 
     except (ValueError, NotImplementedError) as e:
         return e
     return None
+
+
+def _deltas(model: nn.Module) -> list[nn.Module]:
+    from ds_mamba_spcp.integrations.transformers.delta import delta_classes
+
+    classes = delta_classes()
+    return [m for m in model.modules() if isinstance(m, classes)] if classes else []
 
 
 def _ids_problem(ids: Any, what: str) -> Exception | None:
@@ -210,6 +210,24 @@ def _gathering_update(cache, group, key_states, value_states, layer_idx, *args, 
     full_k, full_v = gather_sequence(key_states, -2, group), gather_sequence(value_states, -2, group)
     type(cache).update(cache, full_k, full_v, layer_idx, *args, **kwargs)
     return key_states, value_states
+
+
+def _delta_forward(adapter, group, padding, *args, **kwargs):
+    """A Gated DeltaNet layer's forward during the prefill (``delta.DeltaAdapter`` with its decode state): the
+    cache's layer gets the op's final state after the whole prompt (identical on every rank) and the last K
+    pre-conv rows of q/k/v's mixed projection, the last rank's (it holds the prompt's end), in transformers'
+    layout (batch, conv_dim, K); left-padded rows (``padding``) as packed rows, each keeping its last document."""
+    hidden, cache, mask, rest = hf._mixer_call(args, kwargs)
+    m = adapter.mixer
+    if mask is not None or rest.get("seq_idx") is not None:
+        raise NotImplementedError(f"{type(m).__qualname__}: a padded or packed prompt reached the sharded prefill")
+    out, state, conv = adapter.forward(hidden, None if padding is None else padding.labels, decode_state=True)
+    conv = broadcast_from_last(conv, group)
+    if padding is not None:
+        state, conv = padding.rows(state), padding.rows(conv, per_row=True)
+    cache.update_conv_state(conv, m.layer_idx, conv_kernel_size=conv.shape[-1])
+    cache.update_recurrent_state(state.float(), m.layer_idx)  # fp32, as transformers' own prefill keeps it
+    return out
 
 
 class _Ulysses:
@@ -278,10 +296,10 @@ class _LeftPadding:
         pads = (mask == 0).sum(1).tolist()
         self.groups = [(p, torch.tensor([b for b, q in enumerate(pads) if q == p])) for p in sorted(set(pads))]
 
-    def rows(self, per_document: torch.Tensor) -> torch.Tensor:
+    def rows(self, per_document: torch.Tensor, per_row: bool = False) -> torch.Tensor:
         """(ndocs, ...) -> (batch, ...): each row's last document, zero where the row is still padding (as
-        transformers' masked layers leave it)."""
-        picked = per_document[self.last.to(per_document.device)]
+        transformers' masked layers leave it). ``per_row``: already one per row (batch, ...), zeroed alike."""
+        picked = per_document if per_row else per_document[self.last.to(per_document.device)]
         keep = self.keep.to(picked.device).view(-1, *([1] * (picked.dim() - 1)))
         return picked * keep.to(picked.dtype)
 
@@ -291,12 +309,19 @@ def _sharded(model: nn.Module, cache, group, cfg, position_ids, padding=None):
     """Inside the block, ``model``'s forward on a shard is the sharded prefill (then everything is put back)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from ds_mamba_spcp.integrations.transformers.delta import DeltaAdapter
+
     undo = []
     try:
         for m in _mixers(model):
             adapter = hf._MixerAdapter(m, group, cfg)
             had, previous = "forward" in m.__dict__, m.__dict__.get("forward")
             m.forward = functools.partial(_mixer_forward, adapter, group, cfg, padding)
+            undo.append(lambda m=m, had=had, previous=previous: _restore(m, "forward", had, previous))
+        for m in _deltas(model):
+            adapter = DeltaAdapter(m, hf._Sharding(group, cfg))
+            had, previous = "forward" in m.__dict__, m.__dict__.get("forward")
+            m.forward = functools.partial(_delta_forward, adapter, group, padding)
             undo.append(lambda m=m, had=had, previous=previous: _restore(m, "forward", had, previous))
         cache.update = functools.partial(_gathering_update, cache, group)
         undo.append(lambda: cache.__dict__.pop("update", None))
@@ -471,7 +496,7 @@ def _generate_problem(model, input_ids, kwargs: dict, cp: int) -> Exception | No
 def _least_prompt(model, cp: int) -> int:
     """The fewest prompt tokens a sharded prefill over ``cp`` ranks takes: d_conv - 1 per rank (a shard's conv
     halo comes from the rank before alone) and the last ``_FED`` for generate."""
-    halo = max([int(m.conv1d.weight.shape[-1]) - 1 for m in _mixers(model)] or [0])
+    halo = max([int(m.conv1d.weight.shape[-1]) - 1 for m in _mixers(model) + _deltas(model)] or [0])
     return cp * max(1, halo) + _FED
 
 
