@@ -278,6 +278,58 @@ def test_recompute_replays_each_tiles_draws(monkeypatch):
     assert [k for k in ref if not torch.equal(got[k], ref[k])] == [], f"three tiles with dropout: {key} {err:.2e} off"
 
 
+def _state_grads(tiles, k, mixer, zx, S_in, g, state) -> dict:
+    core = mixer._core()
+    S_out = state(tiles, k, zx, core, S_in)
+    params = dict(mixer.named_parameters())
+    got = torch.autograd.grad((S_out * g).sum(), [zx, S_in, *params.values()], allow_unused=True)
+    names = ["S_out", "dzx", "dS_in", *("d" + n for n in params)]
+    values = [S_out.detach(), *got]
+    return {n: v for n, v in zip(names, values) if v is not None and v.abs().max() > 0}  # zeros: unused
+
+
+def _halo_dropped(state):
+    """A state path whose tile's halo rows never reach its conv."""
+    return lambda zxbcdt, halo, *args, **kwargs: state(zxbcdt, None, *args, **kwargs)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_state_path_equals_the_whole_segment_fp64(monkeypatch, packed):
+    """A tiled shard's backward pass 2 reads only the state after each tile: ``Tiles.state`` takes it through the
+    reference backend's ``segment_state`` (the segment's summary, no output) instead of the whole segment
+    differentiated with a zero output gradient (``Tiles.core``, _TileCore: segment_fwd and segment_bwd). S_out and
+    the gradients of the tile's in_proj output with its halo rows, of S_in and of every mixer parameter agree to
+    1e-12 (fp64, the same operations: seen bitwise equal), on tiles with halo rows, of packed rows too (a tile that
+    starts on a document start, starts inside tiles). Negative control: the halo rows dropped, > 1e-3 off."""
+    from ds_mamba_spcp.ops import reference
+
+    block = _block("rms_Dh_g2_bias_dtlim")
+    mixer, core = block.mixer, block.mixer._core()
+    ids = PACKED if packed else None
+    tiles = tiled_block_module.make_tiles(core, reference, BATCH, SEQLEN, 10, ids, keep_y=False)
+    spec = tiles.spec
+    g = torch.Generator().manual_seed(5)
+    shape = (BATCH, spec.nheads, spec.headdim, spec.dstate)
+    S_in, dS = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(2))
+    worst = {}
+    for k in (1, 2):
+        s, e = tiles.spans[k]
+        zx = torch.randn(BATCH, tiles.halo_rows(k) + e - s, core.d_in_proj, generator=g, dtype=torch.float64)
+        whole = _state_grads(tiles, k, mixer, zx.requires_grad_(), S_in.clone().requires_grad_(), dS,
+                             lambda t, *a: t.core(*a)[1])  # fmt: skip
+        for name in ("state", "no_halo"):
+            if name == "no_halo":  # the negative control
+                monkeypatch.setattr(reference, "segment_state", _halo_dropped(reference.segment_state))
+            got = _state_grads(tiles, k, mixer, zx, S_in.clone().requires_grad_(), dS, type(tiles).state)
+            monkeypatch.undo()
+            assert got.keys() == whole.keys(), (name, got.keys() ^ whole.keys())
+            err = max((got[n] - whole[n]).norm().item() / whole[n].norm().item() for n in whole)
+            worst[name] = max(worst.get(name, 0.0), err)
+    print(f"state path against the whole segment: {worst['state']:.1e}; halo dropped: {worst['no_halo']:.1e}")
+    assert worst["state"] <= 1e-12, worst
+    assert worst["no_halo"] > 1e-3, worst
+
+
 def test_refusals():
     block = _block("gate_g1")
     x, _ = _inputs()

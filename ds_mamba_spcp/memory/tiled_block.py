@@ -154,6 +154,20 @@ class Tiles:
                 core.conv1d_weight, core.conv1d_bias, core.dt_bias, core.A, core.D, core.rmsnorm_weight, S_in,
             )  # fmt: skip
 
+    def state(self, k: int, zx, core: MixerCore, S_in):
+        """The state after tile k (``core``'s S_out), differentiable: through the backend's state path alone where it
+        has one (``segment_state``: the reference backend), else the whole segment (``_TileCore``, whose backward
+        then runs the backend's segment_bwd with a zero output gradient)."""
+        state_fn = getattr(self.backend, "segment_state", None)
+        if state_fn is None or S_in is None:
+            return self.core(k, zx, core, S_in)[1]
+        zxbcdt, halo = self._split(k, zx)
+        if self.starts[k] is not None:  # a tile that begins a document gets no state
+            S_in = S_in * (~self.starts[k]).to(S_in.dtype)[:, None, None, None]
+        params = (core.conv1d_weight, core.conv1d_bias, core.dt_bias, core.A, core.D, core.rmsnorm_weight)
+        with torch.autocast(device_type=zxbcdt.device.type, enabled=False):
+            return state_fn(zxbcdt, halo, params, S_in, spec=self.spec, seq_idx=self.labels[k])
+
     def summary(self, k: int, zx, core: MixerCore):
         """Tile k's summary from a zero state, (S_ext, log_a) (the backend's segment summary, ops/segment.py):
         log_a is -inf where a document starts inside the tile or on its first token. No graph."""
@@ -219,7 +233,7 @@ class _Block:
 
     def state(self, tiles: Tiles, k: int, x_ext, S_in):
         """The state after tile k (its state path only: no out_proj, no residual)."""
-        return tiles.core(k, self.mixer.in_proj(self.norm(x_ext)), self.mixer._core(), S_in)[1]
+        return tiles.state(k, self.mixer.in_proj(self.norm(x_ext)), self.mixer._core(), S_in)
 
 
 class TiledFn(torch.autograd.Function):

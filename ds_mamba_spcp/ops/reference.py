@@ -253,6 +253,16 @@ def segment_fwd(zxbcdt, halo, params, *, spec, seq_idx=None, keep_y=False, S_in=
     return out, None
 
 
+def segment_state(zxbcdt, halo, params, S_in, *, spec, seq_idx=None):
+    """The state after one segment, ``S_out = exp(log_a) S_in + S_ext``, differentiable by autograd (the inputs'
+    graphs kept): the state path alone, no output. Optional in a backend; a tiled shard's backward pass 2 calls it
+    where it exists (memory/tiled_block.py, ``Tiles.state``), else differentiates the whole segment with a zero
+    output gradient."""
+    conv1d_weight, conv1d_bias, dt_bias, A = params[:4]
+    *_, S_ext, log_a = _segment_pre(zxbcdt, _ready(halo), conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx)
+    return torch.exp(log_a)[:, :, None, None] * S_in.to(S_ext.dtype) + S_ext
+
+
 def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=None, dS_out=None):
     """Backward of ``segment_fwd`` by recomputation under autograd, a generator.
 

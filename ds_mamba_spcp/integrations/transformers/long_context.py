@@ -126,9 +126,10 @@ class _TileCall:
             if self.cut:
                 raise _Stop
             return hidden.new_zeros(*hidden.shape[:2], adapter.mixer.out_proj.out_features)
-        y, self.S_out = self.tiles.core(self.k, zx, adapter.core(), self.S_in)
-        if self.stop == "state" and self.cut:
+        if self.stop == "state" and self.cut:  # the state path alone (Tiles.state)
+            self.S_out = self.tiles.state(self.k, zx, adapter.core(), self.S_in)
             raise _Stop
+        y, self.S_out = self.tiles.core(self.k, zx, adapter.core(), self.S_in)
         out = adapter.mixer.out_proj(y)
         if attention_mask is not None:
             # transformers' mixers zero a padded position's input and conv output (apply_mask_to_padding_states):
