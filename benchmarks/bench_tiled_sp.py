@@ -85,6 +85,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations first: 3 (cuda), 1 (cpu)")
     p.add_argument("--budget-s", type=float, default=240.0, help="a cell that would start past it is skipped")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--state-path", choices=("backend", "reference"), default="backend",
+                   help="backward pass 2 on a GPU: the backend's whole segment (Triton), or the reference backend's "
+                        "plain-PyTorch state path (segment_state) on the GPU's tensors: an experiment")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no line per cell on stdout")
     p.add_argument("--git-commit", default=None)
     p.add_argument("--out", default=None, help="JSON path (a Markdown table is written beside it)")
@@ -241,6 +244,7 @@ def _record(setting: str, L: int, args, per_rank: list) -> dict:
     """One cell's record from the ranks' results (sp 1: rank 0's alone)."""
     ranks = [r for r in per_rank if r is not None]
     rec = dict(setting=setting, sp=1 if setting == "sp1" else 2, shard_length=L, tile_tokens=args.tile,
+               state_path=args.state_path,
                status="ok", per_rank=ranks)  # fmt: skip
     bad = [r for r in ranks if r.get("status") != "ok"]
     if bad:
@@ -309,6 +313,11 @@ def _worker(rank, port, args, deadline, out_queue):
     try:
         if args.device == "cuda":
             torch.cuda.set_device(0)
+            if args.state_path == "reference":
+                from ds_mamba_spcp.ops import reference
+                from ds_mamba_spcp.ops import triton as triton_backend
+
+                triton_backend.segment_state = reference.segment_state  # Tiles.state takes it where it exists
         import deepspeed.comm as dist
 
         # gloo up before DeepSpeed: its init passes device_id on a GPU, and torch 2.11's new_group then splits the
