@@ -588,7 +588,7 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     seqlen/cp), ``position_ids`` (global, needed with attention), no labels, cache or padding; it returns this
     rank's shard of the logits. ``sequence_parallel_disabled`` gives back the unwrapped behaviour.
     """
-    cfg = load_mamba_sp_config(ds_config)
+    cfg = load_mamba_sp_config(ds_config)  # the one read of the ds_config: what follows takes cfg (and cfg.deepspeed)
     cp = cfg.resolved_sequence_parallel_size
     if not cfg.enabled:
         if cp > 1:
@@ -600,18 +600,16 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
         if cfg.long_context is not None:
             raise ValueError(f'"{SECTION}.long_context" is set but "{SECTION}.enabled" is false; set "enabled": true.')
         return None
-    zero_stage = _zero_stage(ds_config)
     if cp == 1:
         if cfg.long_context is not None:
-            prepare_long_context(model, cfg, zero_stage)
+            prepare_long_context(model, cfg)
         return None
     import deepspeed.comm as dist
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-    from ds_mamba_spcp.config import ds_config_dict
-    from ds_mamba_spcp.data import bf16_optimizer_error, selects_bf16_optimizer
+    from ds_mamba_spcp.data import bf16_optimizer_error
 
-    if not isinstance(ds_config, MambaSequenceParallelConfig) and selects_bf16_optimizer(ds_config_dict(ds_config)):
+    if cfg.deepspeed.selects_bf16_optimizer:
         raise bf16_optimizer_error()  # the returned mpu would break DeepSpeed's BF16_Optimizer
 
     if not dist.is_initialized():
@@ -661,22 +659,12 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
             adapter.model_state = state
     model.__dict__[_MODEL_ATTR] = state
     model.register_forward_pre_hook(_check_model_call, with_kwargs=True)
-    long_context.install(model, cfg, cp, zero_stage)
+    long_context.install(model, cfg)
     router_loss.install(model, sharding)  # the MoE router loss summed over the group
     return parallel_state_sp
 
 
-def _zero_stage(ds_config: Any) -> int:
-    """The ds_config's ZeRO stage (0 when it is not a whole ds_config)."""
-    from ds_mamba_spcp.config import ds_config_dict
-
-    if isinstance(ds_config, MambaSequenceParallelConfig):
-        return 0
-    zero = ds_config_dict(ds_config).get("zero_optimization") or {}
-    return int(zero.get("stage", 0))
-
-
-def prepare_long_context(model: nn.Module, config: MambaSequenceParallelConfig, zero_stage: int) -> None:
+def prepare_long_context(model: nn.Module, config: MambaSequenceParallelConfig) -> None:
     """``"long_context"`` on a group of one (sequence_parallel_size 1): the mixers run this package's op on this
     rank alone, and ``long_context.install`` does the rest. Once per model."""
     if long_context.installed(model):
@@ -687,5 +675,5 @@ def prepare_long_context(model: nn.Module, config: MambaSequenceParallelConfig, 
             f'"{SECTION}.long_context" is set but {type(model).__qualname__} holds no Mamba2 mixer this package '
             f"wraps (transformers' {', '.join(MIXER_CLASSES)})."
         )
-    long_context.install(model, config, 1, zero_stage)
+    long_context.install(model, config)
     router_loss.install(model)  # the MoE router loss from the rows the key routes without grad

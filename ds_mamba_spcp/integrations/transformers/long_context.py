@@ -1,8 +1,8 @@
 """Long context for transformers' Mamba2 families: memory per token that stays flat in the sequence length.
 
-``install(model, config, group, zero_stage)`` acts on the section's ``"long_context"`` key
-(``config.LongContext``); ``prepare_sequence_parallel`` and ``enable()`` (the Trainer, TRL, accelerate) call it,
-at sequence_parallel_size 1 too. In training (``model.train()``, grad enabled), each part can be turned off alone::
+``install(model, config)`` acts on the parsed section's ``"long_context"`` key (``config.LongContext``);
+``prepare_sequence_parallel`` and ``enable()`` (the Trainer, TRL, accelerate) call it, at sequence_parallel_size 1
+too. In training (``model.train()``, grad enabled), each part can be turned off alone::
 
     decoder layer with a Mamba2 mixer, no attention   its own checkpoint, recomputed in backward tile by tile
       (tiled_layers)                                   through the layer's own forward: the mixer reads its tile
@@ -384,9 +384,9 @@ def installed(model: nn.Module) -> bool:
     return _STATE_ATTR in model.__dict__
 
 
-def install(model: nn.Module, config: MambaSequenceParallelConfig, cp: int, zero_stage: int) -> bool:
-    """Installs ``config.long_context`` on ``model`` (its mixers already wrapped by adapter.py); a no-op when the
-    key is unset or the model was installed before. Returns whether it installed."""
+def install(model: nn.Module, config: MambaSequenceParallelConfig) -> bool:
+    """Installs ``config.long_context`` on ``model`` (its mixers already wrapped by adapter.py, on the group of
+    ``config``); a no-op when the key is unset or the model was installed before. Returns whether it installed."""
     lc = config.long_context
     if lc is None or installed(model):
         return False
