@@ -5,6 +5,12 @@
 DeepSpeed ignores the section; :func:`load_mamba_sp_config` reads and validates it once, and what depends on
 the model (head and group counts) is checked by :meth:`MambaSequenceParallelConfig.validate_for_mixer`. The
 keys' table: docs/usage.md, "The ds_config section".
+
+The parsed config is the one object the package's entry points hand down (``prepare_sequence_parallel``,
+``enable()``'s hooks, the wrappers): beside the section it carries, as ``config.deepspeed``
+(:class:`DeepSpeedSettings`), what the package reads from the rest of the same ds_config (ZeRO stage and
+``reduce_scatter``, bf16, the gradient accumulation dtype, optimizer offload), so that no function below an entry
+point reads the raw ds_config again.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any, Literal
 
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from ds_mamba_spcp.engine import exchange, modes
 from ds_mamba_spcp.ops import BACKENDS
@@ -27,6 +33,56 @@ SECTION = "mamba_sequence_parallel"
 
 _TOP_LEVEL_SP_SIZE = "sequence_parallel_size"
 _OP = {"op": True}  # a field that is also an option of the op: it becomes a field of ``Options`` (below)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedSettings:
+    """What the package reads from the ds_config outside its section, read by :func:`load_mamba_sp_config` with it
+    (a config built from the section alone has the defaults: DeepSpeed's own, ZeRO stage 0 and no bf16)."""
+
+    zero_stage: int | None = 0
+    """``zero_optimization.stage`` (None where it is not an int yet: accelerate's ``"auto"``)."""
+    reduce_scatter: bool = True
+    """``zero_optimization.reduce_scatter``."""
+    bf16: bool = False
+    """``bf16.enabled`` (or the older ``bfloat16``)."""
+    grad_accum_dtype: str | None = None
+    """``data_types.grad_accum_dtype``: the dtype DeepSpeed accumulates gradients in across micro-batches."""
+    offload_optimizer: str = "none"
+    """``zero_optimization.offload_optimizer.device``."""
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Mapping) -> DeepSpeedSettings:
+        def part(mapping: Mapping, *keys: str) -> Mapping:  # a sub-object, {} where absent or not an object
+            value = next((mapping[k] for k in keys if k in mapping), None)
+            return value if isinstance(value, Mapping) else {}
+
+        zero = part(ds_config, "zero_optimization")
+        stage = zero.get("stage", 0)
+        if isinstance(stage, str) and stage.isdigit():
+            stage = int(stage)
+        return cls(
+            zero_stage=stage if isinstance(stage, int) and not isinstance(stage, bool) else None,
+            reduce_scatter=bool(zero.get("reduce_scatter", True)),
+            bf16=bool(part(ds_config, "bf16", "bfloat16").get("enabled", False)),
+            grad_accum_dtype=part(ds_config, "data_types").get("grad_accum_dtype"),
+            offload_optimizer=str(part(zero, "offload_optimizer").get("device", "none")).lower(),
+        )
+
+    @property
+    def selects_bf16_optimizer(self) -> bool:
+        """Whether DeepSpeed 0.19.8 wraps the optimizer in its ``BF16_Optimizer``: ZeRO stage 1, bf16,
+        ``"grad_accum_dtype": "fp32"``, no CPU optimizer offload (``_do_optimizer_sanity_check``)."""
+        import torch
+        from deepspeed.runtime.config import DtypeEnum
+
+        return (
+            self.zero_stage == 1
+            and self.bf16
+            and self.grad_accum_dtype is not None
+            and DtypeEnum(self.grad_accum_dtype).value == torch.float32
+            and self.offload_optimizer != "cpu"
+        )
 
 
 class LongContext(DeepSpeedConfigModel):
@@ -79,6 +135,8 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
 
     # field docstrings are the JSON-schema descriptions; frozen: validated once, shared by every layer
     model_config = ConfigDict(use_attribute_docstrings=True, frozen=True)
+    # the rest of the ds_config (not a key of the section): set by load_mamba_sp_config, read as ``deepspeed``
+    _deepspeed: DeepSpeedSettings = PrivateAttr(default_factory=DeepSpeedSettings)
 
     enabled: bool = False
     """Turn the Mamba2 sequence-parallel path on. When False the wrapper runs the plain local mixer."""
@@ -187,6 +245,12 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
         """The op options this section sets (its fields marked as op options), and ``call``'s (final states,
         forward only)."""
         return Options(**{name: getattr(self, name) for name in OPTION_KEYS}, **call)
+
+    @property
+    def deepspeed(self) -> DeepSpeedSettings:
+        """What the package reads from the rest of the ds_config this section was read from (defaults when it was
+        built from the section alone)."""
+        return self._deepspeed
 
     @property
     def resolved_sequence_parallel_size(self) -> int:
@@ -298,7 +362,8 @@ def _top_level_sp_size(ds_config: Mapping) -> int | None:
 
 
 def load_mamba_sp_config(config: Any) -> MambaSequenceParallelConfig:
-    """Read and validate the ``"mamba_sequence_parallel"`` section of a DeepSpeed config.
+    """Read and validate the ``"mamba_sequence_parallel"`` section of a DeepSpeed config, with what the package
+    reads from the rest of it (``deepspeed``: :class:`DeepSpeedSettings`).
 
     ``config``: a ds_config dict, a path to a JSON ds_config file, a ``DeepSpeedConfig``, a DeepSpeed engine,
     or a :class:`MambaSequenceParallelConfig` (returned as is). A missing section gives the defaults
@@ -325,4 +390,6 @@ def load_mamba_sp_config(config: Any) -> MambaSequenceParallelConfig:
             f'"{SECTION}.sequence_parallel_size" is {own_size!r} but the top-level "{_TOP_LEVEL_SP_SIZE}" '
             f"is {top_size}; make them equal or drop one of them."
         )
-    return MambaSequenceParallelConfig(**section)
+    config = MambaSequenceParallelConfig(**section)
+    config._deepspeed = DeepSpeedSettings.from_ds_config(ds_config)
+    return config

@@ -146,22 +146,15 @@ def grad_scale_for_engine(engine) -> float:
     return grad_scale(stage, cp, reduce_scatter=reduce_scatter)
 
 
-def selects_bf16_optimizer(ds_config: Mapping) -> bool:
-    """Whether DeepSpeed 0.19.8 wraps the optimizer of ``ds_config`` (a dict) in its ``BF16_Optimizer``: ZeRO
-    stage 1, bf16, ``"grad_accum_dtype": "fp32"``, no CPU optimizer offload (``_do_optimizer_sanity_check``)."""
-    from deepspeed.runtime.config import DtypeEnum
+def selects_bf16_optimizer(ds_config) -> bool:
+    """Whether DeepSpeed 0.19.8 wraps the optimizer of ``ds_config`` in its ``BF16_Optimizer``: ZeRO stage 1, bf16,
+    ``"grad_accum_dtype": "fp32"``, no CPU optimizer offload (``config.DeepSpeedSettings.selects_bf16_optimizer``).
+    ``ds_config``: a ds_config dict, or the settings parsed from one (``load_mamba_sp_config``)."""
+    from ds_mamba_spcp.config import DeepSpeedSettings, MambaSequenceParallelConfig
 
-    zero = ds_config.get("zero_optimization") or {}
-    bf16 = ds_config.get("bf16", ds_config.get("bfloat16")) or {}
-    accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    return (
-        int(zero.get("stage", 0)) == 1
-        and bool(bf16.get("enabled", False))
-        and accum is not None
-        and DtypeEnum(accum).value == torch.float32
-        and str(offload).lower() != "cpu"
-    )
+    if isinstance(ds_config, MambaSequenceParallelConfig):
+        return ds_config.deepspeed.selects_bf16_optimizer
+    return DeepSpeedSettings.from_ds_config(ds_config).selects_bf16_optimizer
 
 
 def bf16_optimizer_error() -> ValueError:

@@ -215,7 +215,8 @@ def wrap_attention(model: nn.Module, sequence_process_group, layout: str = "cont
 
 def parallelize(model: nn.Module, sequence_process_group, config) -> tuple[int, int]:
     """Wraps the Mamba2 mixers (``ds_mamba_spcp.module.wrap_mamba2_mixers``) and the attention cores
-    for ``sequence_process_group``; ``config`` is the ds_config (or its section). Returns the counts."""
+    for ``sequence_process_group``; ``config`` is the ds_config, or its settings parsed (``load_mamba_sp_config``).
+    Returns the counts."""
     from ds_mamba_spcp.config import load_mamba_sp_config
     from ds_mamba_spcp.module import wrap_mamba2_mixers
 

@@ -315,20 +315,22 @@ def forward_loss(model, forward, batch: dict, group, scale: float, args):
                                            grad_scale=scale)  # fmt: skip
 
 
-def with_block_tiles(ds_config: dict, args) -> dict:
-    """The ds_config with --block-tile-tokens written into its section; raises when the section asks for
-    block tiles without --activation-checkpointing (the tiled block is a checkpoint)."""
+def with_block_tiles(ds_config: dict, args) -> tuple[dict, MambaSequenceParallelConfig]:
+    """The ds_config with --block-tile-tokens written into its section, and its settings (parsed here, once: the
+    run takes them); raises when the section asks for block tiles without --activation-checkpointing (the tiled
+    block is a checkpoint)."""
     if args.block_tile_tokens is not None:
         section = {**ds_config.get("mamba_sequence_parallel", {}), "block_tile_tokens": args.block_tile_tokens}
         ds_config = {**ds_config, "mamba_sequence_parallel": section}
-    tiles = load_mamba_sp_config(ds_config).block_tile_tokens
+    cfg = load_mamba_sp_config(ds_config)
+    tiles = cfg.block_tile_tokens
     if tiles is not None and not args.activation_checkpointing:
         raise ValueError(
             f'"mamba_sequence_parallel.block_tile_tokens" is {tiles} but --activation-checkpointing is off: the '
             "tiled block recompute is a way of checkpointing the blocks. Pass --activation-checkpointing, or drop "
             "the key."
         )
-    return ds_config
+    return ds_config, cfg
 
 
 def block_checkpointing(model: MambaLM, args, mpu=None, offload_plan=None) -> None:
@@ -500,12 +502,11 @@ def run_single(args, ds_config: dict) -> list[dict]:
     """The single-process reference: the whole sequence on one device, plain PyTorch optimizer."""
     from ds_mamba_spcp.module import wrap_mamba2_mixers
 
-    ds_config = with_block_tiles(ds_config, args)
+    ds_config, cfg = with_block_tiles(ds_config, args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     offload_plan = check_offload(args, ds_config, args.seq_len, launched_run=False)  # before building
     model = build_model(args)
     # A group of one on the plain-PyTorch reference op on CPU (mamba-ssm's own kernels need CUDA).
-    cfg = load_mamba_sp_config(ds_config)
     one = MambaSequenceParallelConfig(**{**cfg.model_dump(), "enabled": True, "sequence_parallel_size": 1,
                                          "mode": "state_passing", "load_balancing": "none",
                                          "input_layout": "contiguous"})  # fmt: skip
@@ -695,7 +696,7 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
         deepspeed.init_distributed(dist_backend="gloo" if args.shared_gpu else None, verbose=args.verbose,
                                    timeout=dist_timeout(args))  # fmt: skip
     world, rank = dist.get_world_size(), dist.get_rank()
-    ds_config = with_block_tiles(ds_config, args)
+    ds_config, cfg = with_block_tiles(ds_config, args)
     if torch.cuda.is_available() and not args.shared_gpu:
         # the device DeepSpeed binds this rank to, now: the offload's check and pinned pool run before initialize
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -704,7 +705,6 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
             'drop "data_parallel_size" from the ds_config: this script builds the sequence-parallel groups itself '
             "(DeepSpeed's parallel_state_sp, consecutive ranks per sequence) before deepspeed.initialize"
         )
-    cfg = load_mamba_sp_config(ds_config)
     sp = cfg.resolved_sequence_parallel_size
     if not cfg.enabled and sp > 1:
         raise ValueError('"mamba_sequence_parallel.enabled" is false but sequence_parallel_size > 1')
@@ -726,7 +726,7 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
     offload_plan = check_offload(args, ds_config, args.seq_len // sp, launched_run=True)  # before building
     seed_generators(args.seed)  # python's and numpy's too: the same states on every rank (a checkpoint keeps them)
     model = build_model(args)
-    parallelize(model, group, ds_config)
+    parallelize(model, group, cfg)
     block_checkpointing(model, args, mpu, offload_plan)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],

@@ -511,7 +511,11 @@ def _sequence_parallel(rank, world, tmp):
     t0 = time.perf_counter()
     core_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     mamba_sp.enable()
-    out = {fam: _train(fam, stage, SP, os.path.join(tmp, f"sp_{fam}")) for fam, stage in CASES.items()}
+    from tests.parse_count import parses
+
+    with parses() as parsed:
+        out = {fam: _train(fam, stage, SP, os.path.join(tmp, f"sp_{fam}")) for fam, stage in CASES.items()}
+    out["parsed"] = dict(parsed)
 
     # save at step 3, then a fresh Trainer resumes from that checkpoint and runs steps 4 and 5
     ckpt = os.path.join(tmp, "sp_resume")
@@ -610,6 +614,15 @@ def test_trainer_matches_one_process(runs, family):
         # evaluation and generate: unsharded, whole rows on every rank
         assert abs(run[family]["eval_loss"] - ref[family]["eval_loss"]) <= TOL * abs(ref[family]["eval_loss"])
         assert run[family]["generated"] == ref[family]["generated"]
+
+
+def test_settings_parsed_once_per_trainer(runs):
+    """Each Trainer (enable(), build, train) reads accelerate's ds_config once and parses it once into the typed
+    settings (issue 43 item 4); 018f6c7: 3 reads of the plugin's ds_config per Trainer (18 over the 6 runs)."""
+    once = {"load_mamba_sp_config": 1, "ds_config_dict": 1, "accelerate_ds_config": 1}
+    _, sp = runs
+    for rank, run in enumerate(sp):
+        assert run["parsed"] == {k: v * len(CASES) for k, v in once.items()}, f"rank {rank}: {run['parsed']}"
 
 
 def test_negative_control_accelerate_alone(runs):

@@ -371,3 +371,25 @@ def test_long_context_forms():
 def test_bad_block_tile_tokens(bad):
     with pytest.raises(pydantic.ValidationError, match="block_tile_tokens"):
         load_mamba_sp_config(ds_config({"block_tile_tokens": bad}))
+
+
+def test_rest_of_the_ds_config_read_with_the_section():
+    """load_mamba_sp_config reads what the package needs from the rest of the ds_config into ``deepspeed`` (issue 43
+    item 4: one parse, no later read of the dict); a config built from the section alone has DeepSpeed's defaults,
+    and ``deepspeed`` is no key of the section."""
+    from ds_mamba_spcp.config import DeepSpeedSettings
+    from ds_mamba_spcp.data import selects_bf16_optimizer
+
+    rest = {"zero_optimization": {"stage": 1, "reduce_scatter": False, "offload_optimizer": {"device": "none"}},
+            "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}  # fmt: skip
+    cfg = load_mamba_sp_config(ds_config({"enabled": True}, **rest))
+    assert cfg.deepspeed == DeepSpeedSettings(1, False, True, "fp32", "none")
+    assert cfg.deepspeed.selects_bf16_optimizer and selects_bf16_optimizer(cfg) and selects_bf16_optimizer(rest)
+    assert cfg.model_dump() == load_mamba_sp_config(ds_config({"enabled": True})).model_dump()  # not in the section
+    assert MambaSequenceParallelConfig(enabled=True).deepspeed == DeepSpeedSettings()
+    assert not DeepSpeedSettings().selects_bf16_optimizer
+    # accelerate's unfilled "auto" is no stage; an older "bfloat16" key counts as bf16
+    auto = load_mamba_sp_config({"zero_optimization": {"stage": "auto"}, "bfloat16": {"enabled": True}})
+    assert auto.deepspeed.zero_stage is None and auto.deepspeed.bf16
+    with pytest.raises(ValueError, match="unknown key"):
+        load_mamba_sp_config(ds_config({"deepspeed": {"zero_stage": 2}}))

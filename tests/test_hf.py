@@ -308,6 +308,7 @@ def _checks(rank, world):
     """Behaviour of a prepared model at ``world`` ranks: generation, unsupported calls, configurations."""
     from ds_mamba_spcp.data import shard_batch
     from ds_mamba_spcp.integrations.transformers import prepare_sequence_parallel, sequence_parallel_disabled
+    from tests.parse_count import parses
 
     out = {}
     group = _sp_group(world)
@@ -317,7 +318,11 @@ def _checks(rank, world):
     local = shard_batch({"input_ids": ids, "position_ids": pos}, group)
     ref = hf_models.build("bamba", seed=3).eval()
     model = hf_models.build("bamba", seed=3)
-    prepare_sequence_parallel(model, ds_config(world, "sp_none"))
+    with parses() as parsed:
+        prepare_sequence_parallel(model, ds_config(world, "sp_none"))
+    # the call reads its ds_config once (issue 43 item 4); 018f6c7: 1 load_mamba_sp_config and 3 ds_config_dict
+    once = {"load_mamba_sp_config": 1, "ds_config_dict": 1, "accelerate_ds_config": 0}
+    out["settings_parsed_once"] = (parsed == once, f"parsed {parsed}")
     # a sharded training step first: at 4 ranks DeepSpeed's attention replicates the 2 KV heads and rewrites
     # the attention modules' num_key_value_groups, which the generation below must not see
     model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits.sum().backward()
@@ -517,6 +522,7 @@ CHECKS = [
     "all_ones_mask_accepted", "labels_raise", "no_position_ids_raise", "seq_idx_with_sdpa_attention_raises",
     "mixer_called_with_cache_raises", "eager_attention_raises", "zigzag_with_attention_raises",
     "attention_heads_not_divisible_raise", "custom_4d_mask_raises", "prepared_twice_raises", "other_size_raises",
+    "settings_parsed_once",
 ]  # fmt: skip
 
 

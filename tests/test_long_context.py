@@ -316,7 +316,7 @@ def test_refusals():
     # Falcon-H1 has no layer to tile (attention beside every mixer): nothing to refuse at two ranks
     falcon = hf_models.build("falcon_h1")
     wrap_hf_mamba2_mixers(falcon, None, cfg)
-    assert long_context.install(falcon, cfg, cp=2, zero_stage=3)
+    assert long_context.install(falcon, cfg)
     with pytest.raises(ValueError, match='enabled" is false'):
         prepare_sequence_parallel(model, {"mamba_sequence_parallel": {"long_context": True}})
     with pytest.raises(ValueError, match="unknown key"):

@@ -11,6 +11,8 @@
     fused_loss.py   the loss without the (tokens x vocab) logits
     router_loss.py  GraniteMoeHybrid's router load-balancing loss under the key and across ranks (its sums per
                     row where the routers run, over the group)
+    layers.py       below all of these: how a wrapped layer is installed and called, transformers' decoder layers
+                    and attention modules, the interface the key tiles a mixer through (``TileableMixer``)
 
 This module gathers the public names of the first two; docs/huggingface.md is the user's page.
 """

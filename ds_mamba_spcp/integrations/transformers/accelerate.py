@@ -149,12 +149,12 @@ def _holds_mixers(model: nn.Module) -> bool:
     return bool(classes) and any(isinstance(m, classes) for m in model.modules())
 
 
-def _covered_section(model: nn.Module) -> dict | None:
-    """The ``"mamba_sequence_parallel"`` section (``"enabled": true`` added) when this package shards ``model``:
-    it holds a Mamba2 mixer and the section does not say ``"enabled": false``; else None."""
+def _covered_section(model: nn.Module, ds_config: dict) -> dict | None:
+    """The ``"mamba_sequence_parallel"`` section of ``ds_config`` (``"enabled": true`` added) when this package
+    shards ``model``: it holds a Mamba2 mixer and the section does not say ``"enabled": false``; else None."""
     if not _holds_mixers(model):
         return None
-    section = _ds_config().get(SECTION)
+    section = ds_config.get(SECTION)
     if section is not None and not isinstance(section, dict):
         raise TypeError(f'the "{SECTION}" section of the ds_config must be a JSON object, got {type(section).__name__}')
     if section is not None and section.get("enabled") is False:
@@ -168,10 +168,10 @@ def _covered_section(model: nn.Module) -> dict | None:
     return {"enabled": True, **(section or {})}
 
 
-def _validated_config(section: dict, sp_size: int) -> MambaSequenceParallelConfig:
-    """The section as a config for a group of ``sp_size``; ValueError naming the key for what accelerate's path
-    cannot honour. Every rank reads the same ds_config, so every rank raises alike, before any collective."""
-    ds_config = _ds_config()
+def _validated_config(section: dict, ds_config: dict, sp_size: int) -> MambaSequenceParallelConfig:
+    """The settings parsed from ``ds_config`` with ``section`` for a group of ``sp_size``; ValueError naming the key
+    for what accelerate's path cannot honour. Every rank reads the same ds_config, so every rank raises alike,
+    before any collective."""
     sizes = {
         f'"{SECTION}.sequence_parallel_size"': section.get("sequence_parallel_size"),
         'the ds_config\'s "sequence_parallel_size"': ds_config.get("sequence_parallel_size"),
@@ -182,16 +182,15 @@ def _validated_config(section: dict, sp_size: int) -> MambaSequenceParallelConfi
                 f"{where} is {value!r} but accelerate's ParallelismConfig has sp_size={sp_size}; drop the key or make "
                 "them equal."
             )
-    cfg = load_mamba_sp_config({SECTION: {**section, "sequence_parallel_size": sp_size}})
+    cfg = load_mamba_sp_config({**ds_config, SECTION: {**section, "sequence_parallel_size": sp_size}})
     if cfg.input_layout != modes.CONTIGUOUS:
         raise ValueError(
             f'"{SECTION}.input_layout" is {cfg.input_layout!r}, but under accelerate DeepSpeed\'s '
             'UlyssesSPDataLoaderAdapter cuts every row into contiguous shards; set "input_layout": "contiguous" '
             '(and "load_balancing": "none"), or shard the data yourself in a hand-written loop.'
         )
-    zero = ds_config.get("zero_optimization") or {}
     try:
-        grad_scale(int(zero.get("stage", 0)), sp_size, reduce_scatter=bool(zero.get("reduce_scatter", True)))
+        grad_scale(cfg.deepspeed.zero_stage, sp_size, reduce_scatter=cfg.deepspeed.reduce_scatter)
     except ValueError as e:
         raise ValueError(f"{e} (the Trainer's sequence-parallel loss cannot be scaled right otherwise)") from None
     return cfg
@@ -215,6 +214,34 @@ class _Window:
         self.scored, self.remaining, self.factor = scored, micro_batches, factor
 
 
+class _Preparing:
+    """One call of accelerate's ``_prepare_deepspeed``: its sequence-parallel size and, per model, the settings read
+    from the plugin's ds_config (``_settings``), once for the hooks it calls."""
+
+    def __init__(self, sp_size: int) -> None:
+        self.sp_size = sp_size
+        self.settings: dict[int, MambaSequenceParallelConfig | None] = {}
+
+
+_preparing: _Preparing | None = None  # the _prepare_deepspeed call in progress
+
+
+def _settings(model: nn.Module, sp_size: int) -> MambaSequenceParallelConfig | None:
+    """The settings of ``model`` for a group of ``sp_size`` > 1 (the plugin's ds_config read and parsed once per
+    ``_prepare_deepspeed`` call), or None when this package does not shard it."""
+    known = _preparing is not None and id(model) in _preparing.settings
+    if known:
+        return _preparing.settings[id(model)]
+    cfg = None
+    if _holds_mixers(model):
+        ds_config = _ds_config()
+        section = _covered_section(model, ds_config)
+        cfg = None if section is None else _validated_config(section, ds_config, sp_size)
+    if _preparing is not None:
+        _preparing.settings[id(model)] = cfg
+    return cfg
+
+
 def _covered_state(model: nn.Module) -> _Covered | None:
     for m in (model, getattr(model, "module", None)):  # the model, or a DeepSpeed engine holding it
         state = getattr(m, "__dict__", {}).get(_STATE_ATTR)
@@ -228,23 +255,31 @@ def _covered_state(model: nn.Module) -> _Covered | None:
 
 def _prepare_deepspeed(accelerator, *args):
     """accelerate's ``Accelerator._prepare_deepspeed``; before it, without DeepSpeed's sequence parallelism, a model
-    holding the mixers gets the section's ``"long_context"`` on a group of one (``prepare_long_context``)."""
+    holding the mixers gets the section's ``"long_context"`` on a group of one (``prepare_long_context``). The hooks
+    it calls read each model's settings once (``_settings``)."""
+    global _preparing
     pc = accelerator.parallelism_config
     sp_on = pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled and pc.sp_size > 1
     if not sp_on:
         for obj in args:
             if isinstance(obj, nn.Module):
                 _long_context_alone(obj)
-    return _original("_prepare_deepspeed")(accelerator, *args)
+    outer, _preparing = _preparing, _Preparing(pc.sp_size if sp_on else 1)
+    try:
+        return _original("_prepare_deepspeed")(accelerator, *args)
+    finally:
+        _preparing = outer
 
 
 def _long_context_alone(model: nn.Module) -> None:
-    section = _covered_section(model)
+    if not _holds_mixers(model):
+        return
+    ds_config = _ds_config()
+    section = _covered_section(model, ds_config)
     if section is None or section.get("long_context") in (None, False):
         return
     from ds_mamba_spcp.integrations.transformers.adapter import prepare_long_context
 
-    ds_config = _ds_config()
     sizes = (section.get("sequence_parallel_size"), ds_config.get("sequence_parallel_size"))
     if any(isinstance(n, int) and n > 1 for n in sizes):
         raise ValueError(
@@ -253,14 +288,16 @@ def _long_context_alone(model: nn.Module) -> None:
         )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         _init_deepspeed_comm()
-    cfg = load_mamba_sp_config({SECTION: {**section, "sequence_parallel_size": 1}})
-    zero = ds_config.get("zero_optimization") or {}
-    prepare_long_context(model, cfg, int(zero.get("stage", 0)))
+    prepare_long_context(model, load_mamba_sp_config({**ds_config, SECTION: {**section, "sequence_parallel_size": 1}}))
 
 
 def _refuse_unless_covered(model: nn.Module) -> None:
     """accelerate's refusal of recurrent layers, for every model this package does not shard."""
-    if _covered_section(model) is None:
+    if _preparing is not None and _preparing.sp_size > 1:
+        covered = _settings(model, _preparing.sp_size) is not None
+    else:
+        covered = _holds_mixers(model) and _covered_section(model, _ds_config()) is not None
+    if not covered:
         _original("_refuse_recurrent_layers_under_sequence_parallelism")(model)
 
 
@@ -279,31 +316,31 @@ def _register_with_transformers(
     (prepared again, it keeps its mixers, hooks and group)."""
     global _adapter_is_ours
     model = model_name_or_path
-    section = None
+    cfg = None
     if isinstance(model, nn.Module) and sequence_parallel_size > 1:
-        section = _covered_section(model)
-    _adapter_is_ours = section is not None
-    if section is None:
+        cfg = _settings(model, sequence_parallel_size)  # the one parse of this prepare (the hook before read it)
+    _adapter_is_ours = cfg is not None
+    if cfg is None:
         original = _original("register_with_transformers").__func__
         return original(
             cls, model_name_or_path, core_attn_implementation, sequence_parallel_size, micro_batch_size,
             seq_length=seq_length, seq_length_is_variable=seq_length_is_variable, disable_in_eval=disable_in_eval,
             max_length=max_length,
         )  # fmt: skip
-    cfg = _validated_config(section, sequence_parallel_size)
     _init_deepspeed_comm()
     seq_length = seq_length if seq_length is not None else max_length
     seq_length = None if seq_length_is_variable else seq_length
     state = model.__dict__.get(_STATE_ATTR)
     if state is not None:
-        if state.cfg != cfg:
+        # the section and size (the rest of the ds_config, the ZeRO stage among it, may differ between two engines)
+        if state.cfg.model_dump() != cfg.model_dump():
             raise ValueError(
                 f"{type(model).__qualname__} was prepared for sequence parallelism with {state.cfg!r} and is prepared "
                 f"again with {cfg!r}; a model's mixers are sharded once: keep the ds_config's \"{SECTION}\" section "
                 "and sp_size, or build a fresh model."
             )
         # the new engine may run another ZeRO stage (grad_scale is read again at its first loss)
-        state.seq_length, state.grad_scale = seq_length, None
+        state.cfg, state.seq_length, state.grad_scale = cfg, seq_length, None
         return state.mpu
     mpu = prepare_sequence_parallel(model, cfg)
     model.__dict__[_STATE_ATTR] = _Covered(cfg, mpu, seq_length)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import types
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -45,14 +44,17 @@ if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release
 from ds_mamba_spcp import comm  # noqa: E402
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig, load_mamba_sp_config  # noqa: E402
 from ds_mamba_spcp.groups import group_of_one, group_size, resolve_sequence_process_group  # noqa: E402
-from ds_mamba_spcp.integrations.core import (  # noqa: E402
-    SHARDED_ATTR,
-    MixerCore,
-    is_sharded,
-    loaded_classes,
-    mixer_forward,
-)
+from ds_mamba_spcp.integrations.core import MixerCore, is_sharded, loaded_classes, mixer_forward  # noqa: E402
 from ds_mamba_spcp.integrations.transformers import long_context, router_loss  # noqa: E402
+from ds_mamba_spcp.integrations.transformers.layers import (  # noqa: E402
+    CACHE_NAMES,
+    MIXER_ATTR,
+    attention_modules,
+    cache_error,
+    install_adapter,
+    mixer_call,
+    padding_error,
+)
 
 # The Mamba2-style mixer classes of transformers (class name -> modeling module).
 MIXER_CLASSES = {
@@ -64,13 +66,11 @@ MIXER_CLASSES = {
     "Zamba2MambaMixer": "transformers.models.zamba2.modeling_zamba2",
 }
 
-# Plain attributes in a module's __dict__ (not submodules, so state_dict and named_modules ignore them).
-_MIXER_ATTR = "_ds_mamba_spcp_mixer"  # a wrapped mixer's _MixerAdapter
+# Plain attributes in a module's __dict__ (not submodules, so state_dict and named_modules ignore them); a wrapped
+# mixer's _MixerAdapter is under layers.MIXER_ATTR
 _ATTN_ATTR = "_ds_mamba_spcp_attention"  # a sharded attention module's _UlyssesAttention
 _MODEL_ATTR = "_ds_mamba_spcp_model"  # a prepared model's _PreparedModel
 _CORE_ATTR = "_ds_mamba_spcp_core_attention"  # on the dispatcher: the attention function it replaced
-# the cache argument: "cache" in transformers 5.24, "cache_params" / "past_key_values" in 5.17
-_CACHE_NAMES = ("cache", "cache_params", "past_key_values")
 _UNRESOLVED = object()
 _warned_norm: set = set()
 
@@ -131,7 +131,7 @@ def sequence_parallel_disabled(model: nn.Module) -> Iterator[nn.Module]:
     Blocks nest. (mamba-ssm's ``DistributedMamba2`` is not affected.)"""
     switches = {}
     for module in model.modules():
-        for key in (_MIXER_ATTR, _ATTN_ATTR, _MODEL_ATTR):
+        for key in (MIXER_ATTR, _ATTN_ATTR, _MODEL_ATTR):
             obj = module.__dict__.get(key)
             if obj is not None:
                 switches[id(obj.sharding)] = obj.sharding
@@ -142,26 +142,6 @@ def sequence_parallel_disabled(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for s in switches.values():
             s.paused -= 1
-
-
-def _cache_error(what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{what} was called with a cache (generation, or use_cache=True) while sequence parallelism is active: "
-        "the cache would hold one rank's conv and SSM state of a sequence split across ranks. For a forward on "
-        "shards pass use_cache=False; to generate, or to evaluate on whole sequences, run the model inside "
-        "`with ds_mamba_spcp.integrations.transformers.sequence_parallel_disabled(model):` (every layer then runs "
-        f'its own forward), or set "{SECTION}.enabled" to false.'
-    )
-
-
-def _padding_error(where: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"padding ({where}) is not supported with sequence parallelism: the Mamba2 mixers would have to zero the "
-        "padded tokens, but DeepSpeed's Ulysses attention drops the attention mask (it masks causally only), so "
-        "the model cannot honour it. Give every row the full length, or pack documents into full rows and pass "
-        "seq_idx (transformers' DataCollatorWithFlattening(return_seq_idx=True)); pass no attention_mask, or an "
-        "all-ones one."
-    )
 
 
 # -- the mixers -------------------------------------------------------------------------------------
@@ -218,7 +198,9 @@ def check_mixer_supported(mixer: nn.Module) -> None:
 
 
 class _MixerAdapter:
-    """The sequence-parallel forward of one transformers mixer (held in its ``__dict__``, see the module docstring)."""
+    """The sequence-parallel forward of one transformers mixer (held in its ``__dict__``, see the module docstring);
+    the long-context key tiles it through ``layers.TileableMixer`` (``in_proj``, ``core``, ``out_proj``,
+    ``seq_idx``, ``tile``)."""
 
     def __init__(self, mixer: nn.Module, group: Any, config: MambaSequenceParallelConfig) -> None:
         self.mixer = mixer
@@ -231,7 +213,7 @@ class _MixerAdapter:
         self.sharding.config.validate_for_mixer(nheads=self.mixer.num_heads, ngroups=self.mixer.n_groups, cp=size)
 
     def __call__(self, *args, **kwargs):
-        hidden_states, cache, attention_mask, rest = _mixer_call(args, kwargs)
+        hidden_states, cache, attention_mask, rest = mixer_call(args, kwargs)
         if self.tile is not None:
             return self.tile.mixer_call(self, hidden_states, cache, attention_mask)
         if not self.sharding.routes_op():
@@ -239,11 +221,11 @@ class _MixerAdapter:
         if self.sharding.size == 1 and (cache is not None or attention_mask is not None):
             # long_context on a group of one: generation and padded rows are transformers' own
             return self.original_forward(*args, **kwargs)
-        name = f"{type(self.mixer).__qualname__} (layer {self.mixer.layer_idx})"
+        name = self.name
         if cache is not None:
-            raise _cache_error(name)
+            raise cache_error(name)
         if attention_mask is not None:
-            raise _padding_error(f"an attention_mask with zeros reached {name}")
+            raise padding_error(f"an attention_mask with zeros reached {name}")
         seq_idx = self.seq_idx(rest)
         if seq_idx is not None and tuple(seq_idx.shape) != tuple(hidden_states.shape[:2]):
             raise ValueError(
@@ -251,7 +233,7 @@ class _MixerAdapter:
                 f"local_seqlen) = {tuple(hidden_states.shape[:2])}; shard seq_idx with the tokens (shard_batch)."
             )
         return mixer_forward(
-            hidden_states, self._in_proj, self.mixer.out_proj, self.core(), self.sharding.config, self.sharding.group(),
+            hidden_states, self.in_proj, self.mixer.out_proj, self.core(), self.sharding.config, self.sharding.group(),
             seq_idx=seq_idx,
         )  # fmt: skip
 
@@ -263,7 +245,19 @@ class _MixerAdapter:
             seq_idx = self.model_state.seq_idx
         return seq_idx
 
-    def _in_proj(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def name(self) -> str:
+        return f"{type(self.mixer).__qualname__} (layer {self.mixer.layer_idx})"
+
+    @property
+    def out_features(self) -> int:
+        return self.mixer.out_proj.out_features
+
+    def out_proj(self, y: torch.Tensor) -> torch.Tensor:
+        return self.mixer.out_proj(y)
+
+    def in_proj(self, hidden: torch.Tensor) -> torch.Tensor:
+        """in_proj's output (zxbcdt) on ``hidden``, as the mixer's forward computes it."""
         m = self.mixer
         # Falcon-H1 scales the input by ssm_in_multiplier and in_proj's output by the mup_vector buffer
         multiplier, mup_vector = getattr(m, "ssm_in_multiplier", None), getattr(m, "mup_vector", None)
@@ -296,40 +290,6 @@ class _MixerAdapter:
         return new
 
 
-def _mixer_call(args: tuple, kwargs: dict) -> tuple[Any, Any, Any, dict]:
-    """(hidden_states, cache, attention_mask, other keyword arguments) of a call of a mixer's
-    ``forward(hidden_states, cache=None, attention_mask=None, **kwargs)``."""
-    if len(args) > 3:
-        raise TypeError(f"a transformers Mamba2 mixer takes at most 3 positional arguments, got {len(args)}")
-    named = dict(zip(("hidden_states", "cache", "attention_mask"), args))
-    rest = dict(kwargs)
-    for key in ("hidden_states", "attention_mask"):
-        if key in rest:
-            named[key] = rest.pop(key)
-    cache = named.get("cache")
-    for key in _CACHE_NAMES:
-        value = rest.pop(key, None)
-        cache = value if cache is None else cache
-    return named.get("hidden_states"), cache, named.get("attention_mask"), rest
-
-
-def _mixer_forward(mixer: nn.Module, *args, **kwargs):
-    return mixer.__dict__[_MIXER_ATTR](*args, **kwargs)
-
-
-def _hidden_states_positional(mixer: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook of a wrapped mixer: passes ``hidden_states`` positionally when the caller named it.
-
-    ZeRO-3 reduces a leaf's gradients in a full backward hook, which torch fires after the gradients of the
-    module's positional tensor inputs, or, without any, as soon as its outputs' (before the mixer's own
-    backward: the first backward then fails on the partitioned ``out_proj`` weight). Bamba, Zamba2, Falcon-H1
-    and GraniteMoeHybrid pass ``hidden_states=`` by keyword."""
-    if not args and "hidden_states" in kwargs:
-        kwargs = dict(kwargs)
-        return (kwargs.pop("hidden_states"),), kwargs
-    return None
-
-
 def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config: Any) -> int:
     """Makes every transformers Mamba2-style mixer in ``model`` (``MIXER_CLASSES``, the model itself included)
     sequence-parallel, in place; returns how many it wrapped (wrapped ones are left alone).
@@ -343,7 +303,7 @@ def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config:
     if not classes:
         return 0
     cfg = config if isinstance(config, MambaSequenceParallelConfig) else load_mamba_sp_config(config)
-    todo = [m for m in model.modules() if isinstance(m, classes) and _MIXER_ATTR not in m.__dict__]
+    todo = [m for m in model.modules() if isinstance(m, classes) and MIXER_ATTR not in m.__dict__]
     if cfg.enabled:
         for m in todo:
             check_mixer_supported(m)
@@ -351,27 +311,11 @@ def wrap_hf_mamba2_mixers(model: nn.Module, sequence_process_group: Any, config:
         adapter = _MixerAdapter(m, sequence_process_group, cfg)
         if cfg.enabled and sequence_process_group is not None:
             adapter.sharding.group()  # an explicit group is checked at once
-        m.__dict__[_MIXER_ATTR] = adapter
-        m.__dict__[SHARDED_ATTR] = True
-        m.forward = types.MethodType(_mixer_forward, m)
-        m._z3_leaf = True
-        m.register_forward_pre_hook(_hidden_states_positional, with_kwargs=True, prepend=True)
+        install_adapter(m, adapter)
     return len(todo)
 
 
 # -- the attention layers: DeepSpeed's Ulysses attention, per module --------------------------------
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The transformers attention modules of ``model`` that call ``ALL_ATTENTION_FUNCTIONS`` (q/k/v
-    projections, ``head_dim``, ``num_key_value_groups`` and a config naming the attention implementation)."""
-    found = []
-    for m in model.modules():
-        if not type(m).__module__.startswith("transformers.models."):
-            continue
-        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "head_dim", "num_key_value_groups", "config")):
-            found.append(m)
-    return found
 
 
 class _UlyssesAttention:
@@ -519,8 +463,8 @@ def _check_model_call(model: nn.Module, args: tuple, kwargs: dict):
     for name in state.var_keyword:
         call = {**call, **call.pop(name, {})}
     model_name = type(model).__qualname__
-    if any(call.get(key) is not None for key in _CACHE_NAMES) or call.get("use_cache"):
-        raise _cache_error(model_name)
+    if any(call.get(key) is not None for key in CACHE_NAMES) or call.get("use_cache"):
+        raise cache_error(model_name)
     # with shift_labels (shifted before sharding, as the Trainer's sequence-parallel loss passes them) the model's
     # loss scores them unshifted: a correct mean over this rank's tokens, for the caller to combine over the group
     if call.get("labels") is not None and call.get("shift_labels") is None:
@@ -566,7 +510,7 @@ def _reject_padding(mask: torch.Tensor, sharding: _Sharding) -> None:
     flags = comm.all_gather(padded, sharding.group(), sharding.size, async_op=False).wait().flatten().tolist()
     ranks = [r for r, flag in enumerate(flags) if flag]
     if ranks:
-        raise _padding_error(f"zeros in the attention_mask of rank(s) {ranks} of the sequence-parallel group")
+        raise padding_error(f"zeros in the attention_mask of rank(s) {ranks} of the sequence-parallel group")
 
 
 def _is_mamba_ssm_mamba2(module: nn.Module) -> bool:
@@ -588,7 +532,7 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
     seqlen/cp), ``position_ids`` (global, needed with attention), no labels, cache or padding; it returns this
     rank's shard of the logits. ``sequence_parallel_disabled`` gives back the unwrapped behaviour.
     """
-    cfg = load_mamba_sp_config(ds_config)
+    cfg = load_mamba_sp_config(ds_config)  # the one read of the ds_config: what follows takes cfg (and cfg.deepspeed)
     cp = cfg.resolved_sequence_parallel_size
     if not cfg.enabled:
         if cp > 1:
@@ -600,18 +544,16 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
         if cfg.long_context is not None:
             raise ValueError(f'"{SECTION}.long_context" is set but "{SECTION}.enabled" is false; set "enabled": true.')
         return None
-    zero_stage = _zero_stage(ds_config)
     if cp == 1:
         if cfg.long_context is not None:
-            prepare_long_context(model, cfg, zero_stage)
+            prepare_long_context(model, cfg)
         return None
     import deepspeed.comm as dist
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-    from ds_mamba_spcp.config import ds_config_dict
-    from ds_mamba_spcp.data import bf16_optimizer_error, selects_bf16_optimizer
+    from ds_mamba_spcp.data import bf16_optimizer_error
 
-    if not isinstance(ds_config, MambaSequenceParallelConfig) and selects_bf16_optimizer(ds_config_dict(ds_config)):
+    if cfg.deepspeed.selects_bf16_optimizer:
         raise bf16_optimizer_error()  # the returned mpu would break DeepSpeed's BF16_Optimizer
 
     if not dist.is_initialized():
@@ -656,27 +598,17 @@ def prepare_sequence_parallel(model: nn.Module, ds_config: Any):
         core_fn = _install_dispatcher(implementation)
         module.__dict__[_ATTN_ATTR] = _UlyssesAttention(module, state, implementation, core_fn)
     for m in model.modules():
-        adapter = m.__dict__.get(_MIXER_ATTR)
+        adapter = m.__dict__.get(MIXER_ATTR)
         if adapter is not None:
             adapter.model_state = state
     model.__dict__[_MODEL_ATTR] = state
     model.register_forward_pre_hook(_check_model_call, with_kwargs=True)
-    long_context.install(model, cfg, cp, zero_stage)
+    long_context.install(model, cfg)
     router_loss.install(model, sharding)  # the MoE router loss summed over the group
     return parallel_state_sp
 
 
-def _zero_stage(ds_config: Any) -> int:
-    """The ds_config's ZeRO stage (0 when it is not a whole ds_config)."""
-    from ds_mamba_spcp.config import ds_config_dict
-
-    if isinstance(ds_config, MambaSequenceParallelConfig):
-        return 0
-    zero = ds_config_dict(ds_config).get("zero_optimization") or {}
-    return int(zero.get("stage", 0))
-
-
-def prepare_long_context(model: nn.Module, config: MambaSequenceParallelConfig, zero_stage: int) -> None:
+def prepare_long_context(model: nn.Module, config: MambaSequenceParallelConfig) -> None:
     """``"long_context"`` on a group of one (sequence_parallel_size 1): the mixers run this package's op on this
     rank alone, and ``long_context.install`` does the rest. Once per model."""
     if long_context.installed(model):
@@ -687,5 +619,5 @@ def prepare_long_context(model: nn.Module, config: MambaSequenceParallelConfig, 
             f'"{SECTION}.long_context" is set but {type(model).__qualname__} holds no Mamba2 mixer this package '
             f"wraps (transformers' {', '.join(MIXER_CLASSES)})."
         )
-    long_context.install(model, config, 1, zero_stage)
+    long_context.install(model, config)
     router_loss.install(model)  # the MoE router loss from the rows the key routes without grad

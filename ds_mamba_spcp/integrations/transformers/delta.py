@@ -17,7 +17,6 @@ padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer i
 from __future__ import annotations
 
 import copy
-import types
 
 import torch
 import torch.nn.functional as F
@@ -108,16 +107,16 @@ class DeltaAdapter:
         self.tile = None
 
     def __call__(self, *args, **kwargs):
-        from ds_mamba_spcp.integrations.transformers.adapter import _cache_error, _mixer_call, _padding_error
+        from ds_mamba_spcp.integrations.transformers.layers import cache_error, mixer_call, padding_error
 
-        hidden, cache, attention_mask, rest = _mixer_call(args, kwargs)
+        hidden, cache, attention_mask, rest = mixer_call(args, kwargs)
         if not self.sharding.active():
             return self.original_forward(*args, **kwargs)
         name = f"{type(self.mixer).__qualname__} (layer {self.mixer.layer_idx})"
         if cache is not None:
-            raise _cache_error(name)
+            raise cache_error(name)
         if attention_mask is not None:
-            raise _padding_error(f"an attention_mask reached {name}")
+            raise padding_error(f"an attention_mask reached {name}")
         seq_idx = rest.get("seq_idx")
         if seq_idx is None and self.model_state is not None:
             seq_idx = self.model_state.seq_idx
@@ -225,21 +224,16 @@ def _packed_conv(x, labels, weight, bias):
 def wrap_delta_layers(model: nn.Module, make_sharding) -> int:
     """Makes every Gated DeltaNet layer of ``model`` sequence-parallel, in place (``make_sharding()``: a fresh
     ``_Sharding``); returns how many it wrapped."""
-    from ds_mamba_spcp.integrations.core import SHARDED_ATTR
-    from ds_mamba_spcp.integrations.transformers.adapter import _MIXER_ATTR, _hidden_states_positional, _mixer_forward
+    from ds_mamba_spcp.integrations.transformers.layers import MIXER_ATTR, install_adapter
 
     classes = delta_classes()
     if not classes:
         return 0
-    todo = [m for m in model.modules() if isinstance(m, classes) and _MIXER_ATTR not in m.__dict__]
+    todo = [m for m in model.modules() if isinstance(m, classes) and MIXER_ATTR not in m.__dict__]
     for m in todo:
         check_delta_supported(m, make_sharding().config)
     for m in todo:
-        m.__dict__[_MIXER_ATTR] = DeltaAdapter(m, make_sharding())
-        m.__dict__[SHARDED_ATTR] = True
-        m.forward = types.MethodType(_mixer_forward, m)
-        m._z3_leaf = True
-        m.register_forward_pre_hook(_hidden_states_positional, with_kwargs=True, prepend=True)
+        install_adapter(m, DeltaAdapter(m, make_sharding()))
     return len(todo)
 
 

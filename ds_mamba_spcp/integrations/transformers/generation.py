@@ -191,12 +191,12 @@ def _check_shards(ids: torch.Tensor, group, device) -> None:
 def _mixer_forward(adapter, group, cfg, padding, *args, **kwargs):
     """A mixer's forward during the prefill: the op on the shard, the cache's layer filled; left-padded rows
     (``padding``) as packed rows."""
-    hidden, cache, mask, rest = hf._mixer_call(args, kwargs)
+    hidden, cache, mask, rest = hf.mixer_call(args, kwargs)
     m = adapter.mixer
     if mask is not None or rest.get("seq_idx") is not None:
         raise NotImplementedError(f"{type(m).__qualname__}: a padded or packed prompt reached the sharded prefill")
     seq_idx = None if padding is None else padding.labels
-    y, state, conv = mixer_prefill(adapter._in_proj(hidden), adapter.core(), group, cfg, seq_idx=seq_idx)
+    y, state, conv = mixer_prefill(adapter.in_proj(hidden), adapter.core(), group, cfg, seq_idx=seq_idx)
     if padding is not None:
         state, conv = padding.rows(state), padding.rows(conv)
     cache.update_conv_state(conv, m.layer_idx, conv_kernel_size=conv.shape[-1])
@@ -651,13 +651,13 @@ class _ChunkedDecode:
     def _step(self, adapter, forward, *args, **kwargs):
         from ds_mamba_spcp.inference.forward import tile_forward
 
-        hidden, cache, _, _ = hf._mixer_call(args, kwargs)
+        hidden, cache, _, _ = hf.mixer_call(args, kwargs)
         m = adapter.mixer
         recording = getattr(cache, "is_recording_past", None)
         if (cache is None or hidden.shape[1] != 1 or cache.get_recurrent_state(m.layer_idx) is None
                 or (recording is not None and recording(m.layer_idx))):  # fmt: skip
             return forward(*args, **kwargs)
-        zx = adapter._in_proj(hidden)
+        zx = adapter.in_proj(hidden)
         state, conv = cache.get_recurrent_state(m.layer_idx), cache.get_conv_state(m.layer_idx)
         y, (new_state, _) = tile_forward(zx, (state, conv.transpose(1, 2)), adapter.core(), self.cfg.backend)
         d_inner = m.num_heads * m.head_dim

@@ -1,8 +1,10 @@
 """Long context for transformers' Mamba2 families: memory per token that stays flat in the sequence length.
 
-``install(model, config, group, zero_stage)`` acts on the section's ``"long_context"`` key
-(``config.LongContext``); ``prepare_sequence_parallel`` and ``enable()`` (the Trainer, TRL, accelerate) call it,
-at sequence_parallel_size 1 too. In training (``model.train()``, grad enabled), each part can be turned off alone::
+``install(model, config)`` acts on the parsed section's ``"long_context"`` key (``config.LongContext``);
+``prepare_sequence_parallel`` and ``enable()`` (the Trainer, TRL, accelerate) call it, at sequence_parallel_size 1
+too. It finds a tiled layer's mixer through ``layers.adapters_in`` and tiles it through ``layers.TileableMixer``
+(its in_proj, core, out_proj and document labels): this module does not import adapter.py. In training
+(``model.train()``, grad enabled), each part can be turned off alone::
 
     decoder layer with a Mamba2 mixer, no attention   its own checkpoint, recomputed in backward tile by tile
       (tiled_layers)                                   through the layer's own forward: the mixer reads its tile
@@ -39,6 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_mamba_spcp.config import SECTION, MambaSequenceParallelConfig
+from ds_mamba_spcp.integrations.transformers.layers import (
+    TileableMixer,
+    adapters_in,
+    attention_modules,
+    decoder_layers,
+    decoder_layers_within,
+    raw_forward,
+)
 from ds_mamba_spcp.memory import offload as offload_mod
 from ds_mamba_spcp.memory.recompute import autocast_state, rng_state
 from ds_mamba_spcp.memory.tiled_block import (
@@ -53,38 +63,8 @@ from ds_mamba_spcp.ops import get_backend
 
 KEY = f"{SECTION}.long_context"
 _STATE_ATTR = "_ds_mamba_spcp_long_context"  # a model's _LongContext, in its __dict__
-_MIXER_ATTR = "_ds_mamba_spcp_mixer"  # adapter.py's: a wrapped mixer's _MixerAdapter
 
 __all__ = ["install", "installed", "memory_report"]
-
-
-def _gradient_checkpointing_layer() -> type:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return GradientCheckpointingLayer
-
-
-def _raw_forward(cls: type):
-    """The class's forward without transformers' checkpointing wrapper (``GradientCheckpointingLayer``)."""
-    forward = cls.forward
-    return getattr(forward, "__wrapped__", forward)
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The outermost ``GradientCheckpointingLayer`` modules of ``model``, in forward (module) order."""
-    base = _gradient_checkpointing_layer()
-    found, inner = [], set()
-    for m in model.modules():
-        if id(m) in inner or not isinstance(m, base):
-            continue
-        found.append(m)
-        inner.update(id(c) for c in m.modules() if c is not m)
-    return found
-
-
-def _decoder_layers_within(layer: nn.Module) -> list[nn.Module]:
-    base = _gradient_checkpointing_layer()
-    return [m for m in layer.modules() if m is not layer and isinstance(m, base)]
 
 
 def _mlps(module: nn.Module) -> list[nn.Module]:
@@ -111,8 +91,8 @@ class _TileCall:
         # returns zeros
         self.stop, self.summary, self.cut = stop, None, cut
 
-    def mixer_call(self, adapter, hidden, cache, attention_mask):
-        name = f"{type(adapter.mixer).__qualname__} (layer {adapter.mixer.layer_idx})"
+    def mixer_call(self, adapter: TileableMixer, hidden, cache, attention_mask):
+        name = adapter.name
         if cache is not None:
             raise NotImplementedError(
                 f"{name} got a cache inside a tiled decoder layer ({KEY}.tiled_layers): a tile cannot honour it. "
@@ -120,17 +100,17 @@ class _TileCall:
             )
         if attention_mask is not None and self.k == 0:  # the first tile, forward and recompute: before any other
             _check_tail_padding(attention_mask, (hidden.shape[0], self.tiles.spans[-1][1]), name)
-        zx = adapter._in_proj(hidden)
+        zx = adapter.in_proj(hidden)
         if self.stop == "summary":
             self.summary = self.tiles.summary(self.k, zx, adapter.core())
             if self.cut:
                 raise _Stop
-            return hidden.new_zeros(*hidden.shape[:2], adapter.mixer.out_proj.out_features)
+            return hidden.new_zeros(*hidden.shape[:2], adapter.out_features)
         if self.stop == "state" and self.cut:  # the state path alone (Tiles.state)
             self.S_out = self.tiles.state(self.k, zx, adapter.core(), self.S_in)
             raise _Stop
         y, self.S_out = self.tiles.core(self.k, zx, adapter.core(), self.S_in)
-        out = adapter.mixer.out_proj(y)
+        out = adapter.out_proj(y)
         if attention_mask is not None:
             # transformers' mixers zero a padded position's input and conv output (apply_mask_to_padding_states):
             # its y is 0 there, its output out_proj(0). With padding at the rows' ends only, no kept position sees a
@@ -138,7 +118,7 @@ class _TileCall:
             # out_proj(0), through which no gradient reaches the tile (as none reaches it in transformers)
             start, end = self.tiles.spans[self.k]
             keep = attention_mask[:, start:end, None] != 0
-            out = torch.where(keep, out, adapter.mixer.out_proj(y.new_zeros(1, 1, y.shape[-1])))
+            out = torch.where(keep, out, adapter.out_proj(y.new_zeros(1, 1, y.shape[-1])))
         nhalo = self.tiles.halo_rows(self.k)
         return F.pad(out, (0, 0, nhalo, 0)) if nhalo else out
 
@@ -209,9 +189,9 @@ class _LayerTiles:
 class _Layer:
     """The training forward of one decoder layer (installed as the instance's ``forward``)."""
 
-    def __init__(self, module: nn.Module, state: _LongContext, adapter):
+    def __init__(self, module: nn.Module, state: _LongContext, adapter: TileableMixer | None):
         self.module, self.state, self.adapter = module, state, adapter  # adapter: the mixer's, when tiled
-        self.raw = _raw_forward(type(module))
+        self.raw = raw_forward(type(module))
         self.extra: tuple | None = None  # what the layer returns beside the hidden states (all None)
 
     def params(self) -> list:
@@ -385,21 +365,19 @@ def installed(model: nn.Module) -> bool:
     return _STATE_ATTR in model.__dict__
 
 
-def install(model: nn.Module, config: MambaSequenceParallelConfig, cp: int, zero_stage: int) -> bool:
-    """Installs ``config.long_context`` on ``model`` (its mixers already wrapped by adapter.py); a no-op when the
-    key is unset or the model was installed before. Returns whether it installed."""
+def install(model: nn.Module, config: MambaSequenceParallelConfig) -> bool:
+    """Installs ``config.long_context`` on ``model`` (its mixers already wrapped by adapter.py, on the group of
+    ``config``); a no-op when the key is unset or the model was installed before. Returns whether it installed."""
     lc = config.long_context
     if lc is None or installed(model):
         return False
-    from ds_mamba_spcp.integrations.transformers.adapter import attention_modules
-
     offloader = None
     if lc.offload_gpu_budget_gib is not None:
         offloader = offload_mod.CheckpointOffloader(int(lc.offload_gpu_budget_gib * offload_mod.GiB))
     state = _LongContext(lc, [], [], offloader)
     layers = []
-    for layer in _decoder_layers(model):
-        adapters = [m.__dict__[_MIXER_ATTR] for m in layer.modules() if _MIXER_ATTR in m.__dict__]
+    for layer in decoder_layers(model):
+        adapters = adapters_in(layer)
         tiled = lc.tiled_layers and len(adapters) == 1 and not attention_modules(layer)
         layers.append((layer, adapters[0] if tiled else None))
     in_tiled = set()
@@ -407,8 +385,8 @@ def install(model: nn.Module, config: MambaSequenceParallelConfig, cp: int, zero
         tiled = adapter is not None
         wrapper = _Layer(layer, state, adapter)
         layer.forward = wrapper
-        for inner in _decoder_layers_within(layer):  # checkpointed with their layer: not again by transformers
-            inner.forward = types.MethodType(_raw_forward(type(inner)), inner)
+        for inner in decoder_layers_within(layer):  # checkpointed with their layer: not again by transformers
+            inner.forward = types.MethodType(raw_forward(type(inner)), inner)
         state.layers.append(wrapper)
         if tiled:
             in_tiled.update(id(m) for m in layer.modules())
@@ -499,5 +477,5 @@ def memory_report(model: nn.Module) -> dict[str, Any]:
 
 def warn_unused(model: nn.Module, config: MambaSequenceParallelConfig) -> None:
     """A warning when the key is set but the model holds nothing it acts on."""
-    if config.long_context is not None and not _decoder_layers(model):
+    if config.long_context is not None and not decoder_layers(model):
         warnings.warn(f"{KEY} is set but {type(model).__qualname__} has no transformers decoder layers", stacklevel=3)

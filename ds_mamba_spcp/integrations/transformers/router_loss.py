@@ -56,7 +56,6 @@ ROUTER_LOSS_CLASSES = {
     ),
 }
 _ATTR = "_ds_mamba_spcp_router_loss"  # a model's _RouterLoss, in its __dict__
-_MIXER_ATTR = "_ds_mamba_spcp_mixer"  # adapter.py's: a wrapped mixer's _MixerAdapter (its ``tile`` in a tiled layer)
 
 
 class _Pass:
@@ -307,7 +306,7 @@ def install(model: nn.Module, sharding=None) -> bool:
     wrapped by adapter.py); ``sharding``: adapter.py's sharding of the sequence-parallel group, or None for a
     group of one. Installing again only sets a sharding given. Returns whether a module of those classes is
     held."""
-    from ds_mamba_spcp.integrations.transformers.long_context import _decoder_layers
+    from ds_mamba_spcp.integrations.transformers.layers import adapters_in, decoder_layers
 
     found = False
     for lm in model.modules():
@@ -324,12 +323,12 @@ def install(model: nn.Module, sharding=None) -> bool:
         lm.__dict__[_ATTR] = state
         lm.register_forward_pre_hook(state.before, with_kwargs=True)
         lm.register_forward_hook(state.after, with_kwargs=True)
-        layers = _decoder_layers(lm)
+        layers = decoder_layers(lm)
         if layers:
             layers[-1].register_forward_hook(state.layer_output)
         hooked = set()
         for layer in layers:
-            adapters = [m.__dict__[_MIXER_ATTR] for m in layer.modules() if _MIXER_ATTR in m.__dict__]
+            adapters = adapters_in(layer)  # a tiled layer's mixer: its ``tile`` (layers.TileableMixer)
             adapter = adapters[0] if len(adapters) == 1 else None
             for m in layer.modules():
                 if type(m).__name__ == spec[1]:
