@@ -50,9 +50,11 @@ def import_models() -> None:
         importlib.import_module(name)
 
 
-def build_delta(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa", **extra):
+def build_delta(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa",
+                gated_eps: float | None = None, **extra):  # fmt: skip
     """A tiny Gated DeltaNet ``<Family>ForCausalLM`` (delta, attention, delta layers; ``attention=False``: two
-    delta layers) with randomized parameters; ``extra`` overrides config fields."""
+    delta layers) with randomized parameters; ``extra`` overrides config fields. ``gated_eps``: the epsilon of the
+    delta layers' gated RMSNorm alone (config.rms_norm_eps sets every norm's; see ``WELL_CONDITIONED``)."""
     import transformers as tf
 
     d = DELTA
@@ -80,6 +82,10 @@ def build_delta(family: str, *, attention: bool = True, seed: int = 0, dtype=tor
     torch.manual_seed(seed)
     model = model_cls(cfg)
     randomize(model, seed)
+    if gated_eps is not None:
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNormGated"):
+                m.variance_epsilon = gated_eps
     return model.to(dtype).train()
 
 

@@ -76,6 +76,31 @@ RESUME = "zamba2"  # trained again from its step-3 checkpoint
 ACCUMULATION = dict(gradient_accumulation_steps=2, max_steps=2)
 SFT_DOCS = [11, 9, 7, 5]  # document lengths of each packed row (32 tokens): the 11-9 pair crosses the border at 16
 
+# the Gated DeltaNet families (integrations/transformers/delta.py) under the Trainer: family -> ZeRO stage, each run
+# DELTA_STEPS steps of DELTA_TRAIN on tiny models built with DELTA_MODEL, and the negative control (DELTA_BUG at
+# its stage, each rank's incoming delta state dropped: _drop_delta_state).
+# Why these settings: on hf_models' tiny delta models as built for tests/test_hf.py, one process against itself
+# with its initial weights perturbed by 1e-7 (relative) moved the grad_norm by 8.2e-2 (Qwen3-Next) and 3.6e-4
+# (Qwen3.5) within 3 steps (SGD at lr 0.002, no clipping, grad norms 40..180), so no two runs that round
+# differently could meet 1e-4. Measured (one gradient in fp64, 1e-7 perturbations of parameter subsets): the
+# sensitivity sits in the first delta layer's inputs and in its gated RMSNorm over each head's 3 values, whose
+# RMS fell to 0..2e-3 against a median 0.06..0.15 (o = S^T q ~ 0 where q is nearly orthogonal to the state's
+# keys), where 1/RMS at eps 1e-6 amplifies ~1e3. That norm's eps at 0.1 (gated_eps: the delta layers' gated
+# norm alone; config.rms_norm_eps sets every norm's and measured worse) took one Qwen3-Next gradient's grad_norm
+# from 2.6e-4 to 5.2e-6 off under the perturbation; clipping at 1.0 bounds each step's update (lr x 1), so that
+# later steps do not amplify a difference of the first. Measured through these Trainer runs: the perturbation
+# moves losses <= 3.6e-7, updates <= 4.7e-6, grad_norms <= 2.0e-5 (Qwen3.5; 1.2e-5 Qwen3-Next, 1.6e-5
+# OLMo-hybrid): what is left sits upstream of the gated norm (embed, in_proj_qkv, conv1d of layer 0 perturbed
+# alone move a gradient as much), most likely the L2 normalisation of q and k over 4 values, whose eps
+# transformers fixes at 1e-6 (not measured further). TOL is 5x that floor; test_delta_conditioning keeps the
+# floor below DELTA_FLOOR.
+DELTA_CASES = {"qwen3_5": 2, "qwen3_next": 3, "olmo_hybrid": 1}
+DELTA_BUG = "qwen3_5"
+DELTA_STEPS = 3
+DELTA_MODEL = dict(gated_eps=0.1)
+DELTA_TRAIN = dict(max_steps=DELTA_STEPS, learning_rate=0.002, max_grad_norm=1.0)
+DELTA_FLOOR = 3e-5  # measured 2.0e-5 at most (above)
+
 
 # ---------------------------------------------------------------------------------------------------
 # data, arguments, models (built identically in every process)
@@ -419,6 +444,36 @@ def _sft_padded(sp: int, out: str, stage: int = 2, **kw) -> dict:
             **trl_logs}  # fmt: skip
 
 
+def _delta_train(family: str, sp: int, out: str, perturb: float = 0.0) -> dict:
+    """One Trainer run of a Gated DeltaNet family (``DELTA_CASES``' stage, ``DELTA_MODEL``, ``DELTA_TRAIN``), its
+    initial weights multiplied by ``1 + perturb * N(0, 1)`` (a seeded draw) for the conditioning check."""
+    model = hf_models.build(family, **DELTA_MODEL)
+    if perturb:
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + perturb * torch.randn(p.shape, generator=g))
+    return _train(family, DELTA_CASES[family], sp, out, model=model, **DELTA_TRAIN)
+
+
+def _drop_delta_state():
+    """The negative control's bug: every rank's delta layers start their shard from a zero state (the exchanged
+    state replaced by zeros after the exchange ran, so that the ranks still meet in its collectives). Returns the
+    undo."""
+    from ds_mamba_spcp.engine.strategies import delta as strategy
+
+    exchange_fn = strategy._ExchangeFn
+
+    class Dropped:
+        @staticmethod
+        def apply(*args):
+            S_in, final = exchange_fn.apply(*args)
+            return torch.zeros_like(S_in), final
+
+    strategy._ExchangeFn = Dropped
+    return lambda: setattr(strategy, "_ExchangeFn", exchange_fn)
+
+
 def _accumulation(sp: int, tmp: str) -> dict:
     """The two gradient-accumulation runs (``ACCUMULATION``), each recorded or its error, and their seconds."""
     t0 = time.perf_counter()
@@ -497,6 +552,11 @@ def _references(rank, world, tmp):
     out["twice"] = _train_twice(1, os.path.join(tmp, "ref_twice"))
     out["padded"] = _sft_padded(1, os.path.join(tmp, "ref_padded"))
     out["accumulation"] = _accumulation(1, tmp)
+    t1 = time.perf_counter()
+    for fam in DELTA_CASES:
+        out[f"delta_{fam}"] = _delta_train(fam, 1, os.path.join(tmp, f"ref_delta_{fam}"))
+        out[f"delta_{fam}_perturbed"] = _delta_train(fam, 1, os.path.join(tmp, f"ref_delta_p_{fam}"), perturb=1e-7)
+    out["delta_seconds"] = time.perf_counter() - t1
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -528,6 +588,15 @@ def _sequence_parallel(rank, world, tmp):
     out["twice"] = _attempt(_train_twice, SP, os.path.join(tmp, "sp_twice"))
     out["padded"] = _attempt(_sft_padded, SP, os.path.join(tmp, "sp_padded"))
     out["accumulation"] = _accumulation(SP, tmp)
+    t1 = time.perf_counter()
+    for fam in DELTA_CASES:
+        out[f"delta_{fam}"] = _attempt(_delta_train, fam, SP, os.path.join(tmp, f"sp_delta_{fam}"))
+    undo = _drop_delta_state()
+    try:
+        out["delta_bug"] = _attempt(_delta_train, DELTA_BUG, SP, os.path.join(tmp, "sp_delta_bug"))
+    finally:
+        undo()
+    out["delta_seconds"] = time.perf_counter() - t1
 
     errors = {}
     errors["zigzag"] = _error(
@@ -631,6 +700,40 @@ def test_negative_control_accelerate_alone(runs):
     err = _errors(sp[0]["bug_falcon_h1"], ref["falcon_h1_fixed"])
     print(f"negative control (Falcon-H1, accelerate alone): {err}")
     assert err["update"] > 100 * TOL, err
+
+
+def test_delta_conditioning(runs):
+    """The justification of the bound for the Gated DeltaNet cases: one process against itself with its initial
+    weights perturbed by 1e-7 (the size of a rounding) moves the losses, grad_norms and updates by < DELTA_FLOOR."""
+    ref, _ = runs
+    for fam in DELTA_CASES:
+        err = _errors(ref[f"delta_{fam}_perturbed"], ref[f"delta_{fam}"])
+        print(f"{fam}: 1e-7 perturbation of the initial weights: {err}")
+        assert err["loss"] <= DELTA_FLOOR and err["grad_norm"] <= DELTA_FLOOR and err["update"] <= DELTA_FLOOR, err
+
+
+@pytest.mark.parametrize("family", list(DELTA_CASES))
+def test_delta_trainer_matches_one_process(runs, family):
+    """A Gated DeltaNet family under the Trainer at sp 2 (``DELTA_CASES``' ZeRO stage) against one process: every
+    step's loss and grad_norm, every update, the eval loss and greedy tokens, within TOL (5x the perturbation
+    floor, test_delta_conditioning); the negative control (Qwen3.5, each rank's incoming state dropped) is off
+    by > 100x TOL."""
+    ref, sp = runs
+    print(f"delta runs: {ref['delta_seconds']:.1f} s in one process (with the perturbed runs), "
+          f"{sp[0]['delta_seconds']:.1f} s on the ranks (with the negative control)")  # fmt: skip
+    for rank, run in enumerate(sp):
+        mine, theirs = run[f"delta_{family}"], ref[f"delta_{family}"]
+        assert "error" not in mine, mine["error"]
+        err = _errors(mine, theirs)
+        print(f"{family} ZeRO-{DELTA_CASES[family]} rank {rank}: {err}")
+        assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
+        assert abs(mine["eval_loss"] - theirs["eval_loss"]) <= TOL * abs(theirs["eval_loss"])
+        assert mine["generated"] == theirs["generated"]
+        if family == DELTA_BUG:
+            assert "error" not in run["delta_bug"], run["delta_bug"]["error"]
+            bug = _errors(run["delta_bug"], theirs)
+            print(f"negative control ({family}, incoming state dropped) rank {rank}: {bug}")
+            assert bug["update"] > 100 * TOL, bug
 
 
 def test_resume_from_checkpoint(runs):
