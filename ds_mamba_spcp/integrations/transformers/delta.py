@@ -134,8 +134,9 @@ class DeltaAdapter:
         if not isinstance(m.conv1d, nn.Conv1d):  # e.g. PEFT's LoRA on conv1d (r a multiple of its channels)
             raise NotImplementedError(
                 f"{type(m).__qualname__} (layer {m.layer_idx}): its conv1d is a {type(m.conv1d).__module__}."
-                f"{type(m.conv1d).__qualname__}, not a torch.nn.Conv1d; the sequence-parallel path reads conv1d.weight directly, so an adapter there would be "
-                "skipped. Leave conv1d out of PEFT's target_modules (the projections may be adapted)."
+                f"{type(m.conv1d).__qualname__}, not a torch.nn.Conv1d; the sequence-parallel path reads "
+                "conv1d.weight directly, so an adapter there would be skipped. Leave conv1d out of PEFT's "
+                "target_modules (the projections may be adapted)."
             )
         mixed, z, b, a = _projections(m, hidden)
         K = m.conv_kernel_size
