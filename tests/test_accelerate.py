@@ -469,6 +469,19 @@ def _delta_lora(sp: int, out: str, conv: bool = False) -> dict:
     return _train("qwen3_5", DELTA_CASES["qwen3_5"], sp, out, model=model, evaluate=False, **DELTA_TRAIN)
 
 
+def _delta_packed(sp: int, out: str) -> dict:
+    """Qwen3.5 without attention (two delta layers: packed rows with attention need a flash attention, a GPU) on
+    ``_packed_rows`` (position_ids restarting at every document); one process runs each document alone
+    (``_per_document_lm``: transformers' CPU conv ignores the documents)."""
+    from transformers import default_data_collator
+
+    model = hf_models.build("qwen3_5", attention=False, use_cache=False, **DELTA_MODEL)
+    if sp == 1:
+        _per_document_lm(model)
+    return _train("qwen3_5", DELTA_CASES["qwen3_5"], sp, out, default_data_collator, model=model,
+                  dataset=_packed_rows(), evaluate=False, **DELTA_TRAIN)  # fmt: skip
+
+
 def _drop_delta_state():
     """The negative control's bug: every rank's delta layers start their shard from a zero state (the exchanged
     state replaced by zeros after the exchange ran, so that the ranks still meet in its collectives). Returns the
@@ -570,6 +583,7 @@ def _references(rank, world, tmp):
         out[f"delta_{fam}"] = _delta_train(fam, 1, os.path.join(tmp, f"ref_delta_{fam}"))
         out[f"delta_{fam}_perturbed"] = _delta_train(fam, 1, os.path.join(tmp, f"ref_delta_p_{fam}"), perturb=1e-7)
     out["delta_lora"] = _delta_lora(1, os.path.join(tmp, "ref_delta_lora"))
+    out["delta_packed"] = _delta_packed(1, os.path.join(tmp, "ref_delta_packed"))
     out["delta_seconds"] = time.perf_counter() - t1
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -606,6 +620,7 @@ def _sequence_parallel(rank, world, tmp):
     for fam in DELTA_CASES:
         out[f"delta_{fam}"] = _attempt(_delta_train, fam, SP, os.path.join(tmp, f"sp_delta_{fam}"))
     out["delta_lora"] = _attempt(_delta_lora, SP, os.path.join(tmp, "sp_delta_lora"))
+    out["delta_packed"] = _attempt(_delta_packed, SP, os.path.join(tmp, "sp_delta_packed"))
     undo = _drop_delta_state()
     try:
         out["delta_bug"] = _attempt(_delta_train, DELTA_BUG, SP, os.path.join(tmp, "sp_delta_bug"))
@@ -761,6 +776,18 @@ def test_delta_lora_matches_one_process(runs):
         assert "error" not in run["delta_lora"], run["delta_lora"]["error"]
         err = _errors(run["delta_lora"], ref["delta_lora"])
         print(f"LoRA on qwen3_5: {err}")
+        assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
+
+
+def test_delta_packed_matches_one_process(runs):
+    """Packed rows (a datasets.Dataset's position_ids column restarting at every document, documents across the
+    shard border) on Qwen3.5 without attention through the Trainer at sp 2, against one process running each
+    document alone."""
+    ref, sp = runs
+    for run in sp:
+        assert "error" not in run["delta_packed"], run["delta_packed"]["error"]
+        err = _errors(run["delta_packed"], ref["delta_packed"])
+        print(f"packed rows on qwen3_5: {err}")
         assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
 
 
