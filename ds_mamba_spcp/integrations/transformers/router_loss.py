@@ -1,7 +1,7 @@
 """The router load-balancing loss of transformers' MoE hybrids under the long-context key and across ranks.
 
-GraniteMoeHybrid (``output_router_logits=True``; TRL turns it on when ``router_aux_loss_coef`` is set) adds
-``coef x aux`` to its loss, with (transformers' ``load_balancing_loss_func``; sums over every layer's router
+GraniteMoeHybrid and Qwen3.5-MoE (``output_router_logits=True``; TRL turns it on when ``router_aux_loss_coef`` is
+set) add ``coef x aux`` to their loss, with (transformers' ``load_balancing_loss_func``; sums over every layer's router
 rows, ``R`` of them)::
 
     aux = E x sum_e (C_e / R) (P_e / R)    C_e: top-k assignments to expert e (no gradient)
@@ -54,6 +54,8 @@ ROUTER_LOSS_CLASSES = {
         "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
         "GraniteMoeHybridTopKRouter",
     ),
+    # the same load_balancing_loss_func (transformers 5.24), its router returning (logits, weights, index) too
+    "Qwen3_5MoeForCausalLM": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeTopKRouter"),
 }
 _ATTR = "_ds_mamba_spcp_router_loss"  # a model's _RouterLoss, in its __dict__
 
