@@ -89,14 +89,16 @@ SFT_DOCS = [11, 9, 7, 5]  # document lengths of each packed row (32 tokens): the
 # norm alone; config.rms_norm_eps sets every norm's and measured worse) took one Qwen3-Next gradient's grad_norm
 # from 2.6e-4 to 5.2e-6 off under the perturbation; clipping at 1.0 bounds each step's update (lr x 1), so that
 # later steps do not amplify a difference of the first. Measured through these Trainer runs: the perturbation
-# moves losses <= 3.7e-7 and updates <= 8.8e-6, grad_norms by 8.8e-6 (Qwen3.5) and 4.8e-5 (Qwen3-Next) here, by
-# 2.0e-5 and 1.2e-5 when the delta runs come first in their process (other batches: the floor depends on the
-# batch). What is left sits upstream of the gated norm (embed, in_proj_qkv, conv1d of layer 0 perturbed alone
-# move a gradient as much), most likely the L2 normalisation of q and k over 4 values, whose eps transformers
-# fixes at 1e-6 (not measured further; key/value head dims 8 measured no better). So TOL is 2x the worst floor
-# seen (Qwen3-Next's grad_norm), 10x the others'; test_delta_conditioning keeps the floor below DELTA_FLOOR.
+# moves losses <= 3.7e-7 and updates <= 8.8e-6, grad_norms by 8.8e-6 (Qwen3.5), 4.8e-5 (Qwen3-Next) and 1.8e-6
+# (OLMo-hybrid) here, by 2.0e-5, 1.2e-5 and 1.6e-5 when the delta runs come first in their process (other
+# batches: the floor depends on the batch). What is left sits upstream of the gated norm (embed, in_proj_qkv,
+# conv1d of layer 0 perturbed alone move a gradient as much), most likely the L2 normalisation of q and k over 4
+# values, whose eps transformers fixes at 1e-6 (not measured further; key/value head dims 8 measured no better).
+# So TOL is 2x the worst floor seen (Qwen3-Next's grad_norm), 5x the others'; test_delta_conditioning keeps the
+# floor below DELTA_FLOOR on Qwen3-Next.
 DELTA_CASES = {"qwen3_5": 2, "qwen3_next": 3, "olmo_hybrid": 1}
 DELTA_BUG = "qwen3_5"
+DELTA_WORST = "qwen3_next"  # test_delta_conditioning's family
 DELTA_STEPS = 3
 DELTA_MODEL = dict(gated_eps=0.1)
 DELTA_TRAIN = dict(max_steps=DELTA_STEPS, learning_rate=0.002, max_grad_norm=1.0)
@@ -595,7 +597,8 @@ def _references(rank, world, tmp):
     t1 = time.perf_counter()
     for fam in DELTA_CASES:
         out[f"delta_{fam}"] = _delta_train(fam, 1, os.path.join(tmp, f"ref_delta_{fam}"))
-        out[f"delta_{fam}_perturbed"] = _delta_train(fam, 1, os.path.join(tmp, f"ref_delta_p_{fam}"), perturb=1e-7)
+    perturbed = os.path.join(tmp, "ref_delta_perturbed")
+    out["delta_perturbed"] = _delta_train(DELTA_WORST, 1, perturbed, perturb=1e-7)
     out["delta_lora"] = _delta_lora(1, os.path.join(tmp, "ref_delta_lora"))
     out["delta_packed"] = _delta_packed(1, os.path.join(tmp, "ref_delta_packed"))
     out["delta_router"] = _delta_router(1, os.path.join(tmp, "ref_delta_router"))
@@ -751,12 +754,12 @@ def test_negative_control_accelerate_alone(runs):
 
 def test_delta_conditioning(runs):
     """The justification of the bound for the Gated DeltaNet cases: one process against itself with its initial
-    weights perturbed by 1e-7 (the size of a rounding) moves the losses, grad_norms and updates by < DELTA_FLOOR."""
+    weights perturbed by 1e-7 (the size of a rounding) moves the losses, grad_norms and updates by < DELTA_FLOOR
+    (run on DELTA_WORST, the family with the largest floor measured; the others' are in the comment above)."""
     ref, _ = runs
-    for fam in DELTA_CASES:
-        err = _errors(ref[f"delta_{fam}_perturbed"], ref[f"delta_{fam}"])
-        print(f"{fam}: 1e-7 perturbation of the initial weights: {err}")
-        assert err["loss"] <= DELTA_FLOOR and err["grad_norm"] <= DELTA_FLOOR and err["update"] <= DELTA_FLOOR, err
+    err = _errors(ref["delta_perturbed"], ref[f"delta_{DELTA_WORST}"])
+    print(f"{DELTA_WORST}: 1e-7 perturbation of the initial weights: {err}")
+    assert err["loss"] <= DELTA_FLOOR and err["grad_norm"] <= DELTA_FLOOR and err["update"] <= DELTA_FLOOR, err
 
 
 @pytest.mark.parametrize("family", list(DELTA_CASES))
