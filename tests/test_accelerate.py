@@ -485,10 +485,12 @@ def _delta_packed(sp: int, out: str) -> dict:
                   dataset=_packed_rows(), evaluate=False, **DELTA_TRAIN)  # fmt: skip
 
 
-# Qwen3.5-MoE's router load-balancing loss (router_loss.py): 4 experts, 2 a token (with 2 of 2, as hf_models
+# Qwen3.5-MoE's router load-balancing loss (router_loss.py): 2 experts, 1 a token (with 2 of 2, as hf_models
 # builds it, every expert is chosen and aux is constant), a coefficient of 0.5 so that its share of the routers'
-# gradient shows
-DELTA_ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.5, num_experts=4, num_experts_per_tok=2)
+# gradient shows. The 1e-7 perturbation of the initial weights (above) moves this run's grad_norm by 1.3e-5,
+# updates 5.0e-6, losses 2.7e-7; with 4 experts, top-2 it moved the grad_norm by 1.2e-4 (top-4 of 4, where no
+# routing can flip, by 1.3e-4: the 4-expert tiny model is ill-conditioned, not its routing).
+DELTA_ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.5, num_experts=2, num_experts_per_tok=1)
 
 
 def _delta_router(sp: int, out: str) -> dict:
@@ -640,6 +642,13 @@ def _sequence_parallel(rank, world, tmp):
     out["delta_lora"] = _attempt(_delta_lora, SP, os.path.join(tmp, "sp_delta_lora"))
     out["delta_packed"] = _attempt(_delta_packed, SP, os.path.join(tmp, "sp_delta_packed"))
     out["delta_router"] = _attempt(_delta_router, SP, os.path.join(tmp, "sp_delta_router"))
+    from ds_mamba_spcp import comm
+
+    summed, comm.all_reduce_sum = comm.all_reduce_sum, lambda t, group: t  # the control: each shard's router loss
+    try:
+        out["delta_router_bug"] = _attempt(_delta_router, SP, os.path.join(tmp, "sp_delta_router_bug"))
+    finally:
+        comm.all_reduce_sum = summed
     undo = _drop_delta_state()
     try:
         out["delta_bug"] = _attempt(_delta_train, DELTA_BUG, SP, os.path.join(tmp, "sp_delta_bug"))
@@ -812,7 +821,8 @@ def test_delta_packed_matches_one_process(runs):
 
 def test_delta_router_loss_matches_one_process(runs):
     """Qwen3.5-MoE with output_router_logits and router_aux_loss_coef through the Trainer at sp 2 against one process
-    (transformers' own load-balancing loss there): the router loss's sums are the group's (router_loss.py). Before
+    (transformers' own load-balancing loss there): the router loss's sums are the group's (router_loss.py; the
+    control takes each shard's alone). Before
     (018f6c7) the sharded run was refused ("config.output_router_logits=False ... for sequence-parallel
     training")."""
     ref, sp = runs
@@ -821,6 +831,10 @@ def test_delta_router_loss_matches_one_process(runs):
         err = _errors(run["delta_router"], ref["delta_router"])
         print(f"router loss on qwen3_5_moe: {err}")
         assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
+        # negative control: each rank's router loss from its shard's rows alone (the group's sums not taken)
+        bug = _errors(run["delta_router_bug"], ref["delta_router"])
+        print(f"router loss on qwen3_5_moe, each shard's alone: {bug}")
+        assert bug["update"] > 100 * TOL, bug  # measured: the routers' updates 1.8 off, the loss 6.7e-4
 
 
 def test_resume_from_checkpoint(runs):
