@@ -1,6 +1,6 @@
 # make demo  - a real 2-rank training run through the deepspeed launcher on CPU (gloo), default config,
 #              beside the single-process run
-# make test  - lint + the CPU test suite (what CI runs)
+# make test  - lint + the CPU test suite (what CI runs; tests marked slow are left out: `make test-slow`)
 # Both build .venv on first use (CPU-only torch; mamba-ssm / causal-conv1d without CUDA).
 
 PYTHON ?= python3
@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo op-demo test lint format test-gpu clean
+.PHONY: setup demo op-demo test test-slow lint format test-gpu clean
 
 setup: $(STAMP)
 
@@ -43,8 +43,12 @@ lint: setup
 # pytest exits 5 when it collected no test: here that can only mean the suite went missing,
 # so it fails loudly instead of passing as "green".
 test: setup lint
-	@$(PY) -m pytest -m "not gpu" -q $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -m "not gpu and not slow" -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the test suite is missing"; exit 1; fi; exit $$rc
+
+# The CPU tests marked slow (long, each path also covered by a faster test that make test runs).
+test-slow: setup
+	$(PY) -m pytest -m "slow and not gpu" -q $(PYTEST_ARGS)
 
 # On a machine with CUDA GPUs (see README): the GPU suite.
 test-gpu:

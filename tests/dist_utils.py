@@ -7,6 +7,11 @@ deepspeed.comm in each and returns the list of what ``fn(rank, world_size, *args
 at cp > 1 on one GPU; gloo moves CUDA tensors for collectives but not for point-to-point).
 If any rank raises, the others are killed (they may be waiting in a collective) and the error is
 re-raised here with that rank's traceback; a run that outlives ``timeout`` fails the same way.
+CPU ranks (gloo) start from a fork server that imported torch and DeepSpeed once for the whole test
+session (``multiprocessing``'s "forkserver", ``_PRELOAD``): a fresh interpreter each, as with "spawn",
+without each one's ~3 s of imports (the suite starts some 150 ranks on CI's two cores). Nothing of this
+package, transformers, mamba-ssm or Triton is preloaded (tests/triton_cpu_shims.py must run before those
+load), and each rank takes the test process's environment as it is at the call. GPU ranks are spawned.
 Rank functions report; the test process asserts. Verdicts computed inside ranks go through
 ``agree`` (an all-reduce) first, so every rank reaches the same conclusion.
 """
@@ -98,7 +103,33 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {first}-{low - 1} (below the ephemeral range) for a test run")
 
 
-def _worker(rank, world_size, port, fn, args, queue, backend, init="deepspeed"):
+# what the fork server imports once (nothing that reads the test's environment or must follow triton_cpu_shims)
+_PRELOAD = ["torch", "torch.multiprocessing", "deepspeed", "deepspeed.comm"]
+
+
+def _context(backend: str):
+    """Fork server for CPU ranks (preloaded, see the module docstring), spawn for GPU ones (CUDA and fork)."""
+    if backend != "gloo":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call); later calls change nothing
+    global _server_stop_registered
+    if not _server_stop_registered:  # stopped and reaped at exit (else it outlives the test process as a zombie)
+        import atexit
+        from multiprocessing import forkserver
+
+        atexit.register(forkserver._forkserver._stop)
+        _server_stop_registered = True
+    return ctx
+
+
+_server_stop_registered = False
+
+
+def _worker(rank, world_size, port, fn, args, queue, backend, init="deepspeed", env=None):
+    if env is not None:  # the fork server's environment is the one it started with: the caller's, now
+        os.environ.clear()
+        os.environ.update(env)
     shared = backend == "gloo-cuda"
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0" if shared else str(rank),
@@ -137,11 +168,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600.0, backend: str =
     if init not in ("deepspeed", "torch"):
         raise ValueError(f"init must be 'deepspeed' or 'torch', got {init!r}")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
-    ctx = mp.get_context("spawn")
+    ctx = _context(backend)
     queue = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend, init))
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend, init, env))
         for r in range(world_size)
     ]
     for p in procs:

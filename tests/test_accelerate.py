@@ -621,13 +621,15 @@ def _sequence_parallel(rank, world, tmp):
     mamba_sp.enable()
     from tests.parse_count import parses
 
+    # RESUME's run saves at step 3 (saving draws nothing: the run is the one compared with one process), then a
+    # fresh Trainer resumes from that checkpoint and runs steps 4 and 5
+    save = dict(save_strategy="steps", save_steps=3)
     with parses() as parsed:
-        out = {fam: _train(fam, stage, SP, os.path.join(tmp, f"sp_{fam}")) for fam, stage in CASES.items()}
+        out = {fam: _train(fam, stage, SP, os.path.join(tmp, f"sp_{fam}"), **(save if fam == RESUME else {}))
+               for fam, stage in CASES.items()}  # fmt: skip
     out["parsed"] = dict(parsed)
-
-    # save at step 3, then a fresh Trainer resumes from that checkpoint and runs steps 4 and 5
-    ckpt = os.path.join(tmp, "sp_resume")
-    out["resume_full"] = _train(RESUME, CASES[RESUME], SP, ckpt, save_strategy="steps", save_steps=3)
+    ckpt = os.path.join(tmp, f"sp_{RESUME}")
+    out["resume_full"] = out[RESUME]
     out["resume"] = _train(
         RESUME, CASES[RESUME], SP, ckpt, resume_from_checkpoint=os.path.join(ckpt, "checkpoint-3")
     )  # fmt: skip
