@@ -298,6 +298,8 @@ def test_probe_host_sync_steps_cpu():
             assert ((got - want).norm() / want.norm()).item() < 1e-4, name
 
 
+@pytest.mark.slow  # a benchmark's smoke (make test-slow; the device stage tiled_sp runs the benchmark): the tiled
+# layers at sp 2 are checked by tests/test_tiled_block.py in make test, tiled_block.PHASES only here
 def test_bench_tiled_sp_cpu(tmp_path):
     """benchmarks/bench_tiled_sp.py --device cpu (the tiny preset, fp32, two gloo ranks, one spawn): every setting's
     record, each with the phases tiled_block.py marks for its Function (sp 1: TiledFn's two; sp 2: ShardTiledFn's

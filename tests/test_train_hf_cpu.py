@@ -45,11 +45,9 @@ def test_trials_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "hf.json"
     common = ["--preset", "hf-bamba-tiny", "--out", str(out), "--git-commit", "abc1234"]
     bench.main([*common, "--compare-at", "64", "--lengths", "96", "--long-context", "--tile-tokens", "32"])
-    bench.main([*common, "--lengths", "64", "--long-context", "--tile-tokens", "32", "--zero", "3"])
     bench.main([*common, "--search", "96", "--factor", "1.5", "--round", "16", "--max", "400",
                 "--fail-from-length", "144"])  # fmt: skip
     payload = json.loads(out.read_text())
-    zero3 = payload["records"].pop(3)  # the device's ZeRO-3 against ZeRO-2 at one length (issue 43 item 3), on CPU
     assert payload["schema"] == bench.SCHEMA
     got = [(r["path"], r["length"], r["status"]) for r in payload["records"]]
     assert got == [
@@ -96,16 +94,6 @@ def test_trials_on_cpu(tmp_path, monkeypatch):
     assert "| hf-bamba-tiny | long_context (tiles 32) | 96 | ok |" in text
     assert f"ratio {cmp['ratio']:.3f}" in text
     assert "Longest that trained, hf-bamba-tiny transformers: 96 tokens" in text
-
-    # --zero 3 with the key: the same layers tiled (their parameters gathered once per pass, tiled_block.gathered),
-    # the losses of the ZeRO-2 run of the same row and seed: step 1 the same forward, step 2 after one AdamW step
-    # from the same gradients (1e-4 relative, test_sp_trials_on_cpu's bound: the sums' order; the step itself moves
-    # the loss by 1e-3, so an update lost or doubled shows)
-    assert zero3["status"] == "ok" and zero3["ds_config"]["zero_optimization"] == {"stage": 3}, zero3.get("reason")
-    assert zero3["memory_report"]["layers_tiled"] == 2, zero3["memory_report"]
-    for step in range(2):
-        assert abs(zero3["losses"][step] - lc["losses"][step]) <= 1e-4 * lc["losses"][step], (zero3["losses"], lc)
-    assert "| hf-bamba-tiny | long_context (tiles 32, ZeRO 3) | 64 | ok |" in text
 
 
 def test_sp_trials_on_cpu(tmp_path, monkeypatch):
