@@ -41,7 +41,6 @@ import statistics
 import sys
 import time
 import traceback
-from datetime import datetime, timezone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -50,7 +49,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_mixer import _fmt_len, _git, _parse_len, _version  # noqa: E402  (shared with bench_mixer)
+from bench_mixer import _fmt_len, _parse_len, provenance, versions  # noqa: E402  (shared with bench_mixer)
 
 SCHEMA = "ds_mamba_spcp.bench_delta/1"
 MODES = ("ideal", "state_passing", "ulysses", "ulysses_compute")
@@ -310,26 +309,15 @@ def _spawn(cp: int, args, deadline: float) -> list[dict]:
 
 def header(args) -> dict:
     cuda = args.device == "cuda"
-    status = _git("status", "--porcelain", "--untracked-files=no")
     return dict(
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        git_commit=args.git_commit or _git("rev-parse", "HEAD"),
-        git_dirty=None if status is None else bool(status),
-        command=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        **provenance(args.git_commit),
         hardware=dict(
             device=args.device,
             gpu_name=torch.cuda.get_device_name(0) if cuda else None,
             cpu_count=os.cpu_count(),
             hostname=platform.node(),
         ),
-        versions=dict(
-            python=platform.python_version(),
-            torch=torch.__version__,
-            cuda=torch.version.cuda,
-            triton=_version("triton"),
-            fla_core=_version("fla-core"),
-            deepspeed=_version("deepspeed"),
-        ),
+        versions=versions("triton", "fla-core", "deepspeed"),
         proxy=(
             "every rank on one GPU through gloo: ranks contend for the GPU, collectives go through the host"
             if cuda

@@ -558,6 +558,24 @@ def _git(*cmd):
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def provenance(git_commit=None) -> dict:
+    """What every benchmark's JSON header starts with: the date, the commit (``--git-commit`` or HEAD), whether
+    the tracked files differ from it, and the command line."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return dict(
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        git_commit=git_commit or _git("rev-parse", "HEAD"),
+        git_dirty=None if status is None else bool(status),
+        command=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+    )
+
+
+def versions(*dists: str) -> dict:
+    """Python, torch and CUDA's versions, then each distribution's (None where it is not installed)."""
+    out = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda)
+    return {**out, **{name.replace("-", "_"): _version(name) for name in dists}}
+
+
 # environment variables that change what a run measures
 ENV_RECORDED = ("NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES", "NCCL_ALGO", "MAMBA_DETERMINISTIC")
 ENV_RECORDED += ("DS_MAMBA_SPCP_STATE_PASSING",)
@@ -592,23 +610,10 @@ def environment(args, ctx: Context) -> dict:
             nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
         except Exception:  # noqa: BLE001
             nccl = None
-    status = _git("status", "--porcelain", "--untracked-files=no")
     return dict(
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        git_commit=args.git_commit or _git("rev-parse", "HEAD"),
-        git_dirty=None if status is None else bool(status),
-        command=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        **provenance(args.git_commit),
         hardware=hardware,
-        versions=dict(
-            python=platform.python_version(),
-            torch=torch.__version__,
-            cuda=torch.version.cuda,
-            nccl=nccl,
-            triton=_version("triton"),
-            deepspeed=_version("deepspeed"),
-            mamba_ssm=_version("mamba_ssm"),
-            causal_conv1d=_version("causal_conv1d"),
-        ),
+        versions={**versions(), "nccl": nccl, **versions("triton", "deepspeed", "mamba_ssm", "causal_conv1d")},
         backend=ctx.backend,
         backend_module=backend_module,
         env={k: os.environ[k] for k in ENV_RECORDED if k in os.environ},

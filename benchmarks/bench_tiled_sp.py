@@ -54,7 +54,6 @@ import statistics
 import sys
 import time
 import traceback
-from datetime import datetime, timezone
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -63,7 +62,7 @@ if REPO not in sys.path:
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from bench_mixer import _fmt_len, _git, _parse_len, _version  # noqa: E402  (shared with bench_mixer)
+from bench_mixer import _fmt_len, _parse_len, provenance, versions  # noqa: E402  (shared with bench_mixer)
 from train_hf import PRESETS  # noqa: E402  (the model's sizes)
 
 SCHEMA = "ds_mamba_spcp.bench_tiled_sp/1"
@@ -380,27 +379,15 @@ def _spawn(args, deadline: float, payload: dict, out: str) -> str | None:
 
 def header(args) -> dict:
     cuda = args.device == "cuda"
-    status = _git("status", "--porcelain", "--untracked-files=no")
     return dict(
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        git_commit=args.git_commit or _git("rev-parse", "HEAD"),
-        git_dirty=None if status is None else bool(status),
-        command=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        **provenance(args.git_commit),
         hardware=dict(
             device=args.device,
             gpu_name=torch.cuda.get_device_name(0) if cuda else None,
             cpu_count=os.cpu_count(),
             hostname=platform.node(),
         ),
-        versions=dict(
-            python=platform.python_version(),
-            torch=torch.__version__,
-            cuda=torch.version.cuda,
-            triton=_version("triton"),
-            deepspeed=_version("deepspeed"),
-            transformers=_version("transformers"),
-            mamba_ssm=_version("mamba_ssm"),
-        ),
+        versions=versions("triton", "deepspeed", "transformers", "mamba_ssm"),
         proxy=(
             "two ranks on one GPU through gloo: sp 2 shared contends for the GPU, sp 2 turns times each compute "
             "phase alone"
