@@ -480,12 +480,13 @@ def _short_prompts(rank, world):
     return out
 
 
-def _prepared_model(rank, world):
-    """A model prepared for training (prepare_sequence_parallel) generates too, and keeps its sharding after."""
+def _prepared_model(rank, world, model=None, seed=12):
+    """A model prepared for training (prepare_sequence_parallel) generates too (one process's tokens), and keeps its
+    sharding after: Nemotron-H unless ``model`` is given."""
     from ds_mamba_spcp.integrations.transformers import prepare_sequence_parallel, sequence_parallel_generate
 
-    model = build("nemotron_h", True, 11)
-    ids = prompt(4 * world + 1, 12)
+    model = build("nemotron_h", True, 11) if model is None else model
+    ids = prompt(4 * world + 1, seed)
     want = model.generate(ids, **GEN)
     ds_config = {"train_micro_batch_size_per_gpu": BATCH, "sequence_parallel_size": world,
                  "mamba_sequence_parallel": {"enabled": True}}  # fmt: skip
@@ -599,18 +600,9 @@ def _delta_padded(rank, world, seed):
 
 def _delta_prepared(rank, world, seed):
     """A Qwen3-Next model prepared for training generates (one process's tokens) and keeps its sharding after."""
-    from ds_mamba_spcp.integrations.transformers import prepare_sequence_parallel, sequence_parallel_generate
-
     model = hf_models.build("qwen3_next", seed=seed).eval()
     model.generation_config.eos_token_id = None
-    ids = prompt(4 * world + 1, seed)
-    want = model.generate(ids, **GEN)
-    ds_config = {"train_micro_batch_size_per_gpu": BATCH, "sequence_parallel_size": world,
-                 "mamba_sequence_parallel": {"enabled": True}}  # fmt: skip
-    prepare_sequence_parallel(model, ds_config)
-    got = sequence_parallel_generate(model, ids, **GEN)
-    still = _raises(lambda: model.generate(ids, **GEN), NotImplementedError, "sequence_parallel_disabled")
-    return {"same_tokens": agree(torch.equal(got, want)), "sharding_kept": (agree(still[0]), still[1])}
+    return _prepared_model(rank, world, model, seed)
 
 
 def _delta_world(rank, world):
