@@ -28,9 +28,9 @@
 #                  1 H200:   TRAINER=sft GA=2 STEPS=3 COMPARE_AT=65536 NAME=hf_sft ... COMMIT hf_long
 #                  1 H200:   TRAINER=sft GA=2 STEPS=3 SEARCH="131072 1.5 1600000" BUDGET_GIB=16 NAME=hf_sft_long ...
 #                  1 H200:   TRAINER=sft GA=2 PADDED=1 STEPS=3 LENGTHS=65536 NAME=hf_sft_padded ... COMMIT hf_long
-#                  8 H200s:  SP=8 LENGTHS=8388608 STEPS=1 BUDGET_GIB=40 NAME=hf_sp8 ... COMMIT hf_long
-#                  2 H200s:  SP=2 LENGTHS=2097152 STEPS=1 BUDGET_GIB=16 NAME=hf_sp2 ... COMMIT hf_long
-#                  1 H200:   SP=2 PEAK_CHECK=65536 NAME=hf_peak ... COMMIT hf_long
+#                  8 H200s:  DETACH=1 SP=8 LENGTHS=8388608 STEPS=3 BUDGET_GIB=40 NAME=hf_sp8 ... COMMIT hf_long
+#                  2 H200s:  DETACH=1 SP=2 LENGTHS=2097152 STEPS=3 BUDGET_GIB=16 NAME=hf_sp2 ... COMMIT hf_long
+#                  1 H200:   SP=2 PEAK_CHECK=262144 NAME=hf_peak ... COMMIT hf_long
 #                ZERO=3: ZeRO stage 3 (the default 2), e.g. ZeRO-3 against ZeRO-2 at one length, two calls:
 #                  1 H200:   LENGTHS=262144 ZERO=3 NAME=hf_zero3 ... COMMIT hf_long   (ZERO=2 NAME=hf_zero2 beside it)
 #                DETACH=1: the run started detached (setsid nohup) and the stage returns at once: its JSON, Markdown

@@ -33,10 +33,10 @@ same of the transient peaks.
     python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --offload-gpu-budget-gib 40 \\
         --search 131072 --factor 1.5 --max 1600000 --out /tmp/hf_long.json
     # 8 H200s: 8,388,608 tokens, 1,048,576 on each rank (checkpoints past 40 GiB a rank on the host: 8 x 52 GiB)
-    python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --sp 8 --lengths 8388608 --steps 1 \\
+    python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --sp 8 --lengths 8388608 --steps 3 \\
         --offload-gpu-budget-gib 40 --out /tmp/hf_sp8.json
     # 2 H200s: 2,097,152 tokens, 1,048,576 on each rank
-    python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --sp 2 --lengths 2097152 --steps 1 \\
+    python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --sp 2 --lengths 2097152 --steps 3 \\
         --offload-gpu-budget-gib 16 --out /tmp/hf_sp2.json
     # one H200: the peak check, one process at 65,536 against 2 ranks sharing the GPU at 131,072
     python benchmarks/train_hf.py --preset hf-bamba-2b --long-context --sp 2 --peak-check 65536 \\
