@@ -217,7 +217,7 @@ def _delta_forward(adapter, group, padding, *args, **kwargs):
     cache's layer gets the op's final state after the whole prompt (identical on every rank) and the last K
     pre-conv rows of q/k/v's mixed projection, the last rank's (it holds the prompt's end), in transformers'
     layout (batch, conv_dim, K); left-padded rows (``padding``) as packed rows, each keeping its last document."""
-    hidden, cache, mask, rest = hf._mixer_call(args, kwargs)
+    hidden, cache, mask, rest = hf.mixer_call(args, kwargs)
     m = adapter.mixer
     if mask is not None or rest.get("seq_idx") is not None:
         raise NotImplementedError(f"{type(m).__qualname__}: a padded or packed prompt reached the sharded prefill")
