@@ -96,6 +96,8 @@ def test_trials_on_cpu(tmp_path, monkeypatch):
     assert "Longest that trained, hf-bamba-tiny transformers: 96 tokens" in text
 
 
+@pytest.mark.slow  # the benchmark's multi-rank driver (make test-slow): the Trainer with the key at sp 2 against one
+# process is tests/test_long_context.py's and tests/test_accelerate.py's in make test
 def test_sp_trials_on_cpu(tmp_path, monkeypatch):
     """--sp 2 on gloo: both paths at 64 tokens (32 on each rank), then --peak-check 64: one process at 64 (the loss
     reference: the same row and seed) and two ranks at 128 with an OOM injected on rank 1; every rank's values in
