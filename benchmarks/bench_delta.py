@@ -34,7 +34,6 @@ larger budget or ``--passes forward_backward``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -49,7 +48,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_mixer import _fmt_len, _parse_len, provenance, versions  # noqa: E402  (shared with bench_mixer)
+from bench_mixer import _fmt_len, _parse_len, provenance, versions, write_json  # noqa: E402  (shared with bench_mixer)
 
 SCHEMA = "ds_mamba_spcp.bench_delta/1"
 MODES = ("ideal", "state_passing", "ulysses", "ulysses_compute")
@@ -360,11 +359,7 @@ def _ratio(a, b) -> str:
 
 
 def write(payload: dict, out: str):
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(f"{out}.tmp", "w") as f:
-        json.dump(payload, f, indent=1)
-        f.write("\n")
-    os.replace(f"{out}.tmp", out)
+    write_json(out, payload)
     md = os.path.splitext(out)[0] + ".md"
     with open(md, "w") as f:
         f.write(markdown(payload))

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import platform
 import statistics
@@ -62,7 +61,7 @@ if REPO not in sys.path:
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from bench_mixer import _fmt_len, _parse_len, provenance, versions  # noqa: E402  (shared with bench_mixer)
+from bench_mixer import _fmt_len, _parse_len, provenance, versions, write_json  # noqa: E402  (shared with bench_mixer)
 from train_hf import PRESETS  # noqa: E402  (the model's sizes)
 
 SCHEMA = "ds_mamba_spcp.bench_tiled_sp/1"
@@ -475,11 +474,7 @@ def markdown(payload: dict) -> str:
 
 def write(payload: dict, out: str) -> str:
     payload["ratios"] = ratios(payload["records"])
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(f"{out}.tmp", "w") as f:
-        json.dump(payload, f, indent=1)
-        f.write("\n")
-    os.replace(f"{out}.tmp", out)
+    write_json(out, payload)
     md = os.path.splitext(out)[0] + ".md"
     with open(md, "w") as f:
         f.write(markdown(payload))
