@@ -48,7 +48,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_mixer import _fmt_len, _parse_len, provenance, versions, write_json  # noqa: E402  (shared with bench_mixer)
+from bench_mixer import _fmt_len, _parse_len, provenance, spawned_ranks, versions, write_json  # noqa: E402  (shared with bench_mixer)
 
 SCHEMA = "ds_mamba_spcp.bench_delta/1"
 MODES = ("ideal", "state_passing", "ulysses", "ulysses_compute")
@@ -241,7 +241,7 @@ def _group(rank: int, cp: int, args, deadline: float) -> list[dict]:
     return records if rank == 0 else []
 
 
-def _worker(rank, cp, port, args, deadline, queue):
+def _worker(rank, port, queue, cp, args, deadline):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(cp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK="0")  # fmt: skip
     torch.set_num_threads(1)
@@ -259,44 +259,17 @@ def _worker(rank, cp, port, args, deadline, queue):
 
 
 def _spawn(cp: int, args, deadline: float) -> list[dict]:
-    import queue as queue_mod
-    import socket
+    records = []
 
-    import torch.multiprocessing as mp
+    def on_message(message):
+        rank, status, payload = message
+        if status != "ok":
+            return "error", f"rank {rank}:\n{payload}"
+        records.extend(payload)
+        return "done", rank
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, cp, port, args, deadline, queue)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    got, records, error = set(), [], None
-    hard = deadline + 120  # a rank stuck in a collective: give up past the budget plus two minutes
-    try:
-        while len(got) < cp and error is None:
-            try:
-                rank, status, payload = queue.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
-                if dead or time.time() > hard:
-                    error = f"ranks {dead} died" if dead else "timed out"
-                continue
-            got.add(rank)
-            if status == "ok":
-                records += payload
-            else:
-                error = f"rank {rank}:\n{payload}"
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
-
-        remove_deepspeed_shm_buffers(port)  # DeepSpeed's CPU backend never unlinks them
+    # a rank stuck in a collective: give up past the budget plus two minutes
+    error = spawned_ranks(_worker, cp, (cp, args, deadline), deadline + 120, on_message)
     if error is not None:
         print(f"[bench_delta] cp={cp} failed: {error}", flush=True)
         records.append(dict(cp=cp, status="error", reason=error[-2000:]))

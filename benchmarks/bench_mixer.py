@@ -576,6 +576,52 @@ def versions(*dists: str) -> dict:
     return {**out, **{name.replace("-", "_"): _version(name) for name in dists}}
 
 
+def spawned_ranks(target, nranks: int, extra: tuple, give_up_at: float, on_message) -> str | None:
+    """Runs ``target(rank, port, queue, *extra)`` in ``nranks`` spawned processes (gloo through a free local port)
+    and hands each message they put on ``queue`` to ``on_message``, which returns None, ("done", rank) or
+    ("error", text). Returns the first error, "ranks [...] died" or "timed out" (past ``give_up_at``: a rank stuck
+    in a collective), else None once every rank is done. The processes are reaped and DeepSpeed's shared-memory
+    buffers of the port removed in every case."""
+    import queue as queue_mod
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, port, queue, *extra)) for r in range(nranks)]
+    for p in procs:
+        p.start()
+    done, error = set(), None
+    try:
+        while len(done) < nranks and error is None:
+            try:
+                message = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in done]
+                if dead or time.time() > give_up_at:
+                    error = f"ranks {dead} died" if dead else "timed out"
+                continue
+            verdict = on_message(message)
+            if verdict is not None and verdict[0] == "done":
+                done.add(verdict[1])
+            elif verdict is not None:
+                error = verdict[1]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        remove_deepspeed_shm_buffers(port)  # DeepSpeed's CPU backend never unlinks them
+    return error
+
+
 # environment variables that change what a run measures
 ENV_RECORDED = ("NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES", "NCCL_ALGO", "MAMBA_DETERMINISTIC")
 ENV_RECORDED += ("DS_MAMBA_SPCP_STATE_PASSING",)

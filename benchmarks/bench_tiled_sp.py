@@ -61,7 +61,7 @@ if REPO not in sys.path:
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from bench_mixer import _fmt_len, _parse_len, provenance, versions, write_json  # noqa: E402  (shared with bench_mixer)
+from bench_mixer import _fmt_len, _parse_len, provenance, spawned_ranks, versions, write_json  # noqa: E402  (shared with bench_mixer)
 from train_hf import PRESETS  # noqa: E402  (the model's sizes)
 
 SCHEMA = "ds_mamba_spcp.bench_tiled_sp/1"
@@ -304,7 +304,7 @@ def _ranks(rank: int, args, deadline: float, out_queue) -> None:
                     print(f"[bench_tiled_sp] L_shard={_fmt_len(L)} {setting:<10} {shown}", flush=True)
 
 
-def _worker(rank, port, args, deadline, out_queue):
+def _worker(rank, port, out_queue, args, deadline):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK="0")  # fmt: skip
     torch.set_num_threads(1 if args.device == "cpu" else max(1, (os.cpu_count() or 2) // WORLD))
@@ -331,46 +331,17 @@ def _worker(rank, port, args, deadline, out_queue):
 
 def _spawn(args, deadline: float, payload: dict, out: str) -> str | None:
     """The two ranks; each record lands in ``payload`` (and the files) as rank 0 sends it. Returns an error or None."""
-    import queue as queue_mod
-    import socket
 
-    import torch.multiprocessing as mp
+    def on_message(message):
+        kind, value = message
+        if kind == "record":
+            payload["records"].append(value)
+            write(payload, out)
+            return None
+        return ("done", value) if kind == "done" else ("error", value)
 
-    from ds_mamba_spcp.comm import remove_deepspeed_shm_buffers
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out_queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, deadline, out_queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    done, error, hard = set(), None, deadline + 180  # a rank stuck in a collective: give up past this
-    try:
-        while len(done) < WORLD and error is None:
-            try:
-                kind, value = out_queue.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in done]
-                if dead or time.time() > hard:
-                    error = f"ranks {dead} died" if dead else "timed out"
-                continue
-            if kind == "record":
-                payload["records"].append(value)
-                write(payload, out)
-            elif kind == "done":
-                done.add(value)
-            else:
-                error = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        remove_deepspeed_shm_buffers(port)  # DeepSpeed's CPU backend never unlinks them
-    return error
+    # a rank stuck in a collective: give up three minutes past the budget
+    return spawned_ranks(_worker, WORLD, (args, deadline), deadline + 180, on_message)
 
 
 # -- output -----------------------------------------------------------------------------------------------------
