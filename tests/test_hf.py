@@ -622,6 +622,25 @@ def test_generate_and_deepcopy_after_wrapping():
     assert torch.equal(twin.generate(prompt, **kw), plain.generate(prompt, **kw))
 
 
+def test_deepcopy_of_a_wrapped_delta_model():
+    """A Gated DeltaNet layer's adapter (delta.py, layers.copy_adapter) is deep-copied with its layer: the copy's
+    adapter drives the copy, and the copy generates the unwrapped model's tokens."""
+    from ds_mamba_spcp.config import load_mamba_sp_config
+    from ds_mamba_spcp.integrations.transformers.adapter import _Sharding
+    from ds_mamba_spcp.integrations.transformers.delta import wrap_delta_layers
+    from ds_mamba_spcp.integrations.transformers.layers import MIXER_ATTR
+
+    plain, wrapped = hf_models.build("qwen3_5", seed=3).eval(), hf_models.build("qwen3_5", seed=3).eval()
+    cfg = load_mamba_sp_config(_section())
+    assert wrap_delta_layers(wrapped, lambda: _Sharding(None, cfg)) > 0
+    twin = copy.deepcopy(wrapped)
+    layers = [m for m in twin.modules() if MIXER_ATTR in m.__dict__]
+    assert layers and all(m.__dict__[MIXER_ATTR].mixer is m for m in layers)
+    prompt, _ = _inputs(6, 1)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(twin.generate(prompt, **kw), plain.generate(prompt, **kw))
+
+
 @pytest.mark.parametrize("family", list(hf_models.DELTA_MODULES))
 def test_delta_families_pass_the_generation_checks(family):
     """The Gated DeltaNet families are taken by sequence_parallel_generate (refused by name before; the 2-rank runs:

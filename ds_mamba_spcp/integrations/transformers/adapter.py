@@ -51,6 +51,7 @@ from ds_mamba_spcp.integrations.transformers.layers import (  # noqa: E402
     MIXER_ATTR,
     attention_modules,
     cache_error,
+    copy_adapter,
     install_adapter,
     mixer_call,
     padding_error,
@@ -280,13 +281,8 @@ class _MixerAdapter:
         )  # fmt: skip
 
     def __deepcopy__(self, memo):
-        new = copy.copy(self)
-        memo[id(self)] = new
-        new.mixer = copy.deepcopy(self.mixer, memo)
-        new.original_forward = copy.deepcopy(self.original_forward, memo)
-        new.sharding = copy.deepcopy(self.sharding, memo)
+        new = copy_adapter(self, memo)
         new.sharding._validate = new._validate
-        new.model_state = copy.deepcopy(self.model_state, memo)
         return new
 
 

@@ -16,8 +16,6 @@ padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer i
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -197,13 +195,9 @@ class DeltaAdapter:
         return out, final, window.transpose(1, 2).contiguous()
 
     def __deepcopy__(self, memo):
-        new = copy.copy(self)
-        memo[id(self)] = new
-        new.mixer = copy.deepcopy(self.mixer, memo)
-        new.original_forward = copy.deepcopy(self.original_forward, memo)
-        new.sharding = copy.deepcopy(self.sharding, memo)
-        new.model_state = copy.deepcopy(self.model_state, memo)
-        return new
+        from ds_mamba_spcp.integrations.transformers.layers import copy_adapter
+
+        return copy_adapter(self, memo)
 
 
 def _act(name: str):

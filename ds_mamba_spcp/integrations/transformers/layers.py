@@ -13,6 +13,7 @@ pieces (tests/test_import_graph.py keeps the package's import graph acyclic).
 
 from __future__ import annotations
 
+import copy
 import types
 from typing import Any, Protocol
 
@@ -175,3 +176,16 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
         if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "head_dim", "num_key_value_groups", "config")):
             found.append(m)
     return found
+
+
+def copy_adapter(adapter, memo):
+    """``copy.deepcopy`` of a mixer adapter (adapter.py's and delta.py's): its own fields copied, the mixer, the
+    original forward, the sharding and the model state deep-copied through ``memo`` (the mixer holds the adapter:
+    ``memo`` is filled first so that the cycle ends at the copy)."""
+    new = copy.copy(adapter)
+    memo[id(adapter)] = new
+    new.mixer = copy.deepcopy(adapter.mixer, memo)
+    new.original_forward = copy.deepcopy(adapter.original_forward, memo)
+    new.sharding = copy.deepcopy(adapter.sharding, memo)
+    new.model_state = copy.deepcopy(adapter.model_state, memo)
+    return new
