@@ -20,6 +20,8 @@ chunk_size=16, lengths not multiples of the chunk), against the reference backen
    fail the same bound.
 4. The forward-only route (``inference.forward.mixer_core_prefill``, backend "triton") on a packed row at two
    ranks: each document's final state against that document alone through the fp64 reference, and the output.
+5. ``segment_state`` (the state path alone, a tiled shard's backward pass 2) against the reference's without labels
+   and, on packed rows, bitwise against the whole segment's backward with a zero output gradient (``_segment_state``).
 
 Tolerance. The interpreter computes ``tl.dot`` with numpy's fp32 matmul (it ignores input_precision:
 no tf32 rounding, unlike a GPU), so the errors are plain fp32 rounding (unit roundoff 6e-8) grown over
@@ -30,7 +32,8 @@ every token) and 2.9e-7 for the 2-rank op. TOL = 1e-5 (the fp32 bound of test_st
 round trip or a lost term is >= 1e-3. (Should a later Triton emulate tf32 in the interpreter, these
 errors would grow to ~1e-3 and the bound would need revisiting.)
 
-Runtime: ~1.5 s per segment forward and ~5-7 s per backward on one core; the whole file ~45 s on two idle cores.
+Runtime: ~1.5 s per segment forward and ~5-7 s per backward on one core; the whole file ~45 s on two idle cores,
+plus ~12 s for 5. (one row, four state-path backwards and one whole segment's).
 """
 
 from __future__ import annotations
@@ -199,6 +202,7 @@ def segments_main():
     results["fold_chunks"] = _fold_chunks_vs_upstream(triton_backend)
     results["pass_states"] = _pass_states_vs_upstream()
     results["group_of_one_tiled"] = _group_of_one_tiled(triton_backend)
+    results["segment_state"] = _segment_state(triton_backend)
     print("RESULT " + json.dumps(results), flush=True)
 
 
@@ -346,6 +350,76 @@ def _group_of_one_tiled(triton_backend):
     return res
 
 
+STATE_INPUTS = ("zxbcdt", "halo", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "initial_states")
+
+
+def _segment_state(triton_backend):
+    """5. The state path alone (``segment_state``, a tiled shard's backward pass 2) on one row of three chunks (the
+    last partial), a halo and S_in (here ``initial_states``) nonzero: S_out and the gradients of (S_out * g).sum()
+    with respect to zxbcdt, the halo, conv1d_weight, conv1d_bias, dt_bias, A and S_in.
+    - Without labels (S_in reaches S_out): against the reference backend's ``segment_state`` in fp64.
+    - Packed (starts inside chunks, on a chunk border and in the conv's reach: the tokens before a start inside a
+      chunk get no gradient from its state): S_out against the reference, the gradients against the Triton
+      backend's whole segment (``segment_bwd`` in known mode with a zero output gradient, what pass 2 ran before),
+      which shares the kernels and their order: bitwise. (Against the fp64 reference both are 1.2e-5 off in
+      ddt_bias on this row: four sums of ~1e-2 over terms that cancel, fp32 rounding, the same in both.)
+    Negative controls: the state passing's chunk-decay gradient dropped (the term upstream adds at each chunk's last
+    position), without labels; the chunk-state backward's label mask left out, packed."""
+    from ds_mamba_spcp.ops import reference
+    from ds_mamba_spcp.ops.segment import run_bwd_known
+
+    ps = triton_backend.pass_states
+    real_bwd, real_mask = ps.state_passing_bwd_fp32_dinit, triton_backend._last_document
+    t, grads = make_inputs({}, 1, SEG_LEN, seed=6)  # one row: the interpreter's time grows with the grids
+    spec = spec_of({})
+    labels = segment_labels(1, SEG_LEN)
+
+    def run(backend, inputs, seq_idx):
+        leaves = {k: inputs[k].clone().requires_grad_() for k in STATE_INPUTS}
+        params = (leaves["conv1d_weight"], leaves["conv1d_bias"], leaves["dt_bias"], leaves["A"], inputs["D"], None)
+        S_out = backend.segment_state(leaves["zxbcdt"], leaves["halo"], params, leaves["initial_states"], spec=spec,
+                                      seq_idx=seq_idx)  # fmt: skip
+        got = torch.autograd.grad((S_out * grads["final"].to(S_out.dtype)).sum(), list(leaves.values()))
+        return {"S_out": S_out.detach(), **{"d" + k: g for k, g in zip(STATE_INPUTS, got)}}
+
+    def no_chunk_decay_grad(*args, **kwargs):
+        dstates, ddA_chunk, dinit, converted = real_bwd(*args, **kwargs)
+        return dstates, torch.zeros_like(ddA_chunk), dinit, converted
+
+    def worst(got, want):
+        return max((got[k] - want[k]).abs().max().item() for k in want)
+
+    t64 = {k: v.double() for k, v in t.items() if v is not None}
+    start = time.perf_counter()
+    want = run(reference, t64, None)
+    res = {"errs": _errors(run(triton_backend, t, None), want)}
+    ps.state_passing_bwd_fp32_dinit = no_chunk_decay_grad
+    try:
+        res["bug_no_chunk_decay_grad"] = _errors(run(triton_backend, t, None), want)
+    finally:
+        ps.state_passing_bwd_fp32_dinit = real_bwd
+
+    got = run(triton_backend, t, labels)
+    res["S_out_packed"] = rel_err(got.pop("S_out"), run(reference, t64, labels)["S_out"])
+    params = [t[k] for k in PARAMS]
+    dout = torch.zeros(1, SEG_LEN, spec.d_inner)
+    gen = triton_backend.segment_bwd(dout, t["zxbcdt"], t["halo"], params, t["initial_states"], spec=spec,
+                                     seq_idx=labels, dS_out=grads["final"])  # fmt: skip
+    (dzxbcdt, *dparams), dS_in, dhalo = run_bwd_known(gen)
+    whole = dict(dzxbcdt=dzxbcdt, dhalo=dhalo, dinitial_states=dS_in,
+                 **{"d" + k: g for k, g in zip(PARAMS, dparams) if k in STATE_INPUTS})  # fmt: skip
+    assert whole.keys() == got.keys(), (whole.keys(), got.keys())
+    res["packed_vs_whole"] = worst(got, whole)
+    triton_backend._last_document = lambda seq_idx, chunk: torch.ones_like(seq_idx, dtype=torch.bool)
+    try:
+        bad = run(triton_backend, t, labels)
+        res["bug_no_label_mask_vs_whole"] = {k: rel_err(bad[k], whole[k]) for k in whole}
+    finally:
+        triton_backend._last_document = real_mask
+    res["seconds"] = time.perf_counter() - start
+    return res
+
+
 def test_state_passing_kernel_values(monkeypatch):
     """DS_MAMBA_SPCP_STATE_PASSING: ops/pass_states.py's kernels unless 'upstream'; empty is the default, as for the
     package's other variables (it raised); a typo is refused, not read as either."""
@@ -389,6 +463,23 @@ def test_group_of_one_tiles_in_known_mode_match_the_reference(segment_results):
     bad = {k: v for k, v in res["errs"].items() if not v <= TOL}
     assert not bad, f"errors over {TOL}: {bad} (all: {res['errs']})"
     assert res["bug_no_carry"]["out"] > 100 * TOL, res["bug_no_carry"]
+
+
+def test_segment_state_matches_reference_and_the_whole_segment(segment_results):
+    """5. The Triton backend's state path alone: S_out and every gradient within TOL of the fp64 reference's
+    ``segment_state`` without labels; packed, the gradients bitwise those of the whole segment's backward with a
+    zero output gradient (the same kernels in the same order: the chunk scan's terms are exact zeros). Negative
+    controls: without the state passing's chunk-decay gradient dA and ddt_bias are O(1) off; without the label mask
+    the tokens before a start inside a chunk get a gradient they must not have."""
+    res = segment_results["segment_state"]
+    want = {"S_out", *("d" + k for k in STATE_INPUTS)}
+    assert set(res["errs"]) == want
+    bad = {k: v for k, v in res["errs"].items() if not v <= TOL}
+    assert not bad, f"errors over {TOL}: {bad} (all: {res['errs']})"
+    assert res["S_out_packed"] <= TOL, res["S_out_packed"]
+    assert res["packed_vs_whole"] == 0.0, res["packed_vs_whole"]
+    assert min(res["bug_no_chunk_decay_grad"][k] for k in ("ddt_bias", "dA")) > 100 * TOL, res
+    assert min(res["bug_no_label_mask_vs_whole"][k] for k in ("dzxbcdt", "dconv1d_weight")) > 100 * TOL, res
 
 
 @pytest.fixture(scope="module")

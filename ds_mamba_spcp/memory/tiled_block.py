@@ -156,8 +156,8 @@ class Tiles:
 
     def state(self, k: int, zx, core: MixerCore, S_in):
         """The state after tile k (``core``'s S_out), differentiable: through the backend's state path alone where it
-        has one (``segment_state``: the reference backend), else the whole segment (``_TileCore``, whose backward
-        then runs the backend's segment_bwd with a zero output gradient)."""
+        has one (``segment_state``: both backends), else the whole segment (``_TileCore``, whose backward then runs
+        the backend's segment_bwd with a zero output gradient)."""
         state_fn = getattr(self.backend, "segment_state", None)
         if state_fn is None or S_in is None:
             return self.core(k, zx, core, S_in)[1]

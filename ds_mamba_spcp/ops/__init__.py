@@ -1,8 +1,9 @@
 """Backends of the mixer core: the plain-PyTorch reference and mamba-ssm's Triton kernels.
 
 Each backend module exposes ``NAME``, ``segment_fwd`` / ``segment_bwd`` (one causal segment, the segment protocol
-of ``segment.py``), ``single_device_op`` (the whole op on one device) and ``max_tokens_per_call``. Production code
-picks one here (``get_backend``) and imports neither directly.
+of ``segment.py``), ``single_device_op`` (the whole op on one device) and ``max_tokens_per_call``; ``segment_state``
+(the state after a segment, differentiable: a tiled shard's backward pass 2) is optional. Production code picks one
+here (``get_backend``) and imports neither directly.
 """
 
 from __future__ import annotations

@@ -416,6 +416,112 @@ def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=No
     return (*grads, dS_in) if known else grads
 
 
+# -- the state path alone (a tiled shard's backward pass 2) -----------------------------------
+
+
+def _last_document(seq_idx, chunk_size: int):
+    """(batch, seqlen) bool: the tokens in the document their chunk ends in, the only ones whose inputs reach the
+    chunk's state (``_chunk_state_fwd`` masks the others). Tensor ops only: no host read."""
+    seqlen = seq_idx.shape[1]
+    pos = torch.arange(seqlen, device=seq_idx.device)
+    last = torch.clamp((pos // chunk_size + 1) * chunk_size, max=seqlen) - 1  # each token's chunk's last token
+    return seq_idx == seq_idx[:, last]
+
+
+class _SegmentState(torch.autograd.Function):
+    """(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, S_in) -> S_out, the state after the segment (fp32).
+
+    Forward: the scan's inputs (``_scan_inputs``: dt, conv, the chunk states from zero), then the chunk states
+    folded from S_in (``fold.fold_chunks``: one launch, no per-chunk state written); saves the inputs only.
+    Backward, by recomputation: the scan's inputs and the states entering every chunk (the state passing from
+    S_in: the decays' gradients read them), then the state passing's backward from dS_out alone (no gradient
+    from the outputs: a stride-0 zero), which gives the chunk states' gradients, the chunk decays' gradient
+    and dS_in (fp32); then mamba-ssm's chunk-state backward kernels (``_chunk_state_bwd_dx``: dx, ddt;
+    ``_chunk_state_bwd_db``: dB and the cumulative decays' gradient, as upstream's backward takes them), the
+    decays' gradients summed as upstream's backward sums them with a zero output gradient, ``_chunk_cumsum_bwd``
+    and the conv backward (halo gradient = causal-conv1d's dinitial_states). None of the chunk scan's kernels,
+    the gate's or the RMSNorm's: z, C and D get no gradient (zero columns of dzxbcdt)."""
+
+    @staticmethod
+    def forward(ctx, spec, seq_idx, zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, S_in):
+        check_lengths(zxbcdt.shape[0], zxbcdt.shape[1], spec, sharded=True)
+        *_, dA_cumsum, chunk_states = _scan_inputs(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx)
+        S_out = fold.fold_chunks(chunk_states, dA_cumsum[:, :, :, -1], reverse=False, seq_idx=seq_idx,
+                                 chunk_size=spec.chunk_size, init=S_in)  # fmt: skip
+        ctx.spec, ctx.seq_idx = spec, seq_idx
+        ctx.save_for_backward(zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, S_in)
+        return S_out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dS_out):
+        zxbcdt, halo, conv1d_weight, conv1d_bias, dt_bias, A, S_in = ctx.saved_tensors
+        spec, seq_idx, chunk = ctx.spec, ctx.seq_idx, ctx.spec.chunk_size
+        init = _halo_layout(halo)
+        _, xBC, dt_raw, x, B, _, dt, dA_cumsum, chunk_states = _scan_inputs(
+            zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, spec, seq_idx, init=init
+        )
+        prev_states, _ = _pass_states(chunk_states, dA_cumsum, S_in, None, seq_idx, chunk)  # fp32, as segment_bwd
+        del chunk_states
+        prev_flat = prev_states.flatten(-2)
+        no_dprev = prev_flat.new_zeros(()).expand(prev_flat.shape)  # the outputs send the entering states nothing
+        dS_out = dS_out.to(torch.float32).flatten(-2).contiguous()
+        dstates, ddA_chunk, dS_in, _ = pass_states.state_passing_bwd_fp32_dinit(
+            prev_flat, dA_cumsum[:, :, :, -1], no_dprev, dS_out, seq_idx, dstates_dtype=x.dtype, states_dtype=None,
+            chunk_size=chunk,
+        )  # fmt: skip
+        del prev_states, prev_flat
+        dstates = dstates.unflatten(-1, (spec.headdim, spec.dstate))
+
+        dzxbcdt = torch.empty_like(zxbcdt)
+        dz, dxBC_given, ddt_given = split_zxbcdt(dzxbcdt, spec)
+        dz.zero_()
+        dxBC = torch.empty_like(xBC)
+        dx, dB, dC = _split_xBC(dxBC, spec)
+        dC.zero_()
+        # _chunk_state_bwd_dx reads no labels: B zeroed on the tokens whose inputs do not reach their chunk's state
+        # gives them dx = ddt = 0 exactly, as _chunk_scan_chunk_state_bwd_dx's masked scale does
+        B_reach = B if seq_idx is None else B * _last_document(seq_idx, chunk)[:, :, None, None].to(B.dtype)
+        _, ddt, _ = _chunk_state._chunk_state_bwd_dx(B_reach, x, dt, dA_cumsum, dstates, dx=dx)
+        del B_reach
+        dB_states, ddA = _chunk_state._chunk_state_bwd_db(
+            x, dt, dA_cumsum, dstates, seq_idx=seq_idx, B=B, ngroups=spec.ngroups
+        )
+        dB.copy_(dB_states)
+        del dB_states, dstates
+        # upstream's sum with a zero output gradient: the chunk scan's terms vanish and the reverse cumsum of a
+        # chunk's last-position gradient (the state passing's) puts it on every position of the chunk
+        ddA += ddA_chunk.unsqueeze(-1)
+
+        dxBC_done, dweight, dbias, dinit = _conv_bwd_fn(
+            _conv_layout(xBC), conv1d_weight, conv1d_bias, _conv_layout(dxBC), seq_idx, init, None,
+            _conv_layout(dxBC_given), init is not None, _silu(spec),
+        )  # fmt: skip
+        dxBC_done = dxBC_done.transpose(1, 2)
+        if dxBC_done.data_ptr() != dxBC_given.data_ptr() or dxBC_done.stride() != dxBC_given.stride():
+            dxBC_given.copy_(dxBC_done)
+        del dxBC, dxBC_done
+        _, dA, ddt_bias = _chunk_state._chunk_cumsum_bwd(
+            ddA, ddt, dt_raw.clone(), A, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit, ddt=ddt_given
+        )  # (the clone: upstream's workaround, as in segment_bwd)
+        dhalo = None if dinit is None else dinit.transpose(1, 2)
+        return (
+            None, None, dzxbcdt, dhalo, dweight, dbias, None if ddt_bias is None else ddt_bias.to(dt_bias.dtype),
+            dA.to(A.dtype), dS_in.view_as(S_in).to(S_in.dtype),
+        )  # fmt: skip
+
+
+def segment_state(zxbcdt, halo, params, S_in, *, spec, seq_idx=None):
+    """The state after one segment, ``S_out = exp(log_a) S_in + S_ext`` (fp32), differentiable (first order) with
+    respect to zxbcdt (its x, B and dt columns; z and C get zeros), the halo, conv1d_weight, conv1d_bias, dt_bias, A
+    and S_in: the contract of ``ops/reference.py``'s ``segment_state``, on the chunk-state and state-passing kernels
+    alone (``_SegmentState``). A tiled shard's backward pass 2 calls it (memory/tiled_block.py, ``Tiles.state``) in
+    place of the whole segment differentiated with a zero output gradient. D and rmsnorm_weight do not reach the
+    state: no gradient (None)."""
+    conv1d_weight, conv1d_bias, dt_bias, A = params[:4]
+    return _SegmentState.apply(spec, seq_idx, zxbcdt, _ready(halo), conv1d_weight, conv1d_bias, dt_bias, A, S_in)
+
+
 # -- the single-device op ---------------------------------------------------------------------
 
 
