@@ -38,6 +38,11 @@ The phases, in the order a rank runs them (the names tiled_block.py marks; ``PHA
     bwd_pass2     that gradient through the tiles' state path (the chain's last rank has none to push)
     bwd_halo      the halo rows' gradients back to their owners (one all-gather)
 
+``--state-path`` picks what bwd_pass2 runs: ``backend`` (the default) the backend's ``segment_state`` (on a GPU
+Triton's chunk-state and state-passing backward kernels alone), ``whole`` the backend's whole segment with a zero
+output gradient (what pass 2 ran before the Triton backend had a state path: before/after in one call each),
+``reference`` the reference backend's plain-PyTorch state path on the same tensors (an experiment).
+
 ``rest`` is the iteration's time outside the marked phases (autograd and the Function's entry and exit). The JSON
 (rewritten after each cell) and a Markdown table beside it: per L_shard, sp 1's and sp 2's fwd+bwd per rank and their
 ratio (the issue's target: sp 2 / sp 1 <= 1.5 per rank), the turns' sum of phases against sp 1's, and every phase.
@@ -69,6 +74,7 @@ SETTINGS = ("sp1", "sp2_shared", "sp2_turns")
 PHASES = ("fwd_tiles", "bwd_tiles", "fwd_halo", "summary", "exchange", "pass2", "bwd_pass1", "bwd_exchange",
           "bwd_pass2", "bwd_halo")  # fmt: skip
 COLLECTIVE = ("fwd_halo", "exchange", "bwd_exchange", "bwd_halo")
+STATE_PATHS = ("backend", "whole", "reference")
 WORLD = 2
 
 
@@ -83,9 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations first: 3 (cuda), 1 (cpu)")
     p.add_argument("--budget-s", type=float, default=240.0, help="a cell that would start past it is skipped")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--state-path", choices=("backend", "reference"), default="backend",
-                   help="backward pass 2 on a GPU: the backend's whole segment (Triton), or the reference backend's "
-                        "plain-PyTorch state path (segment_state) on the GPU's tensors: an experiment")  # fmt: skip
+    p.add_argument("--state-path", choices=STATE_PATHS, default="backend",
+                   help="backward pass 2: the backend's state path (segment_state), its whole segment with a zero "
+                        "output gradient (whole: pass 2 before Triton had a state path), or the reference backend's "
+                        "plain-PyTorch state path on the GPU's tensors (reference: an experiment)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no line per cell on stdout")
     p.add_argument("--git-commit", default=None)
     p.add_argument("--out", default=None, help="JSON path (a Markdown table is written beside it)")
@@ -304,6 +311,21 @@ def _ranks(rank: int, args, deadline: float, out_queue) -> None:
                     print(f"[bench_tiled_sp] L_shard={_fmt_len(L)} {setting:<10} {shown}", flush=True)
 
 
+def _choose_state_path(args) -> None:
+    """--state-path, in this rank's process: ``Tiles.state`` (memory/tiled_block.py) takes the backend's
+    ``segment_state`` where the backend module has one, else the whole segment."""
+    from ds_mamba_spcp.ops import reference
+
+    if args.device == "cuda":
+        from ds_mamba_spcp.ops import triton as backend
+    else:
+        backend = reference  # (the layer's backend on CPU)
+    if args.state_path == "whole":
+        del backend.segment_state
+    elif args.state_path == "reference":
+        backend.segment_state = reference.segment_state
+
+
 def _worker(rank, port, out_queue, args, deadline):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK="0")  # fmt: skip
@@ -311,11 +333,7 @@ def _worker(rank, port, out_queue, args, deadline):
     try:
         if args.device == "cuda":
             torch.cuda.set_device(0)
-            if args.state_path == "reference":
-                from ds_mamba_spcp.ops import reference
-                from ds_mamba_spcp.ops import triton as triton_backend
-
-                triton_backend.segment_state = reference.segment_state  # Tiles.state takes it where it exists
+        _choose_state_path(args)
         import deepspeed.comm as dist
 
         # gloo up before DeepSpeed: its init passes device_id on a GPU, and torch 2.11's new_group then splits the
