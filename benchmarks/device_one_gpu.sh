@@ -65,7 +65,7 @@ out=${OUT:-/tmp/ds_mamba_spcp_out}
 mkdir -p "$out"
 case "$stage" in
 tests)
-    files=${TESTS:-"test_gpu_conv test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_prefill_gpu test_gpu test_gpu_shared test_hf_gpu test_accelerate"}
+    files=${TESTS:-"test_gpu_conv test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_gpu_state_path test_prefill_gpu test_gpu test_gpu_shared test_hf_gpu test_accelerate"}
     for t in $files; do
         timeout "${TEST_TIMEOUT:-520}" python3 -u -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1 &
     done
