@@ -12,8 +12,9 @@ segment's backward with a zero output gradient there. Checked against that whole
 2. The tiled block (examples/model.py's Block, d_model 768: 24 heads) at sp 2, two gloo ranks sharing the GPU, 8192
    tokens per rank in tiles of 2048, one document and packed rows (rank 0's last document running on into rank 1,
    so that pass 2 has a gradient to push): the output, the input's gradient and every parameter's gradient with the
-   state path against the same run with the whole segment in pass 2. (The same code runs on CPU with the reference
-   backend at a tiny size: ``_tiled_sp2``'s arguments.)
+   state path against the same run with the whole segment in pass 2, and rank 0's tiles counted through the state
+   path. (The same code runs on CPU at a tiny size, ``_tiled_sp2``'s arguments: with the reference backend in fp32
+   within 2e-8, and with the Triton kernels under the interpreter (triton_cpu_shims) bitwise equal, ~9 minutes.)
 
 Bound, relative RMS <= 1e-4 per tensor: both compute the same bf16 products into fp32 accumulators (the chunk-state
 backward's kernel instead of the combined one, whose chunk-scan terms are exact zeros with dout = 0; under the CPU
@@ -153,11 +154,18 @@ def _tiled_sp2(rank, world, device="cuda", backend="triton", dtype=torch.bfloat1
         return got
 
     res = {}
+    real = module.segment_state
     for tag, seq_idx in (("one_document", None), ("packed", labels)):
-        state = run(seq_idx)
-        real = module.segment_state
-        module.segment_state = None  # Tiles.state then differentiates the whole segment
+        calls = []
+
+        def counted(*args, _calls=calls, **kwargs):
+            _calls.append(1)
+            return real(*args, **kwargs)
+
+        module.segment_state = counted  # (the calls counted: the state path was taken)
         try:
+            state = run(seq_idx)
+            module.segment_state = None  # Tiles.state then differentiates the whole segment
             whole = run(seq_idx)
         finally:
             module.segment_state = real
@@ -172,7 +180,7 @@ def _tiled_sp2(rank, world, device="cuda", backend="triton", dtype=torch.bfloat1
                 sq = torch.stack([diff.double().square().sum(), ref.double().square().sum()]) / world
             dist.all_reduce(sq)
             errs[k] = (sq[0] / sq[1].clamp_min(1e-300)).sqrt().item()
-        res[tag] = {"errs": errs, "ok": agree(all(v <= BOUND for v in errs.values()))}
+        res[tag] = {"errs": errs, "ok": agree(all(v <= BOUND for v in errs.values())), "calls": len(calls)}
     return res
 
 
@@ -187,3 +195,5 @@ def test_tiled_block_at_sp2_state_path_equals_the_whole_segment(sp2, case):
     print(f"\nsp 2 tiled block, state path vs whole segment ({case}): worst {max(errs.values()):.1e} "
           f"({max(errs, key=errs.get)})")  # fmt: skip
     assert all(r[case]["ok"] for r in sp2), f"{case}: over {BOUND}: {errs}"
+    # rank 0 pushes rank 1's state gradient through each of its tiles (the chain's last rank has none to push)
+    assert [r[case]["calls"] for r in sp2] == [PER_RANK // TILE, 0], [r[case]["calls"] for r in sp2]
