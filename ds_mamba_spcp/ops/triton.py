@@ -1,6 +1,6 @@
 """The mixer core on mamba-ssm's Triton SSD kernels and causal-conv1d, segment by segment.
 
-Same contract as ``ops/reference.py`` (``segment_fwd``, ``segment_bwd``, ``single_device_op``),
+Same contract as ``ops/reference.py`` (``segment_fwd``, ``segment_bwd``, ``segment_state``, ``single_device_op``),
 built from the private pieces of mamba-ssm's ``MambaSplitConv1dScanCombinedFn`` called one by one
 so that the state summary exchange can sit between them:
 
@@ -19,6 +19,9 @@ so that the state summary exchange can sit between them:
               (known mode, dS_out there from the start: no fold; dS_in is the state passing's
               dinitial_states, stored in fp32)
               -> _chunk_cumsum_bwd -> conv backward (dinitial_states = halo gradient)
+    state     segment_state (S_out alone, a tiled shard's backward pass 2): forward the scan's inputs and the fold
+              from S_in; backward the state passing's backward from dS_out alone -> _chunk_state_bwd_dx / _db
+              -> _chunk_cumsum_bwd -> conv backward: none of the chunk scan's kernels
 
 The state passing (forward and backward) is ``ops/kernels/pass_states.py``'s: mamba-ssm's recurrences, bitwise;
 DS_MAMBA_SPCP_STATE_PASSING=upstream launches mamba-ssm's ``_state_passing_fwd`` / ``_state_passing_bwd`` instead.
