@@ -96,7 +96,7 @@ SFT_DOCS = [11, 9, 7, 5]  # document lengths of each packed row (32 tokens): the
 # values, whose eps transformers fixes at 1e-6 (not measured further; key/value head dims 8 measured no better).
 # So TOL is 2x the worst floor seen (Qwen3-Next's grad_norm), 5x the others'; test_delta_conditioning keeps the
 # floor below DELTA_FLOOR on Qwen3-Next.
-DELTA_CASES = {"qwen3_5": 2, "qwen3_next": 3, "olmo_hybrid": 1}
+DELTA_CASES = {"qwen3_5": 2, "qwen3_next": 3, "olmo_hybrid": 1, "kimi_linear": 3}
 DELTA_BUG = "qwen3_5"
 DELTA_WORST = "qwen3_next"  # test_delta_conditioning's family
 DELTA_STEPS = 3
