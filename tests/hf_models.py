@@ -62,8 +62,9 @@ def import_models() -> None:
 def build_delta(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa",
                 gated_eps: float | None = None, **extra):  # fmt: skip
     """A tiny Gated DeltaNet ``<Family>ForCausalLM`` (delta, attention, delta layers; ``attention=False``: two
-    delta layers) with randomized parameters; ``extra`` overrides config fields. ``gated_eps``: the epsilon of the
-    delta layers' gated RMSNorm alone (config.rms_norm_eps sets every norm's; see ``WELL_CONDITIONED``)."""
+    delta layers) with randomized parameters (``kimi_linear``: KDA layers at ``KIMI``'s sizes, MLA attention);
+    ``extra`` overrides config fields. ``gated_eps``: the epsilon of the delta layers' gated RMSNorm alone
+    (config.rms_norm_eps sets every norm's; see ``WELL_CONDITIONED``)."""
     import transformers as tf
 
     d = DELTA
