@@ -10,13 +10,14 @@ The decay g is the layer's own: -exp(A_log) softplus(a + dt_bias) per value head
 and Kimi's ``forget_gate`` module (per key channel, (batch, seqlen, H, K): the op's KDA form) for
 ``KimiLinearDeltaAttention``; beta = sigmoid(b) (x2 with allow_neg_eigval).
 
-A wrapped layer keeps its class and place, as the Mamba2 mixers do (``adapter.py``): its instance ``forward``
-is replaced, the previous one runs every unsharded call, it is a ZeRO-3 leaf (the conv weight is read without
-calling ``conv1d``). ``DELTA_CLASSES`` names the layers; each family's projections and output are read through
-``_Family``. A sharded call takes no cache (generation runs inside ``sequence_parallel_disabled``; the sharded
-prefill of ``generation.py`` calls ``forward(..., decode_state=True)`` and fills the cache itself) and no
-padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer is given) and become the op's
-``cu_seqlens`` (one packed row per call). The user's page: docs/huggingface.md, "Gated DeltaNet families".
+A wrapped layer keeps its class and place, as the Mamba2 mixers do (``adapter.py``): its instance ``forward`` is
+replaced, the previous one runs every unsharded call, it is a ZeRO-3 leaf (the conv weight is read without calling
+``conv1d``). ``DELTA_CLASSES`` names the layers; each family's widths, projections (beta and g with them) and output
+are read by ``_dims``, ``_projections`` and ``_output``. A sharded call takes no cache (generation runs inside
+``sequence_parallel_disabled``; the sharded prefill of ``generation.py`` calls ``forward(..., decode_state=True)``
+and fills the cache itself) and no padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer is
+given) and become the op's ``cu_seqlens`` (one packed row per call). The user's page: docs/huggingface.md, "Gated
+DeltaNet families".
 """
 
 from __future__ import annotations
