@@ -140,6 +140,8 @@ PACKED = {
         "nemotron_h_noattn_ulysses": dict(family="nemotron_h", mode="ulysses", attention=False),
         "granitemoehybrid_noattn_sp_none": dict(family="granitemoehybrid", mode="sp_none", attention=False),
         "qwen3_5_noattn_sp_none": dict(family="qwen3_5", mode="sp_none", attention=False),
+        # Kimi's KDA: the per-channel decay cut into documents with q, k, v and beta (cu_seqlens, row by row)
+        "kimi_linear_noattn_sp_none": dict(family="kimi_linear", mode="sp_none", attention=False),
     },
     4: {"mamba2_sp_virtual": dict(family="mamba2", mode="sp_virtual")},
 }
