@@ -37,9 +37,18 @@ DELTA_MODULES = {
     "qwen3_5_moe": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
     "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+    "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear",
 }
 # 2 query/key heads of dim 4 serving 4 value heads of dim 3 (grouped value heads), conv kernel 4
 DELTA = dict(k_heads=2, v_heads=4, k_dim=4, v_dim=3, d_conv=4)
+# Kimi Linear: its KDA layers have as many q/k/v heads, all of one dim (2 heads of 4, a decay per key channel);
+# its attention is MLA (latent of 6, keys of 4 + 2 rotary-free dims, values of 3: narrower than the keys, as in
+# the real model) with 4 heads; the MLP of layer 0 dense, the others MoE (2 experts, top-2, one shared)
+KIMI = dict(
+    linear_num_heads=2, linear_head_dim=4, kv_lora_rank=6, q_lora_rank=None, qk_nope_head_dim=4, qk_rope_head_dim=2,
+    v_head_dim=3, num_key_value_heads=ATTN["heads"], num_local_experts=2, num_experts_per_tok=2, n_group=1,
+    topk_group=1, moe_intermediate_size=8, mlp_layer_types=["dense", "sparse", "sparse"],
+)  # fmt: skip
 
 
 def import_models() -> None:
@@ -53,12 +62,22 @@ def import_models() -> None:
 def build_delta(family: str, *, attention: bool = True, seed: int = 0, dtype=torch.float32, attn="sdpa",
                 gated_eps: float | None = None, **extra):  # fmt: skip
     """A tiny Gated DeltaNet ``<Family>ForCausalLM`` (delta, attention, delta layers; ``attention=False``: two
-    delta layers) with randomized parameters; ``extra`` overrides config fields. ``gated_eps``: the epsilon of the
-    delta layers' gated RMSNorm alone (config.rms_norm_eps sets every norm's; see ``WELL_CONDITIONED``)."""
+    delta layers) with randomized parameters (``kimi_linear``: KDA layers at ``KIMI``'s sizes, MLA attention);
+    ``extra`` overrides config fields. ``gated_eps``: the epsilon of the delta layers' gated RMSNorm alone
+    (config.rms_norm_eps sets every norm's; see ``WELL_CONDITIONED``)."""
     import transformers as tf
 
     d = DELTA
     types = ["linear_attention", "full_attention", "linear_attention"] if attention else ["linear_attention"] * 2
+    if family == "kimi_linear":  # its own field names (no grouped heads, MLA): KIMI
+        kimi = dict(
+            vocab_size=VOCAB, hidden_size=HIDDEN, tie_word_embeddings=False, num_attention_heads=ATTN["heads"],
+            intermediate_size=20, num_hidden_layers=len(types), layer_types=types, linear_conv_kernel_dim=d["d_conv"],
+            pad_token_id=None, bos_token_id=None, eos_token_id=None, **KIMI,
+        )  # fmt: skip
+        kimi["mlp_layer_types"] = kimi["mlp_layer_types"][: len(types)]
+        return _finish_delta(tf.KimiLinearConfig(**{**kimi, **extra}), tf.KimiLinearForCausalLM, True, seed, dtype,
+                             attn, gated_eps)  # fmt: skip
     fields = dict(
         vocab_size=VOCAB, hidden_size=HIDDEN, tie_word_embeddings=False, num_attention_heads=ATTN["heads"],
         num_key_value_heads=ATTN["kv_heads"], head_dim=HIDDEN // ATTN["heads"], intermediate_size=20,
@@ -75,9 +94,12 @@ def build_delta(family: str, *, attention: bool = True, seed: int = 0, dtype=tor
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, experts),
         "olmo_hybrid": (tf.OlmoHybridConfig, tf.OlmoHybridForCausalLM, {}),
     }[family]
-    cfg = config_cls(**{**fields, **more, **extra})
+    return _finish_delta(config_cls(**{**fields, **more, **extra}), model_cls, bool(more), seed, dtype, attn, gated_eps)
+
+
+def _finish_delta(cfg, model_cls, experts: bool, seed: int, dtype, attn, gated_eps):
     cfg._attn_implementation = attn
-    if more:
+    if experts:
         cfg._experts_implementation = "eager"  # the loop over experts (the grouped GEMM refuses fp64 on CPU)
     torch.manual_seed(seed)
     model = model_cls(cfg)

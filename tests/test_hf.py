@@ -111,6 +111,9 @@ def _cases() -> dict:
     two["qwen3_next_zero3_sp_none"] = dict(family="qwen3_next", mode="sp_none", zero3=True)
     # negative control: DeepSpeed's Ulysses attention alone, each rank's delta layers restarting from zero
     two["bug_attention_only_qwen3_5"] = dict(family="qwen3_5", mode="sp_none", bug="attention_only")
+    # Kimi Linear: KDA layers (a decay per key channel) and MLA attention (values narrower than keys, padded for
+    # DeepSpeed's Ulysses attention: layers.ulysses_attention), in the head all-to-all mode of the delta op
+    two["kimi_linear_ulysses"] = dict(family="kimi_linear", mode="ulysses")
     # four ranks: a middle rank (its halo and state both from a neighbour) and a scan of two rounds; the families'
     # own code does not change with the group's size, so two families plain and three in the other modes
     four = {
@@ -137,6 +140,8 @@ PACKED = {
         "nemotron_h_noattn_ulysses": dict(family="nemotron_h", mode="ulysses", attention=False),
         "granitemoehybrid_noattn_sp_none": dict(family="granitemoehybrid", mode="sp_none", attention=False),
         "qwen3_5_noattn_sp_none": dict(family="qwen3_5", mode="sp_none", attention=False),
+        # Kimi's KDA: the per-channel decay cut into documents with q, k, v and beta (cu_seqlens, row by row)
+        "kimi_linear_noattn_sp_none": dict(family="kimi_linear", mode="sp_none", attention=False),
     },
     4: {"mamba2_sp_virtual": dict(family="mamba2", mode="sp_virtual")},
 }
@@ -653,6 +658,23 @@ def test_delta_families_pass_the_generation_checks(family):
     model = hf_models.build(family)
     assert generation._model_problem(model, cfg, 2) is None
     assert generation._least_prompt(model, 2) == 2 * (hf_models.DELTA["d_conv"] - 1) + generation._FED
+
+
+def test_mla_attention_is_found_and_sized_for_ulysses():
+    """Kimi Linear's MLA (KimiLinearAttention: no k_proj / v_proj, values of v_head_dim narrower than its keys) is
+    among the attention modules DeepSpeed's Ulysses attention shards, built at the keys' head dim (the values padded
+    to it: layers.ulysses_attention; 2f6f4b8 did not find it, so its attention would have run on each rank's shard
+    alone); values wider than the keys are refused by name (the 2-rank run: test_matches_unwrapped_model's
+    kimi_linear_ulysses)."""
+    from ds_mamba_spcp.integrations.transformers.layers import attention_modules, ulysses_dims
+
+    found = attention_modules(hf_models.build("kimi_linear"))
+    assert [type(m).__name__ for m in found] == ["KimiLinearAttention"]
+    k = hf_models.KIMI
+    assert ulysses_dims(found[0]) == (4, 4, k["qk_nope_head_dim"] + k["qk_rope_head_dim"])
+    wide = attention_modules(hf_models.build("kimi_linear", v_head_dim=8))[0]
+    with pytest.raises(ValueError, match="values of head dim 8 are wider than its queries and keys"):
+        ulysses_dims(wide)
 
 
 def test_disabled_config_leaves_the_model_alone():

@@ -501,7 +501,7 @@ def _prepared_model(rank, world, model=None, seed=12):
 # leaving one token more for generate. hf_models.build_delta's models as they come (randomize: per-token decays
 # exp(g) ~ 0.2..0.9): the zero-state control below shows that the state after the first shard still moves the tokens.
 DELTA_CASES = {"qwen3_5": (True, 15), "qwen3_5_moe": (True, 16), "qwen3_next": (True, 15), "olmo_hybrid": (True, 16),
-               "qwen3_5_noattn": (False, 15)}  # fmt: skip
+               "qwen3_5_noattn": (False, 15), "kimi_linear": (True, 16)}  # fmt: skip
 DELTA_PADDED = 17  # qwen3_5, a left-padded batch: 2 ranks prefill 14 tokens
 
 

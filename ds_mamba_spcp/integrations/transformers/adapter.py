@@ -55,6 +55,8 @@ from ds_mamba_spcp.integrations.transformers.layers import (  # noqa: E402
     install_adapter,
     mixer_call,
     padding_error,
+    ulysses_attention,
+    ulysses_dims,
 )
 
 # The Mamba2-style mixer classes of transformers (class name -> modeling module).
@@ -322,9 +324,7 @@ class _UlyssesAttention:
     def __init__(self, module: nn.Module, model_state: _PreparedModel, implementation: str, core_fn) -> None:
         self.model_state, self.sharding = model_state, model_state.sharding
         self.implementation, self.core_fn = implementation, core_fn
-        self.heads = int(module.config.num_attention_heads)
-        self.kv_heads = self.heads // int(module.num_key_value_groups)
-        self.head_dim = int(module.head_dim)
+        self.heads, self.kv_heads, self.head_dim = ulysses_dims(module)
         self._by_batch: dict = {}
 
     def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
@@ -350,7 +350,8 @@ class _UlyssesAttention:
         # restore it so that unsharded calls (sequence_parallel_disabled) see the model's own value
         groups = module.num_key_value_groups
         try:
-            return uattn(module, query, key, value, attention_mask if keep else None, *args, **kwargs)
+            mask = attention_mask if keep else None
+            return ulysses_attention(uattn, module, query, key, value, mask, *args, **kwargs)
         finally:
             module.num_key_value_groups = groups
 
@@ -409,8 +410,7 @@ def _check_attention(module: nn.Module, config: MambaSequenceParallelConfig, cp:
             "attend to later tokens). Build or load the model with attn_implementation='sdpa' (CPU or GPU) or a "
             "flash attention, or call model.set_attn_implementation('sdpa') before prepare_sequence_parallel."
         )
-    heads = int(module.config.num_attention_heads)
-    kv_heads = heads // int(module.num_key_value_groups)
+    heads, kv_heads, _ = ulysses_dims(module)
     if heads % cp or (kv_heads % cp and cp % kv_heads):
         raise ValueError(
             f"{name} has {heads} query and {kv_heads} key/value heads; DeepSpeed's Ulysses attention shards heads "

@@ -1,17 +1,23 @@
-"""transformers' Gated DeltaNet layers (Qwen3.5 dense and MoE, Qwen3-Next, OLMo-hybrid) made sequence-parallel.
+"""transformers' Gated DeltaNet layers (Qwen3.5 dense and MoE, Qwen3-Next, OLMo-hybrid) and Kimi Linear's KDA
+layers made sequence-parallel.
 
-    hidden (batch, local_seqlen, hidden) --the layer's own projections--> mixed_qkv, z (gate), b, a
+    hidden (batch, local_seqlen, hidden) --the layer's own projections--> mixed_qkv, z (output gate), beta, g
     mixed_qkv --the K-1 rows of the previous rank (halo) + causal conv1d + activation--> q, k, v
-    q, k, v, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) --chunk_gated_delta_rule_sp--> o
+    q, k, v, g, beta --chunk_gated_delta_rule_sp--> o
     o --the layer's gated RMSNorm with z, its output projection--> out
 
-A wrapped layer keeps its class and place, as the Mamba2 mixers do (``adapter.py``): its instance ``forward``
-is replaced, the previous one runs every unsharded call, it is a ZeRO-3 leaf (the conv weight is read without
-calling ``conv1d``). ``DELTA_CLASSES`` names the layers; each family's projections and output are read through
-``_Family``. A sharded call takes no cache (generation runs inside ``sequence_parallel_disabled``; the sharded
-prefill of ``generation.py`` calls ``forward(..., decode_state=True)`` and fills the cache itself) and no
-padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer is given) and become the op's
-``cu_seqlens`` (one packed row per call). The user's page: docs/huggingface.md, "Gated DeltaNet families".
+The decay g is the layer's own: -exp(A_log) softplus(a + dt_bias) per value head for the Gated DeltaNet layers,
+and Kimi's ``forget_gate`` module (per key channel, (batch, seqlen, H, K): the op's KDA form) for
+``KimiLinearDeltaAttention``; beta = sigmoid(b) (x2 with allow_neg_eigval).
+
+A wrapped layer keeps its class and place, as the Mamba2 mixers do (``adapter.py``): its instance ``forward`` is
+replaced, the previous one runs every unsharded call, it is a ZeRO-3 leaf (the conv weight is read without calling
+``conv1d``). ``DELTA_CLASSES`` names the layers; each family's widths, projections (beta and g with them) and output
+are read by ``_dims``, ``_projections`` and ``_output``. A sharded call takes no cache (generation runs inside
+``sequence_parallel_disabled``; the sharded prefill of ``generation.py`` calls ``forward(..., decode_state=True)``
+and fills the cache itself) and no padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer is
+given) and become the op's ``cu_seqlens`` (one packed row per call). The user's page: docs/huggingface.md, "Gated
+DeltaNet families".
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ DELTA_CLASSES = {
     "Qwen3_5MoeGatedDeltaNet": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     "Qwen3NextGatedDeltaNet": "transformers.models.qwen3_next.modeling_qwen3_next",
     "OlmoHybridGatedDeltaNet": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+    "KimiLinearDeltaAttention": "transformers.models.kimi_linear.modeling_kimi_linear",
 }
 
 
@@ -43,27 +50,43 @@ def delta_classes() -> tuple[type, ...]:
 # -- the families' projections ----------------------------------------------------------------------
 
 
+def _dims(m: nn.Module) -> tuple[int, int, int, int]:
+    """(key_dim, value_dim, head_k_dim, head_v_dim) of a layer: q/k/v's widths in mixed_qkv and their heads'."""
+    if hasattr(m, "forget_gate"):  # Kimi Linear: q, k and v of num_heads x head_dim each
+        return m.qkv_dim, m.qkv_dim, m.head_dim, m.head_dim
+    return m.key_dim, m.value_dim, m.head_k_dim, m.head_v_dim
+
+
 def _projections(m: nn.Module, hidden: torch.Tensor):
     """(mixed_qkv (batch, seqlen, 2*key_dim + value_dim) before the conv, z (batch, seqlen, v_heads, head_v_dim),
-    b, a (batch, seqlen, v_heads)) computed by the layer's own projections, as its forward does."""
+    beta (batch, seqlen, v_heads), g: the log decay, (batch, seqlen, v_heads) or, for Kimi, (batch, seqlen, heads,
+    head_dim)) computed by the layer's own projections, as its forward does."""
     B, L, _ = hidden.shape
+    if hasattr(m, "forget_gate"):  # Kimi Linear (KDA): low-rank output gate, its forget-gate module per channel
+        mixed = torch.cat([m.q_proj(hidden), m.k_proj(hidden), m.v_proj(hidden)], dim=-1)
+        z = m.g_b_proj(m.g_a_proj(hidden)).reshape(B, L, -1, m.head_dim)
+        return mixed, z, m.b_proj(hidden).sigmoid(), m.forget_gate(hidden)
     if hasattr(m, "in_proj_qkvz"):  # Qwen3-Next: fused and interleaved per key head
         q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hidden), m.in_proj_ba(hidden))
         mixed = torch.cat([t.reshape(B, L, -1) for t in (q, k, v)], dim=-1)
-        return mixed, z, b, a
-    if hasattr(m, "in_proj_qkv"):  # Qwen3.5 dense and MoE
+    elif hasattr(m, "in_proj_qkv"):  # Qwen3.5 dense and MoE
         z = m.in_proj_z(hidden).reshape(B, L, -1, m.head_v_dim)
-        return m.in_proj_qkv(hidden), z, m.in_proj_b(hidden), m.in_proj_a(hidden)
-    # OLMo-hybrid: separate projections, a dedicated gate projection
-    mixed = torch.cat([m.q_proj(hidden), m.k_proj(hidden), m.v_proj(hidden)], dim=-1)
-    return mixed, m.g_proj(hidden).reshape(B, L, -1, m.head_v_dim), m.b_proj(hidden), m.a_proj(hidden)
+        mixed, b, a = m.in_proj_qkv(hidden), m.in_proj_b(hidden), m.in_proj_a(hidden)
+    else:  # OLMo-hybrid: separate projections, a dedicated gate projection
+        mixed = torch.cat([m.q_proj(hidden), m.k_proj(hidden), m.v_proj(hidden)], dim=-1)
+        z, b, a = m.g_proj(hidden).reshape(B, L, -1, m.head_v_dim), m.b_proj(hidden), m.a_proj(hidden)
+    beta = b.sigmoid()
+    if getattr(m, "allow_neg_eigval", False):
+        beta = beta * 2.0
+    return mixed, z, beta, -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
 
 
 def _output(m: nn.Module, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """The layer's gated RMSNorm (per value head, gated by z) and output projection."""
     B, L = o.shape[:2]
     norm, proj = (m.norm, m.out_proj) if hasattr(m, "out_proj") else (m.o_norm, m.o_proj)
-    y = norm(o.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+    head_v_dim = _dims(m)[3]
+    y = norm(o.reshape(-1, head_v_dim), z.reshape(-1, head_v_dim))
     return proj(y.reshape(B, L, -1))
 
 
@@ -136,7 +159,7 @@ class DeltaAdapter:
                 "conv1d.weight directly, so an adapter there would be skipped. Leave conv1d out of PEFT's "
                 "target_modules (the projections may be adapted)."
             )
-        mixed, z, b, a = _projections(m, hidden)
+        mixed, z, beta, g = _projections(m, hidden)
         K = m.conv_kernel_size
         tail = mixed[:, L - (K - 1) :] if L >= K - 1 else None
         if tail is None:
@@ -162,14 +185,11 @@ class DeltaAdapter:
             before = labels[rank - 1][:, L - (K - 1) :] if rank > 0 else labels.new_full((B, K - 1), -1)
             x = _packed_conv(x, torch.cat([before, labels[rank]], dim=1), weight, m.conv1d.bias)
         x = _act(m.activation)(x).to(mixed.dtype).transpose(1, 2)
-        q, k, v = torch.split(x, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
-        q = q.reshape(B, L, -1, m.head_k_dim)
-        k = k.reshape(B, L, -1, m.head_k_dim)
-        v = v.reshape(B, L, -1, m.head_v_dim)
-        beta = b.sigmoid()
-        if getattr(m, "allow_neg_eigval", False):
-            beta = beta * 2.0
-        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+        key_dim, value_dim, head_k_dim, head_v_dim = _dims(m)
+        q, k, v = torch.split(x, [key_dim, key_dim, value_dim], dim=-1)
+        q = q.reshape(B, L, -1, head_k_dim)
+        k = k.reshape(B, L, -1, head_k_dim)
+        v = v.reshape(B, L, -1, head_v_dim)
         options = dict(
             use_qk_l2norm_in_kernel=True, process_group=group, mode=cfg.mode, load_balancing=cfg.load_balancing,
             input_layout=cfg.input_layout, summary_exchange=cfg.summary_exchange,

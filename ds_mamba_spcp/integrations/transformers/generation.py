@@ -57,6 +57,7 @@ from ds_mamba_spcp.inference.prefill import (
     same_on_every_rank,
 )
 from ds_mamba_spcp.integrations.transformers import adapter as hf
+from ds_mamba_spcp.integrations.transformers.layers import ulysses_attention, ulysses_dims
 
 try:
     from transformers.cache_utils import CacheLayerMixin, DummyLayer, DynamicCache, LinearAttentionCacheLayerMixin
@@ -236,9 +237,7 @@ class _Ulysses:
     def __init__(self, module, implementation, core_fn, group, position_ids, padding=None) -> None:
         self.implementation, self.group, self.position_ids = implementation, group, position_ids
         self.core_fn = core_fn if padding is None else functools.partial(_unpadded_attention, core_fn, padding)
-        self.heads = int(module.config.num_attention_heads)
-        self.kv_heads = self.heads // int(module.num_key_value_groups)
-        self.head_dim = int(module.head_dim)
+        self.heads, self.kv_heads, self.head_dim = ulysses_dims(module)
         self.by_batch: dict = {}
 
     def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
@@ -257,7 +256,7 @@ class _Ulysses:
             self.by_batch[batch] = uattn
         groups = module.num_key_value_groups  # DeepSpeed rewrites it when it replicates KV heads
         try:  # the mask (built for the local length) is dropped: the kernel masks causally, as in training
-            return self.by_batch[batch](module, query, key, value, None, *args, **kwargs)
+            return ulysses_attention(self.by_batch[batch], module, query, key, value, None, *args, **kwargs)
         finally:
             module.num_key_value_groups = groups
 

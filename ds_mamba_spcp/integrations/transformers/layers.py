@@ -166,16 +166,54 @@ def decoder_layers_within(layer: nn.Module) -> list[nn.Module]:
     return [m for m in layer.modules() if m is not layer and isinstance(m, base)]
 
 
+def _is_mla(m: nn.Module) -> bool:
+    """Multi-head latent attention (Kimi Linear's ``KimiLinearAttention``): keys and values expanded per head from a
+    compressed latent (``kv_b_proj``), keys of ``qk_head_dim`` and values of ``v_head_dim``."""
+    return all(hasattr(m, a) for a in ("kv_a_proj_with_mqa", "kv_b_proj", "qk_head_dim", "v_head_dim"))
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The transformers attention modules of ``model`` that call ``ALL_ATTENTION_FUNCTIONS`` (q/k/v
-    projections, ``head_dim``, ``num_key_value_groups`` and a config naming the attention implementation)."""
+    projections, ``head_dim``, ``num_key_value_groups`` and a config naming the attention implementation; or MLA's
+    latent projections, ``_is_mla``, in place of the k/v projections and ``head_dim``)."""
     found = []
     for m in model.modules():
         if not type(m).__module__.startswith("transformers.models."):
             continue
-        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "head_dim", "num_key_value_groups", "config")):
+        if not all(hasattr(m, a) for a in ("num_key_value_groups", "config")):
+            continue
+        if _is_mla(m) or all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "head_dim")):
             found.append(m)
     return found
+
+
+def ulysses_dims(module: nn.Module) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of a module of ``attention_modules`` as DeepSpeed's Ulysses attention
+    is built for it (one head dim for queries, keys and values: MLA's ``qk_head_dim``, its narrower values padded to
+    it by ``ulysses_attention``)."""
+    heads = int(module.config.num_attention_heads)
+    kv_heads = heads // int(module.num_key_value_groups)
+    if not _is_mla(module):
+        return heads, kv_heads, int(module.head_dim)
+    if module.v_head_dim > module.qk_head_dim:
+        raise ValueError(
+            f"{type(module).__qualname__}: values of head dim {module.v_head_dim} are wider than its queries and keys "
+            f"({module.qk_head_dim}); DeepSpeed's Ulysses attention takes one head dim, and only narrower values are "
+            "padded to the keys' here (wider ones would need the keys padded, changing the softmax scale)."
+        )
+    return heads, kv_heads, int(module.qk_head_dim)
+
+
+def ulysses_attention(uattn, module, query, key, value, attention_mask, *args, **kwargs):
+    """``uattn(module, query, key, value, attention_mask, ...)`` (DeepSpeed's ``UlyssesSPAttentionHF``, which takes one
+    head dim) with values narrower than the queries (MLA) zero-padded to their head dim and the padding dropped from
+    the output (batch, local_seqlen, heads x value head dim): softmax(q k^T) [v, 0] = [softmax(q k^T) v, 0]."""
+    width, narrow = query.shape[-1], value.shape[-1]
+    if narrow == width:
+        return uattn(module, query, key, value, attention_mask, *args, **kwargs)
+    padded = torch.nn.functional.pad(value, (0, width - narrow))
+    out, weights = uattn(module, query, key, padded, attention_mask, *args, **kwargs)
+    return out.unflatten(-1, (-1, width))[..., :narrow].flatten(-2), weights
 
 
 def copy_adapter(adapter, memo):
