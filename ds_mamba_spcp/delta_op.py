@@ -6,6 +6,9 @@ chunk_gated_delta_rule_sp
     -> prepare            the arguments checked alike on every rank (one small all-gather of a descriptor)
     -> strategies.delta   state passing (the engine's chains and summary exchange, summary type MATRIX) or the
                           head all-to-all (ulysses)
+    -> ops.delta          the kernel on each rank's pieces: the plain-PyTorch reference, or flash-linear-attention's
+                          ``chunk_gated_delta_rule`` (g (batch, seqlen, H): a gate per head) or ``chunk_kda`` (g
+                          (batch, seqlen, H, K): a gate per key channel, Kimi's KDA); "auto" takes fla on CUDA for both
 """
 
 from __future__ import annotations
@@ -46,12 +49,6 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, mode, load_balancing, in
         raise ValueError(f"q, k, v, g, beta must be on one device, got {sorted(map(str, devices))}")
     if backend not in DELTA_BACKENDS:
         raise ValueError(f"backend must be one of {DELTA_BACKENDS}, got {backend!r}")
-    if g.dim() == 4 and backend == "fla":
-        raise NotImplementedError(
-            'backend="fla" with a gate per key channel (g of shape (batch, seqlen, H, K), KDA): this op calls fla\'s '
-            'chunk_gated_delta_rule, which takes a scalar gate per head; pass backend="reference" (plain PyTorch) '
-            "for KDA."
-        )
     if summary_exchange not in exchange.SUMMARY_EXCHANGES:
         raise ValueError(f"summary_exchange must be one of {exchange.SUMMARY_EXCHANGES}, got {summary_exchange!r}")
     entry = modes.entry(mode, load_balancing, input_layout)
@@ -122,8 +119,9 @@ def chunk_gated_delta_rule_sp(
         q, k: (batch, local_seqlen, Hk, K); v: (batch, local_seqlen, H, V), H a multiple of Hk (each query/key
             head serves H/Hk consecutive value heads); g: (batch, local_seqlen, H) log decays (<= 0); beta:
             (batch, local_seqlen, H); g may also be (batch, local_seqlen, H, K), a gate per key channel (Kimi's
-            KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T; the reference backend
-            only). This rank's shard in ``input_layout``.
+            KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T; on fla it runs
+            fla's ``chunk_kda``, a gate per head fla's ``chunk_gated_delta_rule``). This rank's shard in
+            ``input_layout``.
         scale: q's scale (None: K ** -0.5). use_qk_l2norm_in_kernel: L2-normalise q and k first.
         initial_state: (N, H, K, V), the state before each sequence: N = batch, or the documents of cu_seqlens.
         cu_seqlens: the global row's cumulative document lengths (0, ..., global seqlen), the same 1-D tensor on
@@ -139,8 +137,9 @@ def chunk_gated_delta_rule_sp(
     a group of one). mode: "state_passing" (per layer, each rank sends H x (K x K + K x V) fp32 per segment) or
     "ulysses" (the head all-to-all: needs H % cp == 0). load_balancing: "none" (contiguous shards), "virtual",
     "permute_p2p", "permute_a2a" (zigzag shards, as in the Mamba2 op). summary_exchange: "allgather", "scan" or
-    "auto". backend: "auto" (flash-linear-attention on CUDA, else the plain-PyTorch reference), "reference",
-    "fla" (untested: see ``ops/delta.py``). check_shapes: compare the ranks' calls first, so that a mismatch raises
+    "auto". backend: "auto" (flash-linear-attention on CUDA, else the plain-PyTorch reference; for both gate
+    kinds), "reference", "fla" (``chunk_gated_delta_rule`` or ``chunk_kda`` by g's shape; not yet run on a GPU when
+    written: see ``ops/delta.py``). check_shapes: compare the ranks' calls first, so that a mismatch raises
     on every rank instead of hanging.
     """
     rank, cp = comm.group_rank_size(process_group)
@@ -179,7 +178,7 @@ def chunk_gated_delta_rule_sp(
         output_final_state=bool(output_final_state), cu_seqlens=cu,
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
         entry=entry, input_layout=input_layout, summary_exchange=method,
-        backend=get_delta_backend("reference" if g.dim() == 4 else backend, v.device),  # KDA: the reference only
+        backend=get_delta_backend(backend, v.device),  # a gate per key channel: fla's chunk_kda (ops/delta.py)
         group=process_group if cp > 1 else None, rank=rank, cp=cp,
     )  # fmt: skip
     if cp > 1 and entry.strategy == modes.ULYSSES:

@@ -125,8 +125,6 @@ def test_refusals_name_the_setting():
     q, k, v, g, beta, S0 = _data()
     with pytest.raises(ValueError, match=r"a gate per key channel \(KDA\)"):
         chunk_gated_delta_rule_sp(q, k, v, g[..., None].expand(*g.shape, 5), beta, backend="reference")  # K is 4
-    with pytest.raises(NotImplementedError, match='backend="reference"'):
-        chunk_gated_delta_rule_sp(q, k, v, g[..., None].expand(*g.shape, 4), beta, backend="fla")
     with pytest.raises(ValueError, match="cu_seqlens describes one packed row"):
         chunk_gated_delta_rule_sp(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 19]), backend="reference")
     with pytest.raises(ValueError, match="no empty documents"):
@@ -139,16 +137,34 @@ def test_refusals_name_the_setting():
 
 
 def _fake_fla(monkeypatch, hopper: bool, triton_3_7_1: bool, tilelang: bool) -> list:
-    """A stand-in for flash-linear-attention 0.6.0's modules that the fla backend reads (its kernel: the reference,
-    recording its calls; the flags of ``fla/ops/common/chunk_o.py``; the TileLang backend's availability)."""
+    """A stand-in for flash-linear-attention 0.6.0's modules that the fla backend reads (its kernels
+    ``chunk_gated_delta_rule`` and ``chunk_kda``: the reference, recording (name, grad enabled, arguments) per call,
+    ``chunk_kda`` with fla 0.6.0's signature and its checks of g's shape and the initial state's dtype; the flags of
+    ``fla/ops/common/chunk_o.py``; the TileLang backend's availability)."""
     import sys
     import types
 
     calls = []
 
     def kernel(*args, **kwargs):
-        calls.append(torch.is_grad_enabled())
+        calls.append(("chunk_gated_delta_rule", torch.is_grad_enabled(), kwargs))
         return R.chunk_gated_delta_rule(*args, **kwargs)
+
+    def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                  allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+                  return_intermediate_states=False, state_v_first=False, cu_seqlens=None, **kwargs):  # fmt: skip
+        assert tuple(g.shape) == (*v.shape[:3], k.shape[-1]), "g must have shape [B, T, HV, K]"
+        assert initial_state is None or initial_state.dtype == torch.float32, "initial_state must be in float32."
+        flags = dict(use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                     allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                     state_v_first=state_v_first, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     v_cols=v.shape[-1], state=None if initial_state is None else tuple(initial_state.shape),
+                     )  # fmt: skip
+        calls.append(("chunk_kda", torch.is_grad_enabled(), flags))
+        return R.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)  # fmt: skip
 
     class TileLang:
         @classmethod
@@ -160,6 +176,7 @@ def _fake_fla(monkeypatch, hopper: bool, triton_3_7_1: bool, tilelang: bool) -> 
 
     mods = {
         "fla": {}, "fla.ops": {}, "fla.ops.gated_delta_rule": dict(chunk_gated_delta_rule=kernel), "fla.ops.common": {},
+        "fla.ops.kda": dict(chunk_kda=chunk_kda),
         "fla.ops.common.chunk_o": dict(IS_NVIDIA_HOPPER=hopper, TRITON_ABOVE_3_4_0=True,
                                        TRITON_ABOVE_3_7_1=triton_3_7_1),
         "fla.ops.common.backends": dict(CommonTileLangBackend=TileLang), "triton": dict(__version__="3.6.0"),
@@ -167,6 +184,10 @@ def _fake_fla(monkeypatch, hopper: bool, triton_3_7_1: bool, tilelang: bool) -> 
     for name, attrs in mods.items():
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs, __path__=[]))
     return calls
+
+
+def _grads_enabled(calls) -> list:
+    return [grad for _, grad, _ in calls]
 
 
 def test_fla_backend_refuses_a_backward_that_fla_refuses(monkeypatch):
@@ -184,11 +205,58 @@ def test_fla_backend_refuses_a_backward_that_fla_refuses(monkeypatch):
         D.get_delta_backend("fla", "cuda")(*ins)
     with torch.no_grad():
         D.get_delta_backend("fla", "cuda")(*ins)
-    assert calls == [False]
+    assert _grads_enabled(calls) == [False]
     with pytest.warns(RuntimeWarning, match="issue 640.*plain-PyTorch reference"):
         o, _ = D.get_delta_backend("auto", "cuda")(*ins)
-    assert calls == [False] and o.requires_grad
+    assert _grads_enabled(calls) == [False] and o.requires_grad
     for fixed in (dict(triton_3_7_1=True, tilelang=False), dict(triton_3_7_1=False, tilelang=True)):
         calls = _fake_fla(monkeypatch, hopper=True, **fixed)
         D.get_delta_backend("fla", "cuda")(*ins)
-        assert calls == [True], fixed
+        assert _grads_enabled(calls) == [True], fixed
+
+
+def test_fla_backend_sends_a_per_channel_gate_to_chunk_kda(monkeypatch):
+    """Kimi's KDA on fla (issue 44): a gate per key channel reaches fla's ``chunk_kda`` (a gate per head its
+    ``chunk_gated_delta_rule``) with the op's contract: g in log space (``use_gate_in_kernel=False``), beta already a
+    sigmoid, no gate bound, K x V states, an fp32 initial state (a bf16 one is cast: chunk_kda asserts fp32); "fla"
+    and "auto" (on CUDA) take it, also with gradients where fla refuses the per-head backward (KDA's backward does
+    not reach that kernel); through the op (a group of one) with the V + K columns; K > 256 refused by name ("auto":
+    the reference, warned). The fake kernels are the reference, so o matches the reference exactly. On the old code
+    the per-channel gate reached ``chunk_gated_delta_rule`` and the op refused backend "fla" for it."""
+    from ds_mamba_spcp.ops import delta as D
+
+    kda = [t.float() for t in _kda_data(packed=True)]
+    kda[5] = kda[5].bfloat16()
+    ins = [t.clone().requires_grad_() for t in kda]
+    cu = torch.tensor([0, 3, 4, 11, 19])
+    kw = dict(output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    want = R.chunk_gated_delta_rule(*kda[:5], initial_state=kda[5].float(), **kw)
+    flags = dict(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                 safe_gate=False, lower_bound=None, state_v_first=False)  # fmt: skip
+    for hopper_bug in (False, True):  # fla's per-head backward refused (issue 640) or not: KDA runs on fla either way
+        calls = _fake_fla(monkeypatch, hopper=hopper_bug, triton_3_7_1=False, tilelang=False)
+        for name in ("fla", "auto"):
+            o, f = D.get_delta_backend(name, "cuda")(*ins[:5], initial_state=ins[5], scale=0.3, **kw)
+            assert torch.equal(o, R.chunk_gated_delta_rule(*kda[:5], initial_state=kda[5].float(), scale=0.3, **kw)[0])
+        assert [c[:2] for c in calls] == [("chunk_kda", True)] * 2, calls
+        assert all({k: c[2][k] for k in flags} == flags and c[2]["scale"] == 0.3 for c in calls), calls
+        (o.sum() + f.sum()).backward()
+        assert ins[5].grad.dtype == torch.bfloat16 and ins[3].grad.shape == kda[3].shape
+    # a gate per head still reaches chunk_gated_delta_rule
+    calls = _fake_fla(monkeypatch, hopper=False, triton_3_7_1=False, tilelang=False)
+    D.get_delta_backend("fla", "cuda")(*ins[:3], ins[3][..., 0], ins[4], initial_state=ins[5].float(), **kw)
+    assert [c[0] for c in calls] == ["chunk_gated_delta_rule"]
+    # the op with backend "fla" (CPU tensors reach the fake): chunk_kda on the pieces, V + K columns, fp32 states
+    calls = _fake_fla(monkeypatch, hopper=True, triton_3_7_1=False, tilelang=False)
+    o, f = chunk_gated_delta_rule_sp(*kda[:5], initial_state=kda[5], backend="fla", **kw)
+    H, K, V = kda[2].shape[2], kda[0].shape[3], kda[2].shape[3]
+    assert [c[0] for c in calls] == ["chunk_kda"] and calls[0][2]["v_cols"] == V + K
+    assert calls[0][2]["state"] == (4, H, K, V + K)
+    assert _rel(o, want[0]) <= 1e-6 and _rel(f, want[1]) <= 1e-6  # fp32: the op adds the V + K columns' products
+    # K > 256: fla asserts; refused by name first ("auto": the reference, warned)
+    big = _data(B=1, T=3, H=1, K=257, V=2)[:5]
+    with pytest.raises(RuntimeError, match=r"at most 256 channels, K = 257.*backend='reference'"):
+        D.get_delta_backend("fla", "cuda")(*big)
+    with pytest.warns(RuntimeWarning, match="at most 256 channels"):
+        D.get_delta_backend("auto", "cuda")(*big)
+    assert [c[0] for c in calls] == ["chunk_kda"]

@@ -1,21 +1,31 @@
 """Backends of the gated delta-rule op: one function each, flash-linear-attention's ``chunk_gated_delta_rule``
 contract (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel) ->
-(o, final_state or None), differentiable by autograd.
+(o, final_state or None), differentiable by autograd. g is (B, T, H) (a scalar gate per head: GDN) or (B, T, H, K)
+(a gate per key channel: Kimi's KDA), in log space; beta is already a sigmoid; states are K x V.
 
-    reference   ``delta_reference.chunk_gated_delta_rule``: plain PyTorch, any device, fp64-capable
-    fla         flash-linear-attention's Triton kernel (fla-core 0.6.0), imported when first asked for. Its
-                contract, read in fla 0.6.0's ``fla/ops/gated_delta_rule/chunk.py`` and ``fla/ops/common/``: q, k
-                (B, T, Hk, K), v (B, T, H, V) with H a multiple of Hk, V free (the op's V + K columns included; K
-                <= 256); g in log space (any float dtype: its chunk cumsum is fp32); an initial state of any float
-                dtype (read as fp32); the final state is fp32 and so is the initial state's gradient; o comes back
-                in q's dtype. The call passes through unchanged, except that a call that will need gradients is
-                refused up front where fla's backward refuses (``fla_backward_refusal``: Hopper with Triton >= 3.4
-                and < 3.7.1 and no TileLang, fla's issue 640), so that no rank reaches the backward to fail there.
-                Not yet run on a GPU when written (tests/test_gpu_delta.py is its check).
+    reference   ``delta_reference.chunk_gated_delta_rule``: plain PyTorch, any device, fp64-capable, both gates
+    fla         flash-linear-attention's Triton kernels (fla-core 0.6.0), imported when first asked for: a gate per
+                head goes to ``chunk_gated_delta_rule``, a gate per key channel to ``chunk_kda``. Their contract,
+                read in fla 0.6.0's ``fla/ops/gated_delta_rule/chunk.py``, ``fla/ops/kda/chunk.py`` and
+                ``fla/ops/common/``: q, k (B, T, Hk, K), v (B, T, H, V) with H a multiple of Hk, V free (the op's
+                V + K columns included: every kernel tiles V), K <= 256 (both assert it; refused here by name
+                first); g in log space (any float dtype: its chunk cumsum is fp32); the final state is fp32 and so
+                is the initial state's gradient; o comes back in q's dtype. ``chunk_gated_delta_rule`` reads an
+                initial state of any float dtype as fp32; ``chunk_kda`` asserts fp32, so it gets ``.float()``.
+                ``chunk_kda`` is called with its other flags at the values that mean what the reference computes:
+                ``use_gate_in_kernel=False`` (g is the decay itself, already in log space, not the raw input of
+                ``-exp(A_log) softplus(g + dt_bias)``), ``use_beta_sigmoid_in_kernel=False`` (beta is already a
+                sigmoid; ``allow_neg_eigval`` stays False, as it must without it), ``safe_gate=False`` and
+                ``lower_bound=None`` (no bound assumed on g), ``state_v_first=False`` (states K x V), ``chunk_size``
+                64 (its default); fla's FlashKDA forward (``fla/ops/kda/backends/flash_kda.py``) declines such a
+                call (it needs the gate and beta sigmoid in the kernel), so the Triton path runs.
+                The call passes through unchanged, except that a call that will need gradients is refused up front
+                where fla's backward refuses (``fla_backward_refusal``: for a gate per head, Hopper with Triton >= 3.4
+                and < 3.7.1 and no TileLang, fla's issue 640; never for a gate per key channel, whose backward does
+                not reach the refusing kernel), so that no rank reaches the backward to fail there.
+                Not yet run on a GPU when written (tests/test_gpu_delta.py is its check; its KDA cases too).
     auto        fla for CUDA tensors when it imports, else the reference (with a warning on CUDA); also the
-                reference (warned once) for a call needing gradients where fla's backward refuses
-A gate per key channel (Kimi's KDA, g (B, T, H, K)) runs on the reference only: ``delta_op.py`` refuses it for
-"fla" and resolves "auto" to the reference (fla's ``chunk_kda`` is another function, not wired or checked here).
+                reference (warned once) for a call needing gradients where fla's backward refuses, and for K > 256
 
 The sharded op (``delta_op.py``) calls a backend on each rank's pieces as one packed row (``cu_seqlens``, batch 1)
 with one initial state per piece; ``v`` and the state carry V + K columns there (``engine/strategies/delta.py``).
@@ -35,12 +45,22 @@ def _reference() -> Callable:
     return chunk_gated_delta_rule
 
 
-def fla_backward_refusal() -> str | None:
-    """Why fla's ``chunk_gated_delta_rule`` backward will refuse on this machine, or None if it runs.
+def fla_backward_refusal(per_channel: bool = False) -> str | None:
+    """Why fla's backward for this gate kind will refuse on this machine, or None if it runs.
 
-    fla 0.6.0's gated ``chunk_bwd_dqkwg`` (``fla/ops/common/chunk_o.py``) raises on Hopper GPUs with Triton >= 3.4
-    and < 3.7.1 (wrong db and dg there, fla's issue 640) unless its TileLang backend (the ``tilelang`` package and
-    a usable nvcc) takes the call. The same test, on fla's own flags; None where a flag is missing (another fla)."""
+    A gate per head (``chunk_gated_delta_rule``): fla 0.6.0's gated ``chunk_bwd_dqkwg`` (``fla/ops/common/chunk_o.py``)
+    raises on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (wrong db and dg there, fla's issue 640) unless its
+    TileLang backend (the ``tilelang`` package and a usable nvcc) takes the call. The same test, on fla's own flags;
+    None where a flag is missing (another fla).
+
+    A gate per key channel (``chunk_kda``, per_channel=True): None. fla 0.6.0's ``chunk_kda_bwd``
+    (``fla/ops/kda/chunk_bwd.py``) runs ``chunk_gated_delta_rule_bwd_dhu`` (``fla/ops/common/chunk_delta_h.py``), its
+    own ``chunk_kda_bwd_dAv``, ``chunk_kda_bwd_wy_dqkg_fused`` (TileLang's where it is usable, else Triton) and
+    ``chunk_kda_bwd_intra`` (``fla/ops/kda/chunk_intra.py``): none of them is ``chunk_o``'s ``chunk_bwd_dqkwg``, and
+    none refuses a Hopper/Triton pair (the only Hopper test on that path, in ``fla/ops/gla/chunk.py``, prunes tuning
+    configs for ``state_v_first``, which is not used here)."""
+    if per_channel:
+        return None
     import importlib
 
     chunk_o = importlib.import_module("fla.ops.common.chunk_o")
@@ -64,6 +84,9 @@ def fla_backward_refusal() -> str | None:
     )
 
 
+FLA_MAX_K = 256  # fla 0.6.0 asserts K <= 256 in chunk_gated_delta_rule, chunk_kda and fla/ops/common/chunk_delta_h.py
+
+
 def _needs_grad(*tensors) -> bool:
     import torch
 
@@ -71,23 +94,38 @@ def _needs_grad(*tensors) -> bool:
 
 
 def _fla(auto: bool = False) -> Callable:
+    import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # fla-core, pinned 0.6.0 (requirements/gpu)
+    from fla.ops.kda import chunk_kda
 
-    refusal = fla_backward_refusal()
+    refusals = {per_channel: fla_backward_refusal(per_channel) for per_channel in (False, True)}
 
     def call(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
              use_qk_l2norm_in_kernel=False):  # fmt: skip
-        if refusal is not None and _needs_grad(q, k, v, g, beta, initial_state):
+        per_channel, why, way_out = g.dim() == 4, None, ""
+        if k.shape[-1] > FLA_MAX_K:
+            why = f"flash-linear-attention's kernels take key heads of at most {FLA_MAX_K} channels, K = {k.shape[-1]}"
+            way_out = "Pass backend='reference' (plain PyTorch, slow)."
+        elif refusals[per_channel] is not None and _needs_grad(q, k, v, g, beta, initial_state):
+            why = f"{refusals[per_channel]}; this call needs gradients"
+            way_out = ("Install Triton >= 3.7.1 or tilelang, or pass backend='reference' (plain PyTorch, slow) for "
+                       "training; calls without gradients (torch.no_grad) run on fla.")  # fmt: skip
+        if why is not None:
             if not auto:
-                raise RuntimeError(
-                    f"backend='fla': {refusal}. Install Triton >= 3.7.1 or tilelang, or pass backend='reference' "
-                    "(plain PyTorch, slow) for training; calls without gradients (torch.no_grad) run on fla."
-                )
-            _warn_once(f"{refusal}; this call needs gradients, so it runs on the slow plain-PyTorch reference. Pass "
-                       "backend='reference' to silence this.")  # fmt: skip
+                raise RuntimeError(f"backend='fla': {why}. {way_out}")
+            _warn_once(f"{why}, so it runs on the slow plain-PyTorch reference. Pass backend='reference' to silence "
+                       "this.")  # fmt: skip
             return _reference()(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)  # fmt: skip
+        if per_channel:  # Kimi's KDA; the flags: the module docstring
+            if initial_state is not None and initial_state.dtype != torch.float32:
+                initial_state = initial_state.float()  # chunk_kda asserts an fp32 initial state
+            return chunk_kda(
+                q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=False,
+                use_beta_sigmoid_in_kernel=False, safe_gate=False, lower_bound=None, state_v_first=False,
+            )  # fmt: skip
         return chunk_gated_delta_rule(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
