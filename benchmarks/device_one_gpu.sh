@@ -46,7 +46,7 @@
 #                backward passes); L_shard 64K and 128K in tiles of 16K. TILED_ARGS= more arguments (e.g.
 #                "--shard-lengths 32K --tile 8K"); BENCH_BUDGET= seconds of cells (200)
 #   delta        the gated delta rule on fla (issue 44): tests/test_gpu_delta.py (cp 2 and 4 sharing the GPU, errors
-#                against fp64 beside fla's own; TEST_TIMEOUT= seconds, 170), then benchmarks/bench_delta.py (state
+#                against fp64 beside fla's own; TEST_TIMEOUT= seconds, 230), then benchmarks/bench_delta.py (state
 #                passing, ulysses, fla on the shard alone; BENCH_BUDGET= seconds of cells, 70; BYPASS=0 leaves fla's
 #                refused backward untimed, else it is timed with fla's Hopper check off, values unused;
 #                DELTA_BENCH_ARGS= more arguments, e.g. "--seqlens 32K --cps 2")
@@ -161,10 +161,10 @@ tiled_sp)
 delta)
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
     python3 -c "import fla, transformers; print('fla', fla.__version__, 'transformers', transformers.__version__)"
-    timeout "${TEST_TIMEOUT:-170}" python3 -u -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_delta.py \
+    timeout "${TEST_TIMEOUT:-230}" python3 -u -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_delta.py \
         > "$out/test_gpu_delta.log" 2>&1
     echo "test_gpu_delta exit $?: $(grep -E '[0-9]+ (passed|failed|error)' "$out/test_gpu_delta.log" | tail -1)"
-    grep -E "^\[delta|OVER|^(case|none|permute|ulysses|bug)" "$out/test_gpu_delta.log" | cut -c1-160
+    grep -E "^\[delta|OVER|^(case|none|permute|ulysses|bug|kda)" "$out/test_gpu_delta.log" | cut -c1-160
     B=(--git-commit "$commit" --budget-s "${BENCH_BUDGET:-70}" --out "$out/delta_${card:-gpu}x1.json")
     [ "${BYPASS:-1}" = 1 ] && B+=(--time-refused-backward)
     # shellcheck disable=SC2086

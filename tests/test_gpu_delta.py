@@ -17,6 +17,11 @@ hundreds of tokens into it. Cases (docs/design.md, "The gated delta rule"):
                             here: gloo's point-to-point takes no CUDA tensors, docs/design.md "Traps"; the NCCL
                             suite's business)
     bug_drop_incoming_state the negative control: none_allgather with every segment's incoming state dropped
+    kda_*                   Kimi's KDA (a gate per key channel, g (1, T, H, K), on fla's ``chunk_kda``): the cases
+                            none_allgather, none_scan_packed and bug_drop_incoming_state again at Kimi Linear's head
+                            layout (as many q/k heads as v heads: 8 of K = V = 128) and half the tokens (2048): the
+                            fp64 reference's per-channel decay holds (H, 64, 64, K) per chunk for its backward (3.7 GB
+                            a rank at that size, measured on a CPU), four ranks on one GPU
 
 Ulysses is left to the CPU suite's fp64 cases (tests/delta_cases.py) and the benchmark: on fla it would tune and
 compile the kernels again for H/cp heads (tens of seconds a head count on a fresh machine).
@@ -31,10 +36,13 @@ rounded again); one bf16 rounding costs a relative RMS of about 2^-9 / sqrt(3) ~
 closer to fp64 by construction; 2x keeps the check meaningful (a lost or leaked state is O(0.1-1), which the
 negative control must show: it must fail the o bound by 3x at least).
 
-Backward: fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (fla's issue 640; ``ops/delta.py``
-``fla_backward_refusal``). There the forward is checked on fla (under ``torch.no_grad``) and the gradients on the
-plain-PyTorch reference backend (fp32 compute, bf16 in and out: the op's sharding and exchange in the backward at
-bf16's I/O, not fla's backward). The printed table names the backend of every row.
+Backward: fla 0.6.0 refuses its gated backward for a gate per head on Hopper with Triton < 3.7.1 (fla's issue 640;
+``ops/delta.py`` ``fla_backward_refusal``). There the forward is checked on fla (under ``torch.no_grad``) and the
+gradients on the plain-PyTorch reference backend (fp32 compute, bf16 in and out: the op's sharding and exchange in the
+backward at bf16's I/O, not fla's backward). KDA's backward is not refused (its kernels are others), so the kda_*
+gradients are fla's on every machine. The printed table names the backend of every row.
+
+Not yet run on a GPU when the kda_* cases were written.
 """
 
 from __future__ import annotations
@@ -54,17 +62,22 @@ pytestmark = [
 ]
 
 T, HK, H, K, V = 4096, 8, 16, 128, 128
+T_KDA, H_KDA = T // 2, 8  # KDA: q/k heads = v heads (Kimi Linear), half the tokens (module docstring)
 FLOOR = 2e-3  # two extra bf16 roundings of the output (module docstring)
 NEGATIVE_FACTOR = 3.0
 TIMEOUT = float(os.environ.get("DS_MAMBA_SPCP_GPU_TIMEOUT", 300))
 
-# name -> (mode, load_balancing, summary_exchange, packed)
+# name -> (mode, load_balancing, summary_exchange, packed, kda: a gate per key channel)
 CASES = {
-    "none_allgather": ("state_passing", "none", "allgather", False),
-    "none_scan_packed": ("state_passing", "none", "scan", True),
-    "permute_a2a_allgather": ("state_passing", "permute_a2a", "allgather", False),
-    "bug_drop_incoming_state": ("state_passing", "none", "allgather", False),
+    "none_allgather": ("state_passing", "none", "allgather", False, False),
+    "none_scan_packed": ("state_passing", "none", "scan", True, False),
+    "permute_a2a_allgather": ("state_passing", "permute_a2a", "allgather", False, False),
+    "bug_drop_incoming_state": ("state_passing", "none", "allgather", False, False),
+    "kda_none_allgather": ("state_passing", "none", "allgather", False, True),
+    "kda_none_scan_packed": ("state_passing", "none", "scan", True, True),
+    "kda_bug_drop_incoming_state": ("state_passing", "none", "allgather", False, True),
 }
+BUGS = ("bug_drop_incoming_state", "kda_bug_drop_incoming_state")
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
@@ -77,14 +90,21 @@ def cu_seqlens(world: int, length: int = T) -> list[int]:
     return sorted({0, length} | starts)
 
 
-def inputs(packed: bool, world: int, device, length: int = T):
-    g = torch.Generator().manual_seed(44 + world + 10 * packed)
+def dims(kda: bool, length: int = T) -> tuple[int, int, int]:
+    """(tokens, q/k heads, v heads) of a case: the scalar-gate cases' or the KDA cases'."""
+    return (length * T_KDA // T, H_KDA, H_KDA) if kda else (length, HK, H)
+
+
+def inputs(packed: bool, world: int, device, length: int = T, kda: bool = False):
+    g = torch.Generator().manual_seed(44 + world + 10 * packed + 100 * kda)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    n, L = len(cu_seqlens(world, length)) - 1 if packed else 1, length
-    x = dict(q=r(1, L, HK, K).bfloat16(), k=r(1, L, HK, K).bfloat16(), v=r(1, L, H, V).bfloat16(),
-             g=-0.005 * torch.rand(1, L, H, generator=g), beta=torch.sigmoid(r(1, L, H)).bfloat16(),
-             initial_state=r(n, H, K, V))  # fmt: skip
-    up = dict(o=r(1, L, H, V).bfloat16(), final=r(n, H, K, V))
+    L, hk, h = dims(kda, length)
+    n = len(cu_seqlens(world, L)) - 1 if packed else 1
+    gate = (1, L, h, K) if kda else (1, L, h)  # KDA: a gate per key channel
+    x = dict(q=r(1, L, hk, K).bfloat16(), k=r(1, L, hk, K).bfloat16(), v=r(1, L, h, V).bfloat16(),
+             g=-0.005 * torch.rand(*gate, generator=g), beta=torch.sigmoid(r(1, L, h)).bfloat16(),
+             initial_state=r(n, h, K, V))  # fmt: skip
+    up = dict(o=r(1, L, h, V).bfloat16(), final=r(n, h, K, V))
     return {k: v.to(device) for k, v in x.items()}, {k: v.to(device) for k, v in up.items()}
 
 
@@ -106,17 +126,19 @@ def _run(rank, world, device="cuda", length=T):
     from tests.dist_utils import agree, rel_err, sharded_rel_err, summed_rel_err
 
     dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
-    refusal = fla_backward_refusal()
-    bwd_backend = "fla" if refusal is None else "reference"
+    refusal = {kda: fla_backward_refusal(per_channel=kda) for kda in (False, True)}  # per gate kind
+    bwd_backends = {kda: "fla" if why is None else "reference" for kda, why in refusal.items()}
     cache = {}
 
-    def whole(packed):
-        """fp64 truth and each backend's whole-sequence run (forward fla; backward ``bwd_backend``)."""
-        if packed in cache:
-            return cache[packed]
-        x, up = inputs(packed, world, dev, length)
+    def whole(packed, kda):
+        """fp64 truth and each backend's whole-sequence run (forward fla; backward ``bwd_backends[kda]``)."""
+        if (packed, kda) in cache:
+            return cache[packed, kda]
+        x, up = inputs(packed, world, dev, length, kda)
+        L, hk, h = dims(kda, length)
+        bwd_backend = bwd_backends[kda]
         # one packed row even without documents: fla then runs the variant of its kernels that the op's pieces use
-        cu = torch.tensor(cu_seqlens(world, length) if packed else [0, length], device=dev)
+        cu = torch.tensor(cu_seqlens(world, L) if packed else [0, L], device=dev)
         kw = dict(output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
         truth_in = {k: v.double().requires_grad_() for k, v in x.items()}
         o, f = delta_reference.chunk_gated_delta_rule(*[truth_in[k] for k in NAMES[:5]],
@@ -125,7 +147,7 @@ def _run(rank, world, device="cuda", length=T):
         truth = dict(o=o.detach(), final=f.detach(), **{"d" + k: v.grad for k, v in truth_in.items()})
         fla = get_delta_backend("fla", dev)
         # q and k repeated to v's heads, as the op hands them to the kernel: the same tuning key (H, HV, K, V)
-        qk = [x[k].repeat_interleave(H // HK, dim=2) for k in ("q", "k")]
+        qk = [x[k].repeat_interleave(h // hk, dim=2) for k in ("q", "k")]
         with torch.no_grad():
             o, f = fla(*qk, *[x[k] for k in NAMES[2:5]], initial_state=x["initial_state"], **kw)
         own = dict(o=rel_err(o, truth["o"]), final=rel_err(f, truth["final"]))
@@ -134,17 +156,18 @@ def _run(rank, world, device="cuda", length=T):
                                                    **kw)  # fmt: skip
         _loss(o, f, up, 1.0).backward()
         own.update({"d" + k: rel_err(v.grad, truth["d" + k]) for k, v in b_in.items()})
-        cache[packed] = x, up, truth, own
-        return cache[packed]
+        cache[packed, kda] = x, up, truth, own
+        return cache[packed, kda]
 
     results = {}
-    for case, (mode, lb, method, packed) in CASES.items():
-        x, up, truth, own = whole(packed)
+    for case, (mode, lb, method, packed, kda) in CASES.items():
+        x, up, truth, own = whole(packed, kda)
+        bwd_backend = bwd_backends[kda]
         seq_layout = "contiguous" if lb == "none" else "zigzag"
         shard = lambda t, seq_layout=seq_layout: layout.shard_sequence(t, rank, world, seq_layout)  # noqa: E731
-        cu = torch.tensor(cu_seqlens(world, length), device=dev) if packed else None
+        cu = torch.tensor(cu_seqlens(world, dims(kda, length)[0]), device=dev) if packed else None
         real = strategy._make_exchange
-        if case.startswith("bug"):
+        if case in BUGS:
             strategy._make_exchange = lambda *a, real=real, **kw: _Dropping(real(*a, **kw))
         try:
             rows = {}
@@ -173,9 +196,8 @@ def _run(rank, world, device="cuda", length=T):
             strategy._make_exchange = real
         results[case] = rows
     verdicts = {c: all(e <= 2 * w + FLOOR for _, e, w in rows.values()) for c, rows in results.items()}
-    bug = results["bug_drop_incoming_state"]["o"]
-    caught = bug[1] > NEGATIVE_FACTOR * (2 * bug[2] + FLOOR)
-    ok = agree(all(v for c, v in verdicts.items() if not c.startswith("bug")) and caught)
+    caught = {c: results[c]["o"][1] > NEGATIVE_FACTOR * (2 * results[c]["o"][2] + FLOOR) for c in BUGS}
+    ok = agree(all(v for c, v in verdicts.items() if c not in BUGS) and all(caught.values()))
     dist.barrier()
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return dict(results=results, ok=ok, caught=caught, refusal=refusal, gpu=gpu)
@@ -184,12 +206,15 @@ def _run(rank, world, device="cuda", length=T):
 @pytest.mark.parametrize("world", [2, 4])
 def test_delta_rule_fla_ranks_sharing_one_gpu(world):
     res = run_ranks(_run, world, backend="gloo-cuda", timeout=TIMEOUT)[0]
-    print(f"\n[delta cp={world}] {res['gpu']}; fla backward: {res['refusal'] or 'runs'}")
+    why = res["refusal"]
+    print(f"\n[delta cp={world}] {res['gpu']}; fla backward: gate per key channel (KDA): {why[True] or 'runs'}; gate "
+          f"per head: {why[False] or 'runs'}")  # fmt: skip
     print(f"{'case':<24} {'tensor':<15} {'backend':<9} {'sharded':>9} {'whole':>9} {'bound':>9}")
     for case, rows in res["results"].items():
         for name, (backend, err, own) in rows.items():
             bound = 2 * own + FLOOR
             flag = "" if err <= bound else "  OVER"
             print(f"{case:<24} {name:<15} {backend:<9} {err:9.2e} {own:9.2e} {bound:9.2e}{flag}")
-    assert res["caught"], f"the negative control passed the bound: {res['results']['bug_drop_incoming_state']['o']}"
+    missed = [c for c, hit in res["caught"].items() if not hit]
+    assert not missed, f"negative controls passed the bound: {[(c, res['results'][c]['o']) for c in missed]}"
     assert res["ok"], "a case is over its bound (rows marked OVER above)"
