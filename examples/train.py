@@ -130,7 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=None,
         help="with --activation-checkpointing: recompute each Mamba2 block in sequence tiles of this many tokens "
-        '(sets "mamba_sequence_parallel.block_tile_tokens"; one rank per sequence, ZeRO 0-2)',
+        '(sets "mamba_sequence_parallel.block_tile_tokens"; any sequence_parallel_size, ZeRO 0-3)',
     )
     p.add_argument(
         "--loss-tile",
@@ -708,12 +708,6 @@ def run_distributed(args, ds_config: dict) -> list[dict]:
     sp = cfg.resolved_sequence_parallel_size
     if not cfg.enabled and sp > 1:
         raise ValueError('"mamba_sequence_parallel.enabled" is false but sequence_parallel_size > 1')
-    if cfg.block_tile_tokens is not None and sp > 1:
-        raise ValueError(
-            f'"mamba_sequence_parallel.block_tile_tokens" is {cfg.block_tile_tokens} with sequence_parallel_size '
-            f"{sp}: the tiled block recompute runs on one rank per sequence (ds_mamba_spcp.memory.tiled_block). Set "
-            "sequence_parallel_size to 1, or drop --block-tile-tokens / the key."
-        )
     if world % sp != 0:
         raise ValueError(f"the world has {world} ranks, not a multiple of sequence_parallel_size {sp}")
     group, mpu = sequence_parallel_groups(sp)

@@ -21,8 +21,9 @@ tile that begins a document gets S_in = 0).
 
 The parameters are inputs of the block's autograd Function, whose backward returns their gradients summed
 over the tiles in fp32 (``torch.autograd.grad`` accumulates nothing), so DeepSpeed's ZeRO 1-2 and bf16
-gradient hooks fire once per block, as without tiles. Refused: ZeRO stage 3 (partitioned parameters),
-``cu_seqlens``.
+gradient hooks fire once per block, as without tiles. Under ZeRO stage 3 a block's parameters are gathered once
+per pass over its tiles (``gathered``: forward, backward) and their gradients reach ZeRO once, on the pass's last
+differentiation (``_differentiate``, ``backward_gathered``). Packed rows by ``seq_idx`` only (no ``cu_seqlens``).
 
 On a sequence-parallel group (``ShardTiledFn``) each local segment of the rank's shard is tiled as above; its
 first tile reads the previous segment's last d_conv-1 input rows (an all-gather) and starts from the state the
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 
 KEY = "mamba_sequence_parallel.block_tile_tokens"
 
-__all__ = ["Tiles", "TiledFn", "make_tiles", "refuse_partitioned", "tile_spans", "tiled_block"]
+__all__ = ["Tiles", "TiledFn", "make_tiles", "tile_spans", "tiled_block"]
 
 # A benchmark's recorder of the tiled Functions' phases (benchmarks/bench_tiled_sp.py), or None: called with each
 # phase's name as it begins ("fwd_end" / "bwd_end": the pass is over). Read nowhere else; nothing is recorded here.
@@ -224,8 +225,13 @@ class _Block:
         block's. Returns (x + mixer(norm(x)) on the tile, S_out)."""
         tiles = self.tiles if tiles is None else tiles
         mixer, nhalo = self.mixer, tiles.halo_rows(k)
-        y, S_out = tiles.core(k, mixer.in_proj(self.norm(x_ext)), mixer._core(), S_in)
-        return x_ext[:, nhalo:] + mixer.out_proj(y), S_out
+
+        def mixer_tile(h, S_in):
+            y, S_out = tiles.core(k, mixer.in_proj(h), mixer._core(), S_in)
+            return mixer.out_proj(y), S_out
+
+        out, S_out = _as_call_of(mixer, mixer_tile, self.norm(x_ext), S_in)
+        return x_ext[:, nhalo:] + out, S_out
 
     def summary(self, tiles: Tiles, k: int, x_ext):
         """Tile k's summary (S_ext, log_a) from a zero state: the mixer's input path only."""
@@ -234,6 +240,18 @@ class _Block:
     def state(self, tiles: Tiles, k: int, x_ext, S_in):
         """The state after tile k (its state path only: no out_proj, no residual)."""
         return tiles.state(k, self.mixer.in_proj(self.norm(x_ext)), self.mixer._core(), S_in)
+
+
+def _as_call_of(module: torch.nn.Module, fn, *args):
+    """``fn(*args)`` as a call of ``module``: the module's hooks run around it as around its forward. Under ZeRO-3
+    a ``DistributedMamba2`` is a leaf module (integrations/mamba_ssm/mixer.py) whose backward hook hands all its
+    parameters' gradients to ZeRO; a tile that bypassed its call would leave them accumulated and never reduced
+    (ZeRO-3's step then fails on the stale ``.grad``, after updates without the mixer's gradients)."""
+    module.__dict__["forward"] = fn  # an instance attribute: nn.Module.__call__ runs it in place of the class's
+    try:
+        return module(*args)
+    finally:
+        del module.__dict__["forward"]
 
 
 class TiledFn(torch.autograd.Function):
@@ -672,20 +690,6 @@ def _block_params(norm, mixer) -> list:
     return out
 
 
-def _check(mixer, params, tile_tokens) -> None:
-    """Refusals, alike on every rank of a group (they read the configuration, not the data)."""
-    refuse_partitioned(params, f'"{KEY}" is {tile_tokens}', f'unset "{KEY}"')
-
-
-def refuse_partitioned(params, what: str, fix: str) -> None:
-    """ZeRO stage 3 partitions parameters between module calls; the tiles' recompute does not gather them."""
-    if any(hasattr(p, "ds_id") for p in params):
-        raise ValueError(
-            f"{what} under ZeRO stage 3, which partitions the parameters between module calls and which the tiled "
-            f'block recompute does not gather. Set "zero_optimization.stage" to 0, 1 or 2, or {fix}.'
-        )
-
-
 def _labels(seq_idx, spans, K):
     """Per tile: canonical labels, whether it begins on a document start, and which of its halo rows share
     its first document."""
@@ -722,15 +726,17 @@ def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None, preserve_rng_sta
         raise ValueError(f"tiled_block expects x (batch, seqlen, d_model), got shape {tuple(x.shape)}")
     batch, seqlen, _ = x.shape
     params = _block_params(norm, mixer)
-    _check(mixer, params, tile_tokens)
-    core = mixer._core()
     backend = get_backend(mixer.config.backend, x.device)
     cp = mixer.sequence_parallel_size
-    if cp == 1:
-        tiles = make_tiles(core, backend, batch, seqlen, tile_tokens, seq_idx, not mixer.config.recompute_output)
-        with gathered(params):  # ZeRO-3: the Function records the parameters' gathered shapes
-            return TiledFn.apply(_Block(tiles, norm, mixer, params, preserve_rng_state), x, *autograd_inputs(params))
-    chain = make_chain(core, backend, mixer.config, mixer.process_group, cp, x.shape, tile_tokens, seq_idx)
-    block = _Block(None, norm, mixer, params, preserve_rng_state, halo=core.conv1d_weight.shape[1] - 1)
+    # ZeRO-3: the block's parameters gathered once for the forward's passes over the tiles (the core's and the
+    # tiles' sizes read their shapes, the Function records their gathered shapes); its backward gathers them once
+    # again (backward_gathered). Outside ZeRO-3 gathered does nothing.
     with gathered(params):
+        core = mixer._core()
+        if cp == 1:
+            keep_y = not mixer.config.recompute_output
+            tiles = make_tiles(core, backend, batch, seqlen, tile_tokens, seq_idx, keep_y)
+            return TiledFn.apply(_Block(tiles, norm, mixer, params, preserve_rng_state), x, *autograd_inputs(params))
+        chain = make_chain(core, backend, mixer.config, mixer.process_group, cp, x.shape, tile_tokens, seq_idx)
+        block = _Block(None, norm, mixer, params, preserve_rng_state, halo=core.conv1d_weight.shape[1] - 1)
         return ShardTiledFn.apply(block, chain, x, *autograd_inputs(params))
