@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from ds_mamba_spcp.config import DeepSpeedSettings
+
 MANIFEST = "ds_mamba_spcp.json"
 """The file in a checkpoint folder that describes it; written after every rank's files, it marks it complete."""
 
@@ -90,10 +92,6 @@ def topology_of(engine) -> Topology:
         sequence_parallel_size=int(getattr(engine, "sequence_parallel_size", 1) or 1),
         zero_stage=int(engine.zero_optimization_stage()),
     )
-
-
-def _zero_stage(ds_config: dict) -> int:
-    return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
 
 
 # -- DeepSpeed's parallel_state_sp as an mpu, during checkpoint I/O ------------------------------
@@ -341,7 +339,14 @@ def plan_resume(checkpoint: Checkpoint, ds_config: dict, *, sequence_parallel_si
         raise ValueError(f"rng must be 'restore' or 'skip', got {rng!r}")
     dist = _dist()
     saved = checkpoint.topology
-    current = Topology(dist.get_world_size(), int(sequence_parallel_size), _zero_stage(ds_config))
+    stage = DeepSpeedSettings.from_ds_config(ds_config).zero_stage  # read where the section's settings read it
+    if stage is None:
+        raise ValueError(
+            f'"zero_optimization.stage" is {ds_config["zero_optimization"]["stage"]!r}, not a stage number: a resume '
+            "is planned before deepspeed.initialize, from the ds_config the run will use. Set the stage (0-3) in the "
+            "ds_config before plan_resume."
+        )
+    current = Topology(dist.get_world_size(), int(sequence_parallel_size), stage)
     if current.world_size % current.sequence_parallel_size:
         raise ValueError(
             f"the world has {current.world_size} ranks, not a multiple of sequence_parallel_size "

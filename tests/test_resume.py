@@ -542,3 +542,15 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
 def test_set_process_group_timeout_rejects_bad_values():
     with pytest.raises(ValueError, match="positive"):
         checkpoint.set_process_group_timeout(timedelta(0))
+
+
+def test_plan_resume_reads_the_zero_stage_as_the_section_does(monkeypatch):
+    """plan_resume reads the run's ZeRO stage through config.DeepSpeedSettings, the one reader of the ds_config
+    outside the section: a stage written "2" is stage 2 (here refused against a checkpoint of stage 3), and an
+    unresolved "auto" (accelerate's) raises a sentence naming the key (before: int("auto"), "invalid literal")."""
+    monkeypatch.setattr(checkpoint, "_dist", lambda: type("Dist", (), {"get_world_size": staticmethod(lambda: 2)}))
+    saved = type("Saved", (), {"topology": Topology(2, 1, 3), "path": "ckpt/global_step4"})()
+    with pytest.raises(ValueError, match="saved at ZeRO stage 3 and this run uses stage 2"):
+        checkpoint.plan_resume(saved, {"zero_optimization": {"stage": "2"}}, sequence_parallel_size=1)
+    with pytest.raises(ValueError, match=r"\"zero_optimization.stage\" is 'auto', not a stage number"):
+        checkpoint.plan_resume(saved, {"zero_optimization": {"stage": "auto"}}, sequence_parallel_size=1)
