@@ -17,6 +17,8 @@ relative RMS 1e-5.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import importlib.util
 import json
@@ -330,3 +332,44 @@ def full_param(p):
 
     full = safe_get_full_fp32_param(p)
     return (p if full is None else full).detach().clone()
+
+
+# ZeRO-3 with every parameter partitioned and released after each use (no persistence, no reuse, no prefetch), so
+# that each use of a parameter is one all-gather and count_zero3_gathers sees every one
+ZERO3_EVERY_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                   "stage3_prefetch_bucket_size": 0}  # fmt: skip
+
+
+@contextlib.contextmanager
+def count_zero3_gathers(owner, name: str, params_of):
+    """Under ZeRO-3, per pass of a tiled block over its tiles (its forward: ``owner.name``, a function or method
+    whose arguments give its parameters through ``params_of``; its backward: ``tiled_block.backward_gathered``):
+    ("forward" / "backward", the fewest and the most all-gathers of any of the block's parameters in it). Counted
+    as DeepSpeed's releases (``Init._partition`` of an available parameter: one after each gather), read around the
+    pass; with ZERO3_EVERY_USE nothing stays gathered between passes."""
+    from deepspeed.runtime.zero.partition_parameters import Init, ZeroParamStatus
+
+    tiled_block = importlib.import_module("ds_mamba_spcp.memory.tiled_block")  # the package exports the function
+    released, passes = collections.Counter(), []
+    partition, forward, backward_gathered = Init._partition, getattr(owner, name), tiled_block.backward_gathered
+
+    def counted(self, param_list, *args, **kwargs):
+        released.update(id(p) for p in param_list if p.ds_status == ZeroParamStatus.AVAILABLE)
+        return partition(self, param_list, *args, **kwargs)
+
+    def window(kind, params, call):
+        before = [released[id(p)] for p in params]
+        out = call()
+        got = [released[id(p)] - b for p, b in zip(params, before)]
+        passes.append((kind, min(got), max(got)))
+        return out
+
+    Init._partition = counted
+    setattr(owner, name, lambda *a, **kw: window("forward", params_of(*a, **kw), lambda: forward(*a, **kw)))
+    tiled_block.backward_gathered = lambda fn, ctx, *a: window("backward", ctx.block.params,
+                                                               lambda: backward_gathered(fn, ctx, *a))  # fmt: skip
+    try:
+        yield passes
+    finally:
+        Init._partition, tiled_block.backward_gathered = partition, backward_gathered
+        setattr(owner, name, forward)

@@ -16,7 +16,6 @@ The Trainer's runs (losses, grad_norms, updates against the same run without the
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import importlib
@@ -30,6 +29,7 @@ from tests import hf_models
 
 hf_models.import_models()
 
+from tests.conftest import ZERO3_EVERY_USE, count_zero3_gathers  # noqa: E402
 from tests.dist_utils import run_ranks  # noqa: E402
 
 TOL = 5e-5
@@ -449,10 +449,7 @@ ONE = {
 # (tiled_block.ShardTiledFn), under ZeRO-3 too (a layer's parameters gathered once per pass, its gradients handed
 # to ZeRO once); Falcon-H1 has no layer to tile (attention beside every mixer). "<family>_zero3": that family again
 TWO = {"bamba": (2, LC), "bamba_zero3": (3, LC), "granitemoehybrid": (2, LC), "falcon_h1": (3, LC)}
-# "bamba_zero3": every parameter partitioned and released after each use (no persistence, no reuse, no prefetch), so
-# that each use of a parameter is one all-gather and _count_gathers sees every one
-ZERO3_EVERY_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                   "stage3_prefetch_bucket_size": 0}  # fmt: skip
+# "bamba_zero3": ZERO3_EVERY_USE (tests/conftest.py), every use of a parameter one all-gather that _count_gathers sees
 # GraniteMoeHybrid trains with its router loss on (ROUTER), at one process and at two ranks: 3 steps (its runs with
 # the key cost 3x those without) at a learning rate of 0.02 (at 0.05 the router loss's coefficient of 0.5 makes
 # the steps amplify rounding: grad_norm 3.5e-7 off at step 1 between runs that differ by the order of sums,
@@ -497,39 +494,13 @@ def _count_calls() -> dict:
     return calls
 
 
-@contextlib.contextmanager
 def _count_gathers():
     """Under ZeRO-3, per pass of a tiled layer over its tiles (its forward, ``_Layer._tiled``; its backward,
     ``tiled_block.backward_gathered``): ("forward" / "backward", the fewest and the most all-gathers of any of the
-    layer's parameters in it). Counted as DeepSpeed's releases (``Init._partition`` of an available parameter: one
-    after each gather), read around the pass; with ZERO3_EVERY_USE nothing stays gathered between passes."""
-    from deepspeed.runtime.zero.partition_parameters import Init, ZeroParamStatus
-
+    layer's parameters in it): tests/conftest.py, ``count_zero3_gathers``."""
     from ds_mamba_spcp.integrations.transformers import long_context as lc
 
-    tiled_block = importlib.import_module("ds_mamba_spcp.memory.tiled_block")  # the package exports the function
-    released, passes = collections.Counter(), []
-    partition, tiled, backward_gathered = Init._partition, lc._Layer._tiled, tiled_block.backward_gathered
-
-    def counted(self, param_list, *args, **kwargs):
-        released.update(id(p) for p in param_list if p.ds_status == ZeroParamStatus.AVAILABLE)
-        return partition(self, param_list, *args, **kwargs)
-
-    def window(kind, params, call):
-        before = [released[id(p)] for p in params]
-        out = call()
-        got = [released[id(p)] - b for p, b in zip(params, before)]
-        passes.append((kind, min(got), max(got)))
-        return out
-
-    Init._partition = counted
-    lc._Layer._tiled = lambda self, *a: window("forward", self.params(), lambda: tiled(self, *a))
-    tiled_block.backward_gathered = lambda fn, ctx, *a: window("backward", ctx.block.params,
-                                                               lambda: backward_gathered(fn, ctx, *a))  # fmt: skip
-    try:
-        yield passes
-    finally:
-        Init._partition, lc._Layer._tiled, tiled_block.backward_gathered = partition, tiled, backward_gathered
+    return count_zero3_gathers(lc._Layer, "_tiled", lambda self, *a: self.params())
 
 
 SFT_ROWS = [31, 27, 29, 25] * 2  # odd lengths: at two ranks each row gets one padded token

@@ -19,6 +19,7 @@ fresh model and ``deepspeed.initialize``; the launcher test starts ``deepspeed -
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -47,6 +48,7 @@ CASES = {
     for stage in (1, 3)
 }
 PACKED = ("--packed", "--doc-len", "5")  # documents of 1-10 tokens: starts on and near the shard borders
+BLOCK_TILES = ("--activation-checkpointing", "--block-tile-tokens", "5")  # a rank's 16 tokens: tiles of 5, 5, 5, 1
 CASES.update({
     "mamba-state_passing_virtual-zero1": ("mamba", "state_passing_virtual.json", 1, "auto", ()),
     "hybrid-state_passing_virtual-zero3": ("hybrid", "state_passing_virtual.json", 3, "auto", ()),
@@ -65,6 +67,14 @@ CASES.update({
         ("--activation-checkpointing", "--offload-activations", "--offload-host-headroom-gib", "0.5", "--loss-tile",
          "7"),  # a small headroom: the check before the run must not depend on the CI machine's 8 GiB
     ),
+    # the tiled block recompute (--block-tile-tokens, memory/tiled_block.ShardTiledFn: each rank's shard in tiles,
+    # the state from the exchange); under ZeRO-3 every use of a parameter released (ZERO3_EVERY_USE) and the tiled
+    # blocks' all-gathers counted, their input checkpoints offloaded (a pure move)
+    "mamba-state_passing-zero1-tiles": ("mamba", "state_passing.json", 1, "auto", BLOCK_TILES),
+    "hybrid-packed-state_passing_virtual-zero3-tiles": (
+        "hybrid", "state_passing_virtual.json", 3, "auto",
+        PACKED + BLOCK_TILES + ("--offload-activations", "--offload-host-headroom-gib", "0.5"),
+    ),
     # negative controls: the other stage's convention must fail the same tolerance
     "control-zero3-summed": ("mamba", "state_passing.json", 3, "1", ()),
     "control-zero1-doubled": ("mamba", "state_passing.json", 1, "2", ()),
@@ -76,16 +86,35 @@ def _argv(model: str, grad_scale: str = "auto", extra=()) -> list[str]:
 
 
 def _run_cases(rank, world, cases):
+    from ds_mamba_spcp import memory
+    from ds_mamba_spcp.memory.tiled_block import _block_params
+    from tests.conftest import ZERO3_EVERY_USE, count_zero3_gathers
+
     train = load_train()
     out = {}
     for name, (model, config_name, stage, grad_scale, extra) in cases.items():
         args = train.parse_args(_argv(model, grad_scale, extra))
-        out[name] = [r["loss"] for r in train.run_distributed(args, sgd_config(config_name, stage))]
+        config = sgd_config(config_name, stage)
+        counting = contextlib.nullcontext()
+        if stage == 3 and "--block-tile-tokens" in extra:  # Block.tiled's import of the function, counted
+            config["zero_optimization"].update(ZERO3_EVERY_USE)
+            counting = count_zero3_gathers(
+                memory, "tiled_block", lambda x, norm, mixer, *a, **kw: _block_params(norm, mixer)
+            )
+        with counting as passes:
+            out[name] = [r["loss"] for r in train.run_distributed(args, config)]
+        if passes is not None:
+            out[f"{name}:gathers"] = passes
     return out
 
 
 def _reference_key(case) -> tuple:
-    return case[0], case[4]  # the model and the extra flags: the ZeRO stage and SP mode play no part there
+    """The model and the extra flags (the ZeRO stage and SP mode play no part there); a tiled block computes the
+    untiled one's loss: its reference is the run without tiles (and without the checkpoints' offload)."""
+    model, extra = case[0], case[4]
+    if "--block-tile-tokens" in extra:
+        extra = extra[: extra.index(BLOCK_TILES[0])]
+    return model, extra
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +137,8 @@ def distributed():
     results = run_ranks(_run_cases, CP, CASES, timeout=900)
     for name in CASES:
         assert results[0][name] == results[1][name], f"{name}: the ranks logged different losses"
-    return results[0]
+    gathers = {key: [r[key] for r in results] for key in results[0] if key.endswith(":gathers")}
+    return {**results[0], **gathers}
 
 
 def max_rel_diff(losses, ref) -> float:
@@ -124,6 +154,23 @@ def test_parity_with_single_process(name, reference, distributed):
     err = max_rel_diff(distributed[name], ref)
     print(f"{name}: max relative loss difference over {STEPS} steps {err:.2e}")
     assert err <= TOL, f"{name}: max relative loss difference {err:.2e} > {TOL:g}"
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.endswith("-tiles")])
+def test_block_tiles_train_as_untiled(name, distributed):
+    """At sequence_parallel_size 2 the tiled block recompute trains as the same run without it (the untiled twin
+    in this spawn; the single-process reference: test_parity_with_single_process), 1e-4 as above (~3e-7 seen).
+    Before, examples/train.py refused --block-tile-tokens at sp > 1. Under ZeRO-3 each tiled block's parameters
+    are all-gathered once per pass over its tiles on both ranks (tests/test_tiled_block.py has the count's
+    negative control); the fp64 group tests and their negative control (the exchange's state dropped):
+    tests/test_tiled_block.py, test_tiled_at_sp_*."""
+    err = max_rel_diff(distributed[name], distributed[name.removesuffix("-tiles")])
+    print(f"{name}: max relative loss difference from the untiled run over {STEPS} steps {err:.2e}")
+    assert err <= TOL, f"{name}: {err:.2e} > {TOL:g}"
+    if CASES[name][2] == 3:
+        for rank, passes in enumerate(distributed[f"{name}:gathers"]):
+            assert len(passes) == STEPS * 2 * 2, (rank, passes)  # 2 Mamba2 blocks, forward and backward
+            assert all((fewest, most) == (1, 1) for _, fewest, most in passes), (rank, passes)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("control")])
