@@ -197,7 +197,7 @@ class MambaSequenceParallelConfig(DeepSpeedConfigModel):
     block_tile_tokens: int | None = Field(default=None, ge=1, strict=True)
     """Tokens per tile of the tiled block recompute (``ds_mamba_spcp.memory.tiled_block``; docs/usage.md, "Tiled
     block recompute"). The wrapper does not act on it: a model's block calls ``tiled_block`` with it
-    (``examples/model.py``). ``None``: off. A group of one rank and ZeRO 0-2 only."""
+    (``examples/model.py``). ``None``: off. Any sequence-parallel size (each rank tiles its shard), ZeRO 0-3."""
     long_context: LongContext | None = None
     """Flat memory per token for transformers models trained through the Trainer, TRL, accelerate or
     ``prepare_sequence_parallel`` (``ds_mamba_spcp.integrations.transformers.long_context``; docs/huggingface.md,
