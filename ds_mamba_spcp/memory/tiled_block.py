@@ -708,12 +708,14 @@ def _labels(seq_idx, spans, K):
 def tiled_block(x, norm, mixer, tile_tokens: int, seq_idx=None, preserve_rng_state: bool = True):
     """``x + mixer(norm(x))`` of a pre-norm Mamba2 block, recomputed in backward tile by tile.
 
-    x: (batch, seqlen, d_model), the whole sequence on this rank (a group of one); norm: a per-token module
-    (RMSNorm, LayerNorm); mixer: a ``DistributedMamba2``; tile_tokens: tokens per tile (the last may be shorter);
-    seq_idx: (batch, seqlen) non-decreasing document labels, or None; preserve_rng_state: as
+    x: (batch, seqlen, d_model), this rank's shard of the sequence in the mixer's ``input_layout`` (the whole
+    sequence on a group of one; on several ranks ``ShardTiledFn``); norm: a per-token module (RMSNorm, LayerNorm);
+    mixer: a ``DistributedMamba2``; tile_tokens: tokens per tile (the last may be shorter); seq_idx: (batch,
+    seqlen) non-decreasing document labels of the shard, or None; preserve_rng_state: as
     ``torch.utils.checkpoint``'s (a tile draws for its halo rows too: with dropout not the untiled block's draws).
     Returns (batch, seqlen, d_model), the untiled block's up to the order of sums, gradients too. The call is its
-    own activation checkpoint: use it in place of one around the block, not inside.
+    own activation checkpoint: use it in place of one around the block, not inside. ZeRO 0-3 (stage 3: see the
+    module docstring). Forward hooks on the mixer see one call per tile, (the tile's normed rows, its S_in).
     """
     from ds_mamba_spcp.integrations.mamba_ssm.mixer import DistributedMamba2
 
