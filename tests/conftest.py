@@ -340,31 +340,51 @@ ZERO3_EVERY_USE = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_di
                    "stage3_prefetch_bucket_size": 0}  # fmt: skip
 
 
+class Zero3Passes(list):
+    """``count_zero3_gathers``'s record: (kind, fewest, most) all-gathers per pass, and ``handed``: per backward
+    pass, the fewest and the most times ZeRO-3 took a gradient of one of the block's parameters for reduction."""
+
+    def __init__(self):
+        super().__init__()
+        self.handed = []
+
+
 @contextlib.contextmanager
 def count_zero3_gathers(owner, name: str, params_of):
     """Under ZeRO-3, per pass of a tiled block over its tiles (its forward: ``owner.name``, a function or method
     whose arguments give its parameters through ``params_of``; its backward: ``tiled_block.backward_gathered``):
     ("forward" / "backward", the fewest and the most all-gathers of any of the block's parameters in it). Counted
     as DeepSpeed's releases (``Init._partition`` of an available parameter: one after each gather), read around the
-    pass; with ZERO3_EVERY_USE nothing stays gathered between passes."""
+    pass; with ZERO3_EVERY_USE nothing stays gathered between passes. Per backward pass also the gradients handed to
+    ZeRO (``Zero3Passes.handed``): its gradient hooks' calls with ``ds_grad_is_ready`` (unset: true)."""
     from deepspeed.runtime.zero.partition_parameters import Init, ZeroParamStatus
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 
     tiled_block = importlib.import_module("ds_mamba_spcp.memory.tiled_block")  # the package exports the function
-    released, passes = collections.Counter(), []
+    released, handed, passes = collections.Counter(), collections.Counter(), Zero3Passes()
     partition, forward, backward_gathered = Init._partition, getattr(owner, name), tiled_block.backward_gathered
+    take = Stage3.reduce_independent_p_g_buckets_and_remove_grads
 
     def counted(self, param_list, *args, **kwargs):
         released.update(id(p) for p in param_list if p.ds_status == ZeroParamStatus.AVAILABLE)
         return partition(self, param_list, *args, **kwargs)
 
+    def taken(self, param):
+        if getattr(param, "ds_grad_is_ready", True):
+            handed[id(param)] += 1
+        return take(self, param)
+
     def window(kind, params, call):
-        before = [released[id(p)] for p in params]
+        before = [(released[id(p)], handed[id(p)]) for p in params]
         out = call()
-        got = [released[id(p)] - b for p, b in zip(params, before)]
+        got = [released[id(p)] - b for p, (b, _) in zip(params, before)]
         passes.append((kind, min(got), max(got)))
+        if kind == "backward":
+            got = [handed[id(p)] - b for p, (_, b) in zip(params, before)]
+            passes.handed.append((min(got), max(got)))
         return out
 
-    Init._partition = counted
+    Init._partition, Stage3.reduce_independent_p_g_buckets_and_remove_grads = counted, taken
     setattr(owner, name, lambda *a, **kw: window("forward", params_of(*a, **kw), lambda: forward(*a, **kw)))
     tiled_block.backward_gathered = lambda fn, ctx, *a: window("backward", ctx.block.params,
                                                                lambda: backward_gathered(fn, ctx, *a))  # fmt: skip
@@ -372,4 +392,5 @@ def count_zero3_gathers(owner, name: str, params_of):
         yield passes
     finally:
         Init._partition, tiled_block.backward_gathered = partition, backward_gathered
+        Stage3.reduce_independent_p_g_buckets_and_remove_grads = take
         setattr(owner, name, forward)

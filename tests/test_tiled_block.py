@@ -537,13 +537,16 @@ def test_deepspeed_tiles_train_as_untiled(deepspeed_runs, name):
 def test_zero3_gathers_a_tiled_block_once_per_pass(deepspeed_runs):
     """examples/train.py under ZeRO-3 with --block-tile-tokens (4 tiles a block, ZERO3_EVERY_USE): in each pass of
     a tiled block over its tiles (its forward, its backward: tiled_block.gathered, backward_gathered) every
-    parameter of the block is all-gathered exactly once, 20 steps x 2 blocks x forward and backward (the losses
-    match the untiled ZeRO-3 run: test_deepspeed_tiles_train_as_untiled). Negative control: gathered without its
+    parameter of the block is all-gathered exactly once, 20 steps x 2 blocks x forward and backward, and its
+    gradient handed to ZeRO once per backward pass (the losses match the untiled ZeRO-3 run:
+    test_deepspeed_tiles_train_as_untiled). Negative control: gathered without its
     mark in ds_active_sub_modules, so that ZeRO's module hooks release and fetch the parameters tile by tile."""
     passes = deepspeed_runs["zero3-tiles:gathers"]
     assert len(passes) == STEPS * 2 * 2, passes
     assert sorted({kind for kind, _, _ in passes}) == ["backward", "forward"], passes
     assert all((fewest, most) == (1, 1) for _, fewest, most in passes), passes
+    # every parameter's gradient handed to ZeRO once per backward pass (the pass's last differentiation)
+    assert passes.handed == [(1, 1)] * STEPS * 2, passes.handed
     unheld = deepspeed_runs["zero3-tiles-unheld:gathers"]
     print(f"gathers per pass without the mark: {sorted(set(unheld))}")
     assert len(unheld) == UNHELD_STEPS * 2 * 2 and max(most for _, _, most in unheld) > 1, unheld

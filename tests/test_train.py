@@ -171,6 +171,7 @@ def test_block_tiles_train_as_untiled(name, distributed):
         for rank, passes in enumerate(distributed[f"{name}:gathers"]):
             assert len(passes) == STEPS * 2 * 2, (rank, passes)  # 2 Mamba2 blocks, forward and backward
             assert all((fewest, most) == (1, 1) for _, fewest, most in passes), (rank, passes)
+            assert passes.handed == [(1, 1)] * STEPS * 2, (rank, passes.handed)  # each gradient to ZeRO once a pass
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("control")])
