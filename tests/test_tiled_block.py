@@ -331,6 +331,22 @@ def test_state_path_equals_the_whole_segment_fp64(monkeypatch, packed):
     assert worst["no_halo"] > 1e-3, worst
 
 
+def test_a_forward_set_on_the_mixer_is_kept():
+    """Each tile calls the mixer through its module call (tiled_block._as_call_of: under ZeRO-3 the mixer's hooks
+    hand its gradients over), its forward replaced for that call: a forward set on the instance (a wrapper's, as
+    accelerate's hooks set one) is there again afterwards, and the tiles do not run it."""
+    block = _block("gate_g1")
+    x, _ = _inputs()
+
+    def own(*args, **kwargs):
+        raise AssertionError("a tile ran the instance's forward")
+
+    block.mixer.forward = own
+    with torch.no_grad():  # one tile, forward only: the call is what matters here
+        tiled_block(x, block.norm, block.mixer, SEQLEN)
+    assert block.mixer.__dict__["forward"] is own
+
+
 def test_refusals():
     block = _block("gate_g1")
     x, _ = _inputs()

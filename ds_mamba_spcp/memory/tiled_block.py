@@ -247,11 +247,15 @@ def _as_call_of(module: torch.nn.Module, fn, *args):
     a ``DistributedMamba2`` is a leaf module (integrations/mamba_ssm/mixer.py) whose backward hook hands all its
     parameters' gradients to ZeRO; a tile that bypassed its call would leave them accumulated and never reduced
     (ZeRO-3's step then fails on the stale ``.grad``, after updates without the mixer's gradients)."""
+    own = module.__dict__.get("forward")  # a forward set on the instance (a wrapper's, accelerate's hooks): kept
     module.__dict__["forward"] = fn  # an instance attribute: nn.Module.__call__ runs it in place of the class's
     try:
         return module(*args)
     finally:
-        del module.__dict__["forward"]
+        if own is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = own
 
 
 class TiledFn(torch.autograd.Function):
