@@ -68,8 +68,8 @@ CASES.update({
          "7"),  # a small headroom: the check before the run must not depend on the CI machine's 8 GiB
     ),
     # the tiled block recompute (--block-tile-tokens, memory/tiled_block.ShardTiledFn: each rank's shard in tiles,
-    # the state from the exchange); under ZeRO-3 every use of a parameter released (ZERO3_EVERY_USE) and the tiled
-    # blocks' all-gathers counted, their input checkpoints offloaded (a pure move)
+    # the state from the exchange); under ZeRO-3 the gradients the tiled blocks hand to ZeRO counted, their input
+    # checkpoints offloaded (a pure move)
     "mamba-state_passing-zero1-tiles": ("mamba", "state_passing.json", 1, "auto", BLOCK_TILES),
     "hybrid-packed-state_passing_virtual-zero3-tiles": (
         "hybrid", "state_passing_virtual.json", 3, "auto",
@@ -88,7 +88,7 @@ def _argv(model: str, grad_scale: str = "auto", extra=()) -> list[str]:
 def _run_cases(rank, world, cases):
     from ds_mamba_spcp import memory
     from ds_mamba_spcp.memory.tiled_block import _block_params
-    from tests.conftest import ZERO3_EVERY_USE, count_zero3_gathers
+    from tests.conftest import count_zero3_gathers
 
     train = load_train()
     out = {}
@@ -97,7 +97,6 @@ def _run_cases(rank, world, cases):
         config = sgd_config(config_name, stage)
         counting = contextlib.nullcontext()
         if stage == 3 and "--block-tile-tokens" in extra:  # Block.tiled's import of the function, counted
-            config["zero_optimization"].update(ZERO3_EVERY_USE)
             counting = count_zero3_gathers(
                 memory, "tiled_block", lambda x, norm, mixer, *a, **kw: _block_params(norm, mixer)
             )
@@ -160,17 +159,17 @@ def test_parity_with_single_process(name, reference, distributed):
 def test_block_tiles_train_as_untiled(name, distributed):
     """At sequence_parallel_size 2 the tiled block recompute trains as the same run without it (the untiled twin
     in this spawn; the single-process reference: test_parity_with_single_process), 1e-4 as above (~3e-7 seen).
-    Before, examples/train.py refused --block-tile-tokens at sp > 1. Under ZeRO-3 each tiled block's parameters
-    are all-gathered once per pass over its tiles on both ranks (tests/test_tiled_block.py has the count's
-    negative control); the fp64 group tests and their negative control (the exchange's state dropped):
-    tests/test_tiled_block.py, test_tiled_at_sp_*."""
+    Before, examples/train.py refused --block-tile-tokens at sp > 1. Under ZeRO-3 each tiled block hands each
+    parameter's gradient to ZeRO once per backward pass on both ranks (the all-gathers per pass, which need every
+    parameter released after each use and cost 5 s more here, are counted at sp 1 in tests/test_tiled_block.py,
+    and at sp 2 for the same ShardTiledFn in tests/test_long_context.py); the fp64 group tests and their negative
+    control (the exchange's state dropped): tests/test_tiled_block.py, test_tiled_at_sp_*."""
     err = max_rel_diff(distributed[name], distributed[name.removesuffix("-tiles")])
     print(f"{name}: max relative loss difference from the untiled run over {STEPS} steps {err:.2e}")
     assert err <= TOL, f"{name}: {err:.2e} > {TOL:g}"
     if CASES[name][2] == 3:
         for rank, passes in enumerate(distributed[f"{name}:gathers"]):
             assert len(passes) == STEPS * 2 * 2, (rank, passes)  # 2 Mamba2 blocks, forward and backward
-            assert all((fewest, most) == (1, 1) for _, fewest, most in passes), (rank, passes)
             assert passes.handed == [(1, 1)] * STEPS * 2, (rank, passes.handed)  # each gradient to ZeRO once a pass
 
 
