@@ -1,4 +1,4 @@
-"""Long context for transformers' Mamba2 families: memory per token that stays flat in the sequence length.
+"""Long context for transformers' Mamba2 and Gated DeltaNet families: memory per token flat in the sequence length.
 
 ``install(model, config)`` acts on the parsed section's ``"long_context"`` key (``config.LongContext``);
 ``prepare_sequence_parallel`` and ``enable()`` (the Trainer, TRL, accelerate) call it, at sequence_parallel_size 1
@@ -18,6 +18,10 @@ too. It finds a tiled layer's mixer through ``layers.adapters_in`` and tiles it 
     each layer's checkpoint (its input)                on the GPU up to offload_gpu_budget_gib per pass, then
                                                        pinned host memory (memory/offload.py), the host checked
                                                        when any rank's batch is longer than any before
+
+A Gated DeltaNet layer (delta.py; its adapter is no ``TileableMixer``) is never tiled: its decoder layer is one
+checkpoint like any other, the delta layer recomputed whole inside it on this package's op. ``tiled_layers`` at its
+default says so once (a warning); set explicitly on a model with no Mamba2 layer to tile, it is refused.
 
 Outside training, or with a cache, every layer runs as transformers runs it. A padding mask in a tiled layer:
 padding at the rows' ends only (right padding), a padded position's mixer output what transformers' is there
