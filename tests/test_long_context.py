@@ -307,7 +307,7 @@ def test_outside_training_the_model_is_unchanged():
     assert torch.equal(a, b)
 
 
-def test_delta_layers_recomputed_whole():
+def test_delta_layers_recomputed_whole(monkeypatch):
     """A Gated DeltaNet family under the key (Qwen3.5, tests/test_accelerate.py's DELTA_MODEL): at the defaults no
     layer is tiled, each decoder layer is checkpointed whole (its delta layer on this package's op), the MLPs run in
     tiles, said once in a warning; the objective and every gradient against transformers' own path within TOL
@@ -331,6 +331,20 @@ def test_delta_layers_recomputed_whole():
         warnings.simplefilter("always")
         _prepared(ref, tiled_layers=False)
     assert not [w for w in said if "Gated DeltaNet" in str(w.message)], [str(w.message) for w in said]
+    # Qwen3-Next's MoE blocks (Qwen3NextSparseMoeBlock, not matched before: only their shared expert was, which sees
+    # 2-D rows, so nothing was tiled) through TiledMLP, against the same key without tiled MLPs (sums' order only)
+    moe = hf_models.build("qwen3_next", **_acc().DELTA_MODEL)
+    tiled, whole = _prepared(moe), _prepared(moe, tiled_mlp=False)
+    assert memory_report(tiled)["mlps_tiled"] == 6, memory_report(tiled)  # 3 MoE blocks and their shared experts
+    from ds_mamba_spcp.integrations.transformers import long_context as lc
+
+    calls, call = [], lc._MLP.__call__
+    monkeypatch.setattr(lc._MLP, "__call__", lambda self, *a, **k: calls.append(self.module) or call(self, *a, **k))
+    got = _run(tiled, ids, w)
+    blocks = sum(type(m).__name__ == "Qwen3NextSparseMoeBlock" for m in calls)
+    assert blocks == 6, [type(m).__name__ for m in calls]  # 3 blocks, in forward and in the layers' recompute
+    err, worst = _worst(got, _run(whole, ids, w))
+    assert err <= TOL, (err, worst)
 
 
 def test_refusals():
@@ -489,9 +503,11 @@ ROUTER_RUN = {"learning_rate": 0.02, "max_steps": 3}
 # MoE blocks tiled, the fused loss): Qwen3.5 at sp_size 1 and 2 (ZeRO-2), Qwen3-Next at 2 (ZeRO-3), each against the
 # same family without the key in one process (tests/test_accelerate.py has the delta families at sp_size 2 against
 # one process), with tests/test_accelerate.py's settings for them (DELTA_MODEL, DELTA_TRAIN: the tiny delta models
-# meet its bound only so). family -> (ZeRO stage, the key): Qwen3-Next's MoE blocks in tiles of 14 tokens (2 a shard:
-# under ZeRO-3 every tile's call gathers the experts again, 7 s a tile size of 7 costs more on CPU)
-DELTA = {"qwen3_5": (2, LC), "qwen3_next": (3, {**LC, "tile_tokens": 14})}
+# meet its bound only so). family -> (ZeRO stage, the key). Qwen3-Next at ZeRO-3 without tiled MLPs: DeepSpeed's
+# TiledMLP on its MoE blocks gathers the experts at every tile's call, which on 2 gloo ranks took that run from ~6 s
+# to 21.6 s (tiles of 14); the MoE blocks in tiles are checked in one process (test_delta_layers_recomputed_whole),
+# TiledMLP under ZeRO-3 by "bamba_zero3"
+DELTA = {"qwen3_5": (2, LC), "qwen3_next": (3, {**LC, "tiled_mlp": False})}
 
 
 def _acc():
@@ -846,9 +862,9 @@ def test_router_loss_at_two_ranks_matches_one_process(trainer_runs):
 
 @pytest.mark.parametrize("case", ["1:qwen3_5", "2:qwen3_5", "2:qwen3_next"])
 def test_delta_families_with_the_key_match_without(trainer_runs, case):
-    """The Gated DeltaNet families through the Trainer with the key (tile_tokens 7: the MLPs, Qwen3-Next's MoE blocks
-    and the loss in tiles; no layer tiled, each decoder layer checkpointed whole, the delta layers on this package's
-    op at sp_size 1 too) against the same family without the key in one process (DELTA: Qwen3.5 at ZeRO-2, Qwen3-Next
+    """The Gated DeltaNet families through the Trainer with the key (tile_tokens 7: the MLPs (Qwen3.5's) and the loss
+    in tiles; no layer tiled, each decoder layer checkpointed whole, the delta layers on this package's op at
+    sp_size 1 too) against the same family without the key in one process (DELTA: Qwen3.5 at ZeRO-2, Qwen3-Next
     at ZeRO-3): per-step loss and grad_norm, every update, the Trainer tests' bound (tests/test_accelerate.py, TOL
     1e-4). At 2f6f4b8 every such run was refused ("long_context ... covers the Mamba2 mixers only"). The negative
     control (Qwen3.5 at sp_size 2, the delta layers' recompute without the state entering the shard:
@@ -863,7 +879,7 @@ def test_delta_families_with_the_key_match_without(trainer_runs, case):
         assert "error" not in on, on["error"]
         calls = on["calls"]  # no layer tiled; the decoder layers checkpointed whole, the MLPs in tiles
         assert "_Layer._tiled" not in calls and calls.get("_Layer._checkpointed", 0) > 0, calls
-        assert calls.get("_MLP.__call__", 0) > 0, calls
+        assert (calls.get("_MLP.__call__", 0) > 0) == DELTA[fam][1].get("tiled_mlp", True), calls
         errs = acc._errors(on, off)
         print(f"{case} rank {rank}, the key against without it in one process: {errs} ({run['delta_s']:.1f} s)")
         assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, errs
