@@ -11,10 +11,7 @@ calling ``conv1d``). ``DELTA_CLASSES`` names the layers; each family's projectio
 ``_Family``. A sharded call takes no cache (generation runs inside ``sequence_parallel_disabled``; the sharded
 prefill of ``generation.py`` calls ``forward(..., decode_state=True)`` and fills the cache itself) and no
 padding; packed rows arrive as ``seq_idx`` (the model call's, or one the layer is given) and become the op's
-``cu_seqlens`` (one packed row per call). Under the ``"long_context"`` key at sequence_parallel_size 1 the layers
-are wrapped on a group of one and train on the op too (a call with a cache or a padding mask runs the layer's own
-forward); long_context.py recomputes each whole inside its decoder layer's checkpoint. The user's page:
-docs/huggingface.md, "Gated DeltaNet families".
+``cu_seqlens`` (one packed row per call). The user's page: docs/huggingface.md, "Gated DeltaNet families".
 """
 
 from __future__ import annotations
@@ -114,7 +111,9 @@ class DeltaAdapter:
         if not self.sharding.routes_op():
             return self.original_forward(*args, **kwargs)
         if self.sharding.size == 1 and (cache is not None or attention_mask is not None):
-            # long_context on a group of one: generation and padded rows are transformers' own
+            # the "long_context" key at sequence_parallel_size 1 wraps the layers on a group of one, so that they train
+            # on the op (long_context.py recomputes each whole inside its decoder layer's checkpoint); generation and
+            # padded rows are transformers' own
             return self.original_forward(*args, **kwargs)
         name = f"{type(self.mixer).__qualname__} (layer {self.mixer.layer_idx})"
         if cache is not None:
