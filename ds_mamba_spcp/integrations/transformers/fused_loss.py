@@ -17,10 +17,10 @@ Every other call (eval mode, no labels, no grad) runs the previous forward uncha
 family's logits in transformers' ``ForCausalLM.forward`` (checked for 5.x): Mamba2 casts the hidden states to the
 head's dtype and the logits to fp32; Nemotron-H casts the logits to fp32; GraniteMoeHybrid divides them by
 ``config.logits_scaling``; Falcon-H1 multiplies them by ``model.lm_head_multiplier``; Bamba, Zamba2 and the Gated
-DeltaNet families (Qwen3.5 dense and MoE, Qwen3-Next, OLMo-hybrid) use them as they are. Scalars commute with the
-head, so they are applied to the hidden states; the fp32 casts are undone (the loss upcasts its logits itself).
-Refused: a head with a bias or that is not a plain ``nn.Linear``, Bamba's z-loss, a loss function other than
-transformers' ``ForCausalLMLoss``, non-scalar multipliers.
+DeltaNet families (Qwen3.5 dense and MoE, Qwen3-Next, OLMo-hybrid, Kimi Linear) use them as they are. Scalars
+commute with the head, so they are applied to the hidden states; the fp32 casts are undone (the loss upcasts its
+logits itself). Refused: a head with a bias or that is not a plain ``nn.Linear``, Bamba's z-loss, a loss function
+other than transformers' ``ForCausalLMLoss``, non-scalar multipliers.
 
 A call with ``fused_lm_head=True`` runs the previous forward unchanged too: TRL's ``add_fused_lm_head`` (which
 ``SFTTrainer`` and TRL's other trainers install on the model) answers it with its own chunked head, which never
@@ -65,6 +65,7 @@ FUSED_LOSS_CLASSES = {
     "Qwen3_5MoeForCausalLM": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     "Qwen3NextForCausalLM": "transformers.models.qwen3_next.modeling_qwen3_next",
     "OlmoHybridForCausalLM": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+    "KimiLinearForCausalLM": "transformers.models.kimi_linear.modeling_kimi_linear",  # no router loss added
 }
 # the classes that add ``router_aux_loss_coef x aux_loss`` to their loss when they compute one (with labels)
 _ADDS_ROUTER_LOSS = ("GraniteMoeHybridForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
