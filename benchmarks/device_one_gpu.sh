@@ -40,7 +40,7 @@
 #                PRESET= train_hf's preset (hf-bamba-2b). hf-qwen35-2b (issue 44: Qwen3.5-style, 2.00B, 3 Gated DeltaNet
 #                layers to 1 attention layer): the key's parts that apply (delta layers recomputed whole, their
 #                gradients on the op's PyTorch backend, ~281 KiB a token while one layer's recompute is held, measured
-#                on CPU: the longest is likely 256K..384K on one H200); the longest that trains 3 steps:
+#                on CPU: the longest is likely between 256K and 384K on one H200); the longest that trains 3 steps:
 #                  1 H200:   DETACH=1 PRESET=hf-qwen35-2b SEARCH="65536 1.5 1048576" STEPS=3 BUDGET_GIB=8
 #                            NAME=hf_qwen35_long ... COMMIT hf_long   (then `collect`)
 #   collect      waits up to WAIT_S= seconds (540) for the run DETACH=1 started, printing its new [train_hf] lines (the
