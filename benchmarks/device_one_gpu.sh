@@ -11,7 +11,7 @@
 #   longest      the 130M with block tiles of 32,768 at 3,145,728 and 3,407,872 tokens
 #   offload      the 780M with the pinned pool at 524,288 and 786,432 (budget 0), and 1,048,576 with block tiles and a
 #                GPU budget of 36 GiB
-#   hf_long      benchmarks/train_hf.py: hf-bamba-2b through transformers' Trainer. COMPARE_AT=L: L on both paths
+#   hf_long      benchmarks/train_hf.py: hf-bamba-2b (PRESET=) through transformers' Trainer. COMPARE_AT=L: L on both paths
 #                (transformers' and long-context) and the ratio of their last steps; LENGTHS=a,b or
 #                SEARCH="START FACTOR MAX": on the long-context path (LONG=0: transformers' path). BUDGET_GIB=
 #                long_context.offload_gpu_budget_gib, TILE= tile_tokens, STEPS= (2), NAME= of the JSON (hf_long),
@@ -37,6 +37,12 @@
 #                and log under DETACH_DIR (/tmp/hf_detached, emptied first), the ranks' own logs in its work/; the
 #                limits then TRIAL_TIMEOUT= 1680 and STAGE_TIMEOUT= 1700 (the machine's 30 minutes); `collect` below
 #                  1 H200:   DETACH=1 LENGTHS=1048576 STEPS=3 BUDGET_GIB=16 NAME=hf_1m ... COMMIT hf_long
+#                PRESET= train_hf's preset (hf-bamba-2b). hf-qwen35-2b (issue 44: Qwen3.5-style, 2.00B, 3 Gated DeltaNet
+#                layers to 1 attention layer): the key's parts that apply (delta layers recomputed whole, their
+#                gradients on the op's PyTorch backend, ~281 KiB a token while one layer's recompute is held, measured
+#                on CPU: the longest is likely between 256K and 384K on one H200); the longest that trains 3 steps:
+#                  1 H200:   DETACH=1 PRESET=hf-qwen35-2b SEARCH="65536 1.5 1048576" STEPS=3 BUDGET_GIB=8
+#                            NAME=hf_qwen35_long ... COMMIT hf_long   (then `collect`)
 #   collect      waits up to WAIT_S= seconds (540) for the run DETACH=1 started, printing its new [train_hf] lines (the
 #                driver's and rank 0's, its steps) every POLL_S= seconds (20), then copies its JSON, Markdown and logs
 #                into $OUT; "still running" if it has not ended (collect again); exit status: the run's, else 3
@@ -105,7 +111,7 @@ hf_long)
         dest=${DETACH_DIR:-/tmp/hf_detached} trial_s=1680 stage_s=1700
         rm -rf "$dest" && mkdir -p "$dest/work"
     fi
-    H=(--preset hf-bamba-2b --git-commit "$commit" --steps "${STEPS:-2}" --trial-timeout "${TRIAL_TIMEOUT:-$trial_s}"
+    H=(--preset "${PRESET:-hf-bamba-2b}" --git-commit "$commit" --steps "${STEPS:-2}" --trial-timeout "${TRIAL_TIMEOUT:-$trial_s}"
        --out "$dest/${NAME:-hf_long}_${card}x$gpus.json" --sp "${SP:-1}")
     [ -n "${ZERO:-}" ] && H+=(--zero "$ZERO")
     [ "${SHARED:-0}" = 1 ] && H+=(--shared-gpu)

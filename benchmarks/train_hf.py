@@ -2,11 +2,11 @@
 transformers' own path against the long-context one (issue 37): the longest row that trains, step time, tokens/s
 and what holds the memory.
 
-Each trial is fresh processes (so one OOM cannot fragment the next trial's memory): a Bamba model of the preset
-(random init, bf16 on GPU / fp32 on CPU), a dataset of one row of L random token ids (labels = input_ids) and a
-plain ``Trainer`` (batch 1, activation checkpointing, AdamW, lr 1e-5, ``--steps`` steps) under DeepSpeed (ZeRO
-``--zero``, bf16, the ``"mamba_sequence_parallel"`` section), started as a torch.distributed job by this script
-itself (env MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE: no launcher). Two paths:
+Each trial is fresh processes (so one OOM cannot fragment the next trial's memory): a Bamba (or, ``hf-qwen35-*``,
+Qwen3.5) model of the preset (random init, bf16 on GPU / fp32 on CPU), a dataset of one row of L random token ids
+(labels = input_ids) and a plain ``Trainer`` (batch 1, activation checkpointing, AdamW, lr 1e-5, ``--steps`` steps)
+under DeepSpeed (ZeRO ``--zero``, bf16, the ``"mamba_sequence_parallel"`` section), started as a torch.distributed
+job by this script itself (env MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE: no launcher). Two paths:
 
     transformers   the model as transformers runs it, mamba-ssm's Triton kernels bound (imported before
                    transformers' modeling code on a GPU); nothing of this package touches the model at --sp 1
@@ -77,7 +77,14 @@ beside them (``<out>_<path>_<L>.log``, ``<out>_<path>_<L>_sp<N>.log``: every ran
 
 Presets: ``hf-bamba-2b`` (1.93B parameters: 24 layers of d_model 2048, attention at layers 6, 12, 18 with 16
 heads / 4 key-value heads, Mamba2 64 heads of 64, d_state 128, one group, chunk 256, MLP 5632, vocab 128000,
-untied head); ``hf-bamba-tiny`` (the CPU smoke's: 3 layers, attention at layer 1, vocab 256).
+untied head); ``hf-bamba-tiny`` (the CPU smoke's: 3 layers, attention at layer 1, vocab 256); ``hf-qwen35-2b``
+(2.00B parameters, transformers' ``Qwen3_5ForCausalLM``, the text-only Qwen3.5: 24 layers of d_model 2048, Gated
+DeltaNet layers and gated attention 3 : 1 (attention at layers 3, 7, ..., 23, 8 heads of 256 / 2 key-value
+heads), delta layers of 16 key and 16 value heads of K = V = 128, conv 4, MLP 6144, vocab 151,936, untied head);
+``hf-qwen35-tiny`` (its CPU smoke: 4 layers, attention at layer 3, vocab 256). On the long-context path the delta
+layers run this package's op (at ``--sp`` 1 too) and each is recomputed whole inside its decoder layer's checkpoint
+(no tiled delta layer: docs/huggingface.md, "Long context"); their gradients run on the op's plain-PyTorch backend
+on a Hopper GPU (flash-linear-attention 0.6.0 refuses its backward there with Triton 3.6).
 """
 
 from __future__ import annotations
@@ -122,7 +129,21 @@ PRESETS = {
         num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
         mamba_expand=2, mamba_chunk_size=16, intermediate_size=128, tie_word_embeddings=False,
     ),
+    # Qwen3.5-style (transformers' Qwen3_5ForCausalLM, the text-only causal LM): 3 Gated DeltaNet layers to 1 gated
+    # attention layer (Qwen3.5's layer_types default), delta heads of K = V = 128, Qwen's 151,936-token vocabulary
+    "hf-qwen35-2b": dict(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, intermediate_size=6144, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+    ),
+    "hf-qwen35-tiny": dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
+# the family of a preset's model: transformers' (config class, CausalLM class)
+FAMILIES = {"bamba": ("BambaConfig", "BambaForCausalLM"), "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
 # tensors DeepSpeed's optimizers keep for gradients (ZeRO 1/2, ZeRO-3, the bf16 optimizer of ZeRO 0)
 GRAD_BUFFERS = ("grads_in_partition", "ipg_buffer", "averaged_gradients", "grad_partitions_flat_buffer",
                 "fp32_groups_gradients_flat", "temp_grad_buffer_for_gpu_offload")  # fmt: skip
@@ -132,21 +153,31 @@ def progress(msg: str) -> None:
     print(f"[train_hf] {msg}", file=sys.stderr, flush=True)
 
 
-def bamba_config(preset: str):
-    from transformers import BambaConfig
+def family(preset: str) -> str:
+    return "qwen3_5" if preset.startswith("hf-qwen35") else "bamba"
 
-    cfg = BambaConfig(**PRESETS[preset], use_cache=False)
+
+def preset_config(preset: str):
+    import transformers
+
+    cfg = getattr(transformers, FAMILIES[family(preset)][0])(**PRESETS[preset], use_cache=False)
     cfg._attn_implementation = "sdpa"
     return cfg
+
+
+def preset_model(preset: str):
+    """The preset's model, initialised by transformers (on the current default device)."""
+    import transformers
+
+    return getattr(transformers, FAMILIES[family(preset)][1])(preset_config(preset))
 
 
 def parameter_count(preset: str) -> int:
     """The preset's parameters, counted on the meta device (nothing allocated)."""
     import torch
-    from transformers import BambaForCausalLM
 
     with torch.device("meta"):
-        return sum(p.numel() for p in BambaForCausalLM(bamba_config(preset)).parameters())
+        return sum(p.numel() for p in preset_model(preset).parameters())
 
 
 def long_context_key(args) -> dict:
@@ -221,15 +252,22 @@ def _load_kernels_first() -> None:
     expose_mamba_package()
 
 
-def _bound_kernel() -> str | None:
-    """What transformers' Bamba mixer calls in training: ``module.function`` of the bound kernel, or "torch" for
-    its reference implementation; None where that cannot be read."""
+def _bound_kernel(preset: str = "hf-bamba-2b") -> str | None:
+    """What transformers' own path calls in training for the preset's mixer (Bamba's Mamba2 scan, Qwen3.5's chunked
+    gated delta rule): ``module.function`` of the bound kernel, or "torch" for its reference implementation; None
+    where that cannot be read. (On the long-context path the mixers run this package's op instead.)"""
     import inspect
 
     try:
-        from transformers.models.bamba import modeling_bamba
+        if family(preset) == "qwen3_5":
+            from transformers.models.qwen3_5 import modeling_qwen3_5
 
-        bound = inspect.getclosurevars(modeling_bamba.mamba2_split_conv1d_scan_combined).nonlocals
+            fn = modeling_qwen3_5.torch_chunk_gated_delta_rule
+        else:
+            from transformers.models.bamba import modeling_bamba
+
+            fn = modeling_bamba.mamba2_split_conv1d_scan_combined
+        bound = inspect.getclosurevars(fn).nonlocals
         if not bound.get("is_new_implementation"):
             return "torch"
         impl = bound["implementation"]
@@ -380,7 +418,7 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
 
     import deepspeed
     import torch
-    from transformers import BambaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
@@ -394,7 +432,7 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
         torch.distributed.init_process_group(backend="gloo")
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    rec.update(backend=backend, device=str(device), hf_mixer_kernel=_bound_kernel())
+    rec.update(backend=backend, device=str(device), hf_mixer_kernel=_bound_kernel(args.preset))
     if rec["path"] == "long_context" or args.sp > 1:
         from ds_mamba_spcp.integrations import accelerate as mamba_sp
 
@@ -410,7 +448,7 @@ def _train(args, rec: dict, state: dict, cuda: bool) -> None:
         )  # fmt: skip
     torch.manual_seed(args.seed)
     with device:
-        model = BambaForCausalLM(bamba_config(args.preset))
+        model = preset_model(args.preset)
     model = model.to(torch.bfloat16 if cuda else torch.float32).train()
     if cuda:
         torch.cuda.empty_cache()  # the fp32 copy of the init

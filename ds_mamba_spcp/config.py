@@ -98,7 +98,9 @@ class LongContext(DeepSpeedConfigModel):
     tiled_layers: bool = True
     """Decoder layers whose sequence mixer is a Mamba2 mixer are their own activation checkpoint and are recomputed
     in backward tile by tile, the conv halo and the fp32 state carried (norms, mixer, residuals and the layer's MLP);
-    every other decoder layer is checkpointed whole. Needs ZeRO stage 0-2."""
+    every other decoder layer is checkpointed whole. Gated DeltaNet layers are not tiled: at the default they are
+    recomputed whole inside their decoder layer's checkpoint (said once in a warning); set to true on a model with no
+    Mamba2 layer to tile, the key refuses. Needs ZeRO stage 0-2."""
 
     tiled_mlp: bool = True
     """The MLPs outside tiled layers run tile by tile, recomputed in backward (DeepSpeed's ``TiledMLP``)."""

@@ -494,11 +494,21 @@ def _delta_packed(sp: int, out: str) -> dict:
 DELTA_ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.5, num_experts=2, num_experts_per_tok=1)
 
 
-def _delta_router(sp: int, out: str) -> dict:
-    """Qwen3.5-MoE with its router loss (``DELTA_ROUTER``) through the Trainer at DELTA_BUG's stage: transformers'
-    own aux loss in one process, router_loss.py's (sums over the group) at sp > 1."""
-    model = hf_models.build("qwen3_5_moe", **DELTA_MODEL, **DELTA_ROUTER)
-    return _train("qwen3_5_moe", DELTA_CASES["qwen3_5"], sp, out, model=model, evaluate=False, **DELTA_TRAIN)
+# Qwen3-Next's router differs from Qwen3.5-MoE's by norm_topk_prob (transformers 5.24; the load-balancing loss is
+# the same function): off here, so that the top-1 weight is the router's probability and the routers' gradient
+# comes through the experts' weights as well as through aux (on, a top-1 weight is 1: no gradient there)
+DELTA_ROUTER_NEXT = dict(DELTA_ROUTER, norm_topk_prob=False)
+
+
+def _delta_router(sp: int, out: str, family: str = "qwen3_5_moe") -> dict:
+    """A delta MoE family (Qwen3.5-MoE at DELTA_BUG's stage; Qwen3-Next with ``DELTA_ROUTER_NEXT`` at its
+    DELTA_CASES stage) with its router loss through the Trainer: transformers' own aux loss in one process,
+    router_loss.py's (sums over the group) at sp > 1."""
+    if family == "qwen3_next":
+        model, stage = hf_models.build(family, **DELTA_MODEL, **DELTA_ROUTER_NEXT), DELTA_CASES[family]
+    else:
+        model, stage = hf_models.build(family, **DELTA_MODEL, **DELTA_ROUTER), DELTA_CASES["qwen3_5"]
+    return _train(family, stage, sp, out, model=model, evaluate=False, **DELTA_TRAIN)
 
 
 def _drop_delta_state():
@@ -605,6 +615,7 @@ def _references(rank, world, tmp):
     out["delta_lora"] = _delta_lora(1, os.path.join(tmp, "ref_delta_lora"))
     out["delta_packed"] = _delta_packed(1, os.path.join(tmp, "ref_delta_packed"))
     out["delta_router"] = _delta_router(1, os.path.join(tmp, "ref_delta_router"))
+    out["delta_router_next"] = _delta_router(1, os.path.join(tmp, "ref_delta_router_next"), "qwen3_next")
     out["delta_seconds"] = time.perf_counter() - t1
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -645,11 +656,15 @@ def _sequence_parallel(rank, world, tmp):
     out["delta_lora"] = _attempt(_delta_lora, SP, os.path.join(tmp, "sp_delta_lora"))
     out["delta_packed"] = _attempt(_delta_packed, SP, os.path.join(tmp, "sp_delta_packed"))
     out["delta_router"] = _attempt(_delta_router, SP, os.path.join(tmp, "sp_delta_router"))
+    out["delta_router_next"] = _attempt(_delta_router, SP, os.path.join(tmp, "sp_delta_router_next"), "qwen3_next")
     from ds_mamba_spcp import comm
 
     summed, comm.all_reduce_sum = comm.all_reduce_sum, lambda t, group: t  # the control: each shard's router loss
     try:
         out["delta_router_bug"] = _attempt(_delta_router, SP, os.path.join(tmp, "sp_delta_router_bug"))
+        out["delta_router_next_bug"] = _attempt(
+            _delta_router, SP, os.path.join(tmp, "sp_delta_router_next_bug"), "qwen3_next"
+        )  # fmt: skip
     finally:
         comm.all_reduce_sum = summed
     undo = _drop_delta_state()
@@ -822,22 +837,27 @@ def test_delta_packed_matches_one_process(runs):
         assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
 
 
-def test_delta_router_loss_matches_one_process(runs):
-    """Qwen3.5-MoE with output_router_logits and router_aux_loss_coef through the Trainer at sp 2 against one process
-    (transformers' own load-balancing loss there): the router loss's sums are the group's (router_loss.py; the
-    control takes each shard's alone). Before
-    (018f6c7) the sharded run was refused ("config.output_router_logits=False ... for sequence-parallel
-    training")."""
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_delta_router_loss_matches_one_process(runs, family):
+    """Qwen3.5-MoE (ZeRO-2) and Qwen3-Next (ZeRO-3, norm_topk_prob off: DELTA_ROUTER_NEXT) with output_router_logits
+    and router_aux_loss_coef through the Trainer at sp 2 against one process (transformers' own load-balancing loss
+    there): the router loss's sums are the group's (router_loss.py; the control takes each shard's alone). Before
+    (018f6c7) Qwen3.5-MoE's sharded run was refused, and at 2f6f4b8 Qwen3-Next's
+    ("config.output_router_logits=False ... for sequence-parallel training")."""
     ref, sp = runs
+    key = "delta_router" if family == "qwen3_5_moe" else "delta_router_next"
     for run in sp:
-        assert "error" not in run["delta_router"], run["delta_router"]["error"]
-        err = _errors(run["delta_router"], ref["delta_router"])
-        print(f"router loss on qwen3_5_moe: {err}")
+        assert "error" not in run[key], run[key]["error"]
+        err = _errors(run[key], ref[key])
+        print(f"router loss on {family}: {err}")
         assert err["loss"] <= TOL and err["grad_norm"] <= TOL and err["update"] <= TOL, err
         # negative control: each rank's router loss from its shard's rows alone (the group's sums not taken)
-        bug = _errors(run["delta_router_bug"], ref["delta_router"])
-        print(f"router loss on qwen3_5_moe, each shard's alone: {bug}")
-        assert bug["update"] > 100 * TOL, bug  # measured: the routers' updates 1.8 off, the loss 6.7e-4
+        assert "error" not in run[f"{key}_bug"], run[f"{key}_bug"]["error"]
+        bug = _errors(run[f"{key}_bug"], ref[key])
+        print(f"router loss on {family}, each shard's alone: {bug}")
+        # measured: Qwen3.5-MoE's routers' updates 1.8 off, the loss 6.7e-4; Qwen3-Next's updates 7.7e-3 off (its
+        # routers' gradient also comes through the experts' weights, unchanged by the bug), the loss 2.1e-4
+        assert bug["update"] > (100 if family == "qwen3_5_moe" else 30) * TOL, bug
 
 
 def test_resume_from_checkpoint(runs):

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from ds_mamba_spcp.memory.logits_loss import tiled_causal_lm_loss
 from tests.dist_utils import rel_err, run_ranks
-from tests.hf_models import MODULES, VOCAB, build
+from tests.hf_models import DELTA_MODULES, MODULES, VOCAB, build
 
 OP_TOL = 1e-12
 MODEL_TOL = 1e-6
@@ -242,6 +242,11 @@ def test_op_refusals():
 # -- the six families ------------------------------------------------------------------------------
 
 FAMILIES = list(MODULES)
+# the Gated DeltaNet families (their logits: lm_head's output as it is), with labels only (their rows are scored as
+# the Mamba2 families' are; the cases' other inputs change nothing of theirs)
+CASES = [(f, c) for c in ("labels", "shift_labels", "packed") for f in FAMILIES] + [
+    (f, "labels") for f in DELTA_MODULES
+]
 # post-processing of the logits made non-trivial, so that dropping it would show
 EXTRA = {"granitemoehybrid": dict(logits_scaling=2.5), "falcon_h1": dict(lm_head_multiplier=0.6)}
 SEQ = 19
@@ -280,8 +285,7 @@ def _loss_and_grads(model, batch):
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("case", ["labels", "shift_labels", "packed"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "case"), CASES)
 def test_family_matches_transformers(family, case):
     from ds_mamba_spcp.integrations.transformers.fused_loss import install_fused_loss
 

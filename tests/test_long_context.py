@@ -21,6 +21,7 @@ import copy
 import importlib
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -306,6 +307,46 @@ def test_outside_training_the_model_is_unchanged():
     assert torch.equal(a, b)
 
 
+def test_delta_layers_recomputed_whole(monkeypatch):
+    """A Gated DeltaNet family under the key (Qwen3.5, tests/test_accelerate.py's DELTA_MODEL): at the defaults no
+    layer is tiled, each decoder layer is checkpointed whole (its delta layer on this package's op), the MLPs run in
+    tiles, said once in a warning; the objective and every gradient against transformers' own path within TOL
+    (measured 4.9e-6). ``"tiled_layers": true`` set on it (no Mamba2 layer to tile) is refused by name. At 2f6f4b8
+    the key was refused on every delta family ("holds no Mamba2 mixer", "covers the Mamba2 mixers only")."""
+    from ds_mamba_spcp.integrations.transformers.long_context import memory_report
+
+    ref = hf_models.build("qwen3_5", **_acc().DELTA_MODEL)
+    with pytest.warns(UserWarning, match=r"2 decoder layer\(s\) of Qwen3_5ForCausalLM hold a Gated DeltaNet layer"):
+        model = _prepared(ref)
+    report = memory_report(model)
+    assert (report["layers_tiled"], report["layers_checkpointed"], report["mlps_tiled"]) == (0, 3, 3), report
+    ids, w = _inputs()
+    err, worst = _worst(_run(model, ids, w), _run(ref, ids, w))
+    assert err <= TOL, (err, worst)
+    with pytest.raises(
+        NotImplementedError, match=r'\{"tiled_layers": true\} is set but Qwen3_5ForCausalLM has no Mamba2'
+    ):
+        _prepared(ref, tiled_layers=True)
+    with warnings.catch_warnings(record=True) as said:  # off: nothing to say
+        warnings.simplefilter("always")
+        _prepared(ref, tiled_layers=False)
+    assert not [w for w in said if "Gated DeltaNet" in str(w.message)], [str(w.message) for w in said]
+    # Qwen3-Next's MoE blocks (Qwen3NextSparseMoeBlock, not matched before: only their shared expert was, which sees
+    # 2-D rows, so nothing was tiled) through TiledMLP, against the same key without tiled MLPs (sums' order only)
+    moe = hf_models.build("qwen3_next", **_acc().DELTA_MODEL)
+    tiled, whole = _prepared(moe), _prepared(moe, tiled_mlp=False)
+    assert memory_report(tiled)["mlps_tiled"] == 6, memory_report(tiled)  # 3 MoE blocks and their shared experts
+    from ds_mamba_spcp.integrations.transformers import long_context as lc
+
+    calls, call = [], lc._MLP.__call__
+    monkeypatch.setattr(lc._MLP, "__call__", lambda self, *a, **k: calls.append(self.module) or call(self, *a, **k))
+    got = _run(tiled, ids, w)
+    blocks = sum(type(m).__name__ == "Qwen3NextSparseMoeBlock" for m in calls)
+    assert blocks == 6, [type(m).__name__ for m in calls]  # 3 blocks, in forward and in the layers' recompute
+    err, worst = _worst(got, _run(whole, ids, w))
+    assert err <= TOL, (err, worst)
+
+
 def test_refusals():
     from ds_mamba_spcp.config import load_mamba_sp_config
     from ds_mamba_spcp.integrations.transformers import long_context, prepare_sequence_parallel, wrap_hf_mamba2_mixers
@@ -455,6 +496,15 @@ TWO = {"bamba": (2, LC), "bamba_zero3": (3, LC), "granitemoehybrid": (2, LC), "f
 # the steps amplify rounding: grad_norm 3.5e-7 off at step 1 between runs that differ by the order of sums,
 # 5.7e-5 at step 5; at 0.02 <= 3.6e-5 over 5 steps)
 ROUTER_RUN = {"learning_rate": 0.02, "max_steps": 3}
+# the Gated DeltaNet families under the key: no layer tiled (their decoder layers are recomputed whole, the MLPs /
+# MoE blocks tiled, the fused loss): Qwen3.5 at sp_size 1 and 2 (ZeRO-2), Qwen3-Next at 2 (ZeRO-3), each against the
+# same family without the key in one process (tests/test_accelerate.py has the delta families at sp_size 2 against
+# one process), with tests/test_accelerate.py's settings for them (DELTA_MODEL, DELTA_TRAIN: the tiny delta models
+# meet its bound only so). family -> (ZeRO stage, the key). Qwen3-Next at ZeRO-3 without tiled MLPs: DeepSpeed's
+# TiledMLP on its MoE blocks gathers the experts at every tile's call, which on 2 gloo ranks took that run from ~6 s
+# to 21.6 s (tiles of 14); the MoE blocks in tiles are checked in one process (test_delta_layers_recomputed_whole),
+# TiledMLP under ZeRO-3 by "bamba_zero3"
+DELTA = {"qwen3_5": (2, LC), "qwen3_next": (3, {**LC, "tiled_mlp": False})}
 
 
 def _acc():
@@ -569,6 +619,50 @@ def _offload_with_data_parallelism(rank: int) -> dict:
     return {"planned": planned, "group_max_s": (time.perf_counter() - t0) / 200}
 
 
+def _delta_run(fam: str, world: int, out: str, section) -> dict:
+    acc = _acc()
+    model = hf_models.build(fam, **acc.DELTA_MODEL)
+    return acc._train(fam, DELTA[fam][0], world, out, model=model, section=section, evaluate=False, **acc.DELTA_TRAIN)
+
+
+@contextlib.contextmanager
+def _delta_recompute_alone():
+    """The negative control's bug: a decoder layer's recompute in backward runs its Gated DeltaNet layer with the
+    state entering the rank's shard dropped (zeros, still in the graph), its forward right: the recompute's saved
+    tensors, and so the gradients, are not the forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ds_mamba_spcp.engine.strategies import delta as strategy
+    from ds_mamba_spcp.integrations.transformers import long_context as lc
+
+    whole, exchange_fn = lc._Layer._checkpointed, strategy._ExchangeFn
+
+    class Dropped:
+        @staticmethod
+        def apply(*args):
+            S_in, final = exchange_fn.apply(*args)
+            return S_in * 0, final
+
+    def recompute_alone(self, hidden, args, kwargs):
+        calls = []
+
+        def fn(x):
+            calls.append(None)
+            strategy._ExchangeFn = Dropped if len(calls) > 1 else exchange_fn
+            try:
+                return self.hidden_of(self.raw(self.module, x, *args, **kwargs))
+            finally:
+                strategy._ExchangeFn = exchange_fn
+
+        return self.rebuild(checkpoint(fn, hidden, use_reentrant=False))
+
+    lc._Layer._checkpointed = recompute_alone
+    try:
+        yield
+    finally:
+        lc._Layer._checkpointed = whole
+
+
 def _trainer_runs(rank, world, tmp):
     from transformers import default_data_collator
 
@@ -595,6 +689,20 @@ def _trainer_runs(rank, world, tmp):
                                                  **kw)  # fmt: skip
             out[f"{fam}_{key}"]["gathers"] = passes
             out[f"{fam}_{key}"]["calls"] = dict(calls)
+    t1 = time.perf_counter()
+    for fam in DELTA if world > 1 else ["qwen3_5"]:  # with the key (one process: Qwen3.5 only)
+        calls.clear()
+        out[f"delta_{fam}_on"] = acc._attempt(_delta_run, fam, world, os.path.join(tmp, f"delta_{fam}"),
+                                              {"long_context": DELTA[fam][1]})  # fmt: skip
+        out[f"delta_{fam}_on"]["calls"] = dict(calls)
+    if world == 1:  # the references, without the key
+        for fam in DELTA:
+            out[f"delta_{fam}_off"] = acc._attempt(_delta_run, fam, 1, os.path.join(tmp, f"delta_{fam}_off"), None)
+    else:  # the negative control
+        with _delta_recompute_alone():
+            out["delta_bug"] = acc._attempt(_delta_run, "qwen3_5", world, os.path.join(tmp, "delta_bug"),
+                                            {"long_context": LC})  # fmt: skip
+    out["delta_s"] = time.perf_counter() - t1
     # the router loss with right-padded rows: one process without the key is transformers' own (the mask weights
     # the router rows); at two ranks the call drops the mask (accelerate.py) and hands it to the router loss
     t1 = time.perf_counter()
@@ -721,3 +829,33 @@ def test_router_loss_at_two_ranks_matches_one_process(trainer_runs):
         print(f"right-padded rows with the router loss, two ranks against one process: {errs}")
         print(f"their runs: {trainer_runs[0]['router_padded_s']:.1f} s in one process, {rank['router_padded_s']:.1f} s")
         assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, ("padded", errs)
+
+
+@pytest.mark.parametrize("case", ["1:qwen3_5", "2:qwen3_5", "2:qwen3_next"])
+def test_delta_families_with_the_key_match_without(trainer_runs, case):
+    """The Gated DeltaNet families through the Trainer with the key (tile_tokens 7: the MLPs (Qwen3.5's) and the loss
+    in tiles; no layer tiled, each decoder layer checkpointed whole, the delta layers on this package's op at
+    sp_size 1 too) against the same family without the key in one process (DELTA: Qwen3.5 at ZeRO-2, Qwen3-Next
+    at ZeRO-3): per-step loss and grad_norm, every update, the Trainer tests' bound (tests/test_accelerate.py, TOL
+    1e-4). At 2f6f4b8 every such run was refused ("long_context ... covers the Mamba2 mixers only"). The negative
+    control (Qwen3.5 at sp_size 2, the delta layers' recompute without the state entering the shard:
+    _delta_recompute_alone) is off by > 100x TOL."""
+    acc = _acc()
+    sp, fam = case.split(":")
+    off = trainer_runs[0][f"delta_{fam}_off"]
+    assert "error" not in off, off["error"]
+    runs = [trainer_runs[0]] if sp == "1" else trainer_runs[1]
+    for rank, run in enumerate(runs):
+        on = run[f"delta_{fam}_on"]
+        assert "error" not in on, on["error"]
+        calls = on["calls"]  # no layer tiled; the decoder layers checkpointed whole, the MLPs in tiles
+        assert "_Layer._tiled" not in calls and calls.get("_Layer._checkpointed", 0) > 0, calls
+        assert (calls.get("_MLP.__call__", 0) > 0) == DELTA[fam][1].get("tiled_mlp", True), calls
+        errs = acc._errors(on, off)
+        print(f"{case} rank {rank}, the key against without it in one process: {errs} ({run['delta_s']:.1f} s)")
+        assert max(errs["loss"], errs["grad_norm"], errs["update"]) < acc.TOL, errs
+        if sp == "2" and fam == "qwen3_5":
+            assert "error" not in run["delta_bug"], run["delta_bug"]["error"]
+            bug = acc._errors(run["delta_bug"], off)
+            print(f"negative control (the delta layers' recompute without the incoming state) rank {rank}: {bug}")
+            assert bug["update"] > 100 * acc.TOL, bug

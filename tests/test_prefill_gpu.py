@@ -16,6 +16,8 @@ bf16, the package's Triton backend for the sharded Mamba2 layers.
    the GPU) against mamba-ssm's ``model.generate(top_k=1)``.
 2. The same for a transformers Bamba hybrid (sdpa attention), where transformers keeps Mamba state in
    ``LinearAttentionLayer`` (5.24; skipped on older releases such as the device image's 5.17).
+3. A Gated DeltaNet family (tests/hf_models.py's tiny Qwen3.5, fp32): ``sequence_parallel_generate``'s tokens
+   against one process's ``generate``, and the zero-state negative control (``_delta_case``).
 
 Tokens are compared up to the first step whose logit margin (top-2 gap of the one-process bf16 scores, the
 smallest over the batch) is below 0.25: bf16 logits of two computations differ by ~1e-2, so a smaller margin
@@ -28,6 +30,7 @@ allows even the first token, and asserts how many tokens it compared.
 from __future__ import annotations
 
 import os
+import traceback
 
 import pytest
 import torch
@@ -196,9 +199,53 @@ def _hf_case(rank, world):
     return _verdict(errs, tokens[:, SEQLEN:], want, margins, search)
 
 
+DELTA_MARGIN = 1e-3  # fp32: one process's and the sharded logits differ by ~1e-5 (tests/test_prefill_hf.py: <= 3.3e-6)
+
+
+def _delta_case(rank, world):
+    """A tiny Qwen3.5 (Gated DeltaNet, attention, Gated DeltaNet; tests/hf_models.py) in fp32 on the GPU: the tokens
+    of ``sequence_parallel_generate`` (its delta layers' prefill on this package's op, backend "auto": fla's kernels
+    where installed, else the PyTorch reference) against one process's ``generate``, compared while the oracle's
+    margin is at least DELTA_MARGIN; the negative control hands the cache a zero recurrent state (other tokens)."""
+    from tests import hf_models
+
+    hf_models.import_models()
+    from ds_mamba_spcp.integrations.transformers import generation as inference
+    from tests.test_prefill_hf import _zero_delta_states
+
+    if inference.CacheLayerMixin is None:
+        return {"skipped": "transformers without LinearAttentionLayer (< 5.24)"}
+    model = hf_models.build("qwen3_5", seed=0).to(device="cuda", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    seqlen = 2 * 200 + 2  # each rank's shard of the prefilled part: 200 tokens
+    ids = torch.randint(1, hf_models.VOCAB, (BATCH, seqlen), generator=torch.Generator().manual_seed(300)).cuda()
+    with torch.no_grad():
+        want = model.generate(ids, output_scores=True, return_dict_in_generate=True, **gen)
+    margins = _margins(want.scores)
+    allowed = int((margins >= DELTA_MARGIN).long().cumprod(0).sum())
+    out = {"compared": allowed, "margins": [round(float(m), 4) for m in margins]}
+    for run in ("sharded", "zero_state"):
+        restore = _zero_delta_states() if run == "zero_state" else None
+        try:
+            got = inference.sequence_parallel_generate(model, ids, **gen)
+        finally:
+            if restore is not None:
+                restore()
+        out[run] = agree(
+            bool(torch.equal(got[:, seqlen : seqlen + allowed], want.sequences[:, seqlen : seqlen + allowed]))
+        )
+    return out
+
+
 def _ranks(rank, world):
     # (mamba-ssm's model imports without selective_scan_cuda now: an ImportError here is a failure, not a skip)
-    return {"mamba": _mamba_case(rank, world), "hf": _hf_case(rank, world)}
+    out = {"mamba": _mamba_case(rank, world), "hf": _hf_case(rank, world)}
+    try:  # the delta case's failure is its test's alone
+        out["delta"] = _delta_case(rank, world)
+    except Exception:  # noqa: BLE001 - reported by test_delta_generate_tokens_on_one_gpu
+        out["delta"] = {"error": traceback.format_exc()[-2000:]}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +267,21 @@ def test_bf16_prefill_states_and_tokens_on_one_gpu(results, which):
     # the prompt search makes that at least the first token, or the test fails with every candidate's margins.
     assert res["compared"] >= 1, f"no candidate prompt's first-token margin reaches {MARGIN}: {res['search']}"
     assert res["same_tokens"], (res["compared"], res["margins"])
+
+
+def test_delta_generate_tokens_on_one_gpu(results):
+    """Qwen3.5 (tests/hf_models.py's tiny model, fp32 on the GPU, 2 ranks sharing it through gloo):
+    ``sequence_parallel_generate``'s NEW greedy tokens equal one process's ``generate`` (compared while the oracle's
+    top-2 margin is at least DELTA_MARGIN); negative control: a zero recurrent state in the cache after the sharded
+    prefill gives other tokens."""
+    res = results[0]["delta"]
+    assert "error" not in res, res["error"]
+    if "skipped" in res:
+        pytest.skip(res["skipped"])
+    print(f"delta: tokens compared {res['compared']} of {NEW}, margins {res['margins']}")
+    assert res["compared"] >= 4, f"the oracle's margins leave fewer than 4 tokens to compare: {res['margins']}"
+    assert res["sharded"], "sequence_parallel_generate gave other tokens than one process's generate"
+    assert not res["zero_state"], "the negative control (a zero recurrent state) gave the same tokens"
 
 
 def test_forward_only_route_holds_one_tile_on_one_gpu():

@@ -33,6 +33,9 @@ def test_search_lengths_and_factor_bound(tmp_path, capsys):
         bench.parse_args(["--search", "131072", "--factor", "1.6", "--max", "2000000", "--out", str(tmp_path / "x")])
     assert "--factor must be in (1, 1.5]" in capsys.readouterr().err
     assert bench.parameter_count("hf-bamba-2b") == 1_929_109_696  # ~1.93B, the issue's preset
+    assert bench.parameter_count("hf-qwen35-2b") == 1_995_595_584  # ~2.00B, issue 44's Qwen3.5-style preset
+    layers = bench.preset_config("hf-qwen35-2b").layer_types  # Qwen3.5's ratio: 3 Gated DeltaNet layers to 1 attention
+    assert layers == ["linear_attention"] * 3 + ["full_attention"] + layers[:-4] and len(layers) == 24, layers
 
 
 def test_trials_on_cpu(tmp_path, monkeypatch):
@@ -94,6 +97,27 @@ def test_trials_on_cpu(tmp_path, monkeypatch):
     assert "| hf-bamba-tiny | long_context (tiles 32) | 96 | ok |" in text
     assert f"ratio {cmp['ratio']:.3f}" in text
     assert "Longest that trained, hf-bamba-tiny transformers: 96 tokens" in text
+
+
+@pytest.mark.slow  # one more Trainer trial (~15-50 s on 2 shared cores: the delta layers' PyTorch op)
+def test_qwen35_preset_trains_on_cpu(tmp_path, monkeypatch):
+    """The Qwen3.5-style preset's tiny twin (hf-qwen35-tiny) on the long-context path, 2 steps of 96 tokens in tiles
+    of 32: it trains (finite losses), no layer tiled, its 4 decoder layers checkpointed whole, the 4 MLPs in tiles,
+    the fused loss; transformers' kernel read from the Qwen3.5 modeling module."""
+    bench = _train_hf()
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or
+                       os.path.join(REPO, ".cache", "torch_extensions"))  # fmt: skip
+    out = tmp_path / "qwen.json"
+    bench.main(["--preset", "hf-qwen35-tiny", "--out", str(out), "--long-context", "--lengths", "96", "--tile-tokens",
+                "32", "--steps", "2"])  # fmt: skip
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["status"] == "ok" and rec["model"] == "hf-qwen35-tiny", rec.get("reason")
+    assert len(rec["losses"]) == 2 and all(math.isfinite(x) for x in rec["losses"]), rec["losses"]
+    report = rec["memory_report"]
+    assert (report["layers_tiled"], report["layers_checkpointed"], report["mlps_tiled"]) == (0, 4, 4), report
+    assert report["fused_loss"] and rec["loss_by"] == "fused_loss", (report, rec["loss_by"])
+    assert rec["hf_mixer_kernel"] is not None, rec["hf_mixer_kernel"]
 
 
 @pytest.mark.slow  # the benchmark's multi-rank driver (make test-slow): the Trainer with the key at sp 2 against one

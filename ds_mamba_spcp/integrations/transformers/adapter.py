@@ -609,11 +609,15 @@ def prepare_long_context(model: nn.Module, config: MambaSequenceParallelConfig) 
     rank alone, and ``long_context.install`` does the rest. Once per model."""
     if long_context.installed(model):
         return
-    wrap_hf_mamba2_mixers(model, group_of_one(), config)
+    group = group_of_one()
+    wrap_hf_mamba2_mixers(model, group, config)
+    from ds_mamba_spcp.integrations.transformers.delta import DELTA_CLASSES, wrap_delta_layers
+
+    wrap_delta_layers(model, lambda: _Sharding(group, config))  # run on this package's op too (delta.py)
     if not any(is_sharded(m) for m in model.modules()):
         raise ValueError(
-            f'"{SECTION}.long_context" is set but {type(model).__qualname__} holds no Mamba2 mixer this package '
-            f"wraps (transformers' {', '.join(MIXER_CLASSES)})."
+            f'"{SECTION}.long_context" is set but {type(model).__qualname__} holds no Mamba2 mixer or Gated DeltaNet '
+            f"layer this package wraps (transformers' {', '.join([*MIXER_CLASSES, *DELTA_CLASSES])})."
         )
     long_context.install(model, config)
     router_loss.install(model)  # the MoE router loss from the rows the key routes without grad

@@ -131,7 +131,12 @@ class DeltaAdapter:
         from ds_mamba_spcp.integrations.transformers.layers import cache_error, mixer_call, padding_error
 
         hidden, cache, attention_mask, rest = mixer_call(args, kwargs)
-        if not self.sharding.active():
+        if not self.sharding.routes_op():
+            return self.original_forward(*args, **kwargs)
+        if self.sharding.size == 1 and (cache is not None or attention_mask is not None):
+            # the "long_context" key at sequence_parallel_size 1 wraps the layers on a group of one, so that they train
+            # on the op (long_context.py recomputes each whole inside its decoder layer's checkpoint); generation and
+            # padded rows are transformers' own
             return self.original_forward(*args, **kwargs)
         name = f"{type(self.mixer).__qualname__} (layer {self.mixer.layer_idx})"
         if cache is not None:
@@ -266,9 +271,4 @@ def check_delta_supported(m: nn.Module, cfg: MambaSequenceParallelConfig) -> Non
             f'{name}: "{SECTION}.input_layout" is {cfg.input_layout!r}; the Gated DeltaNet layers take contiguous '
             'shards (their conv halo comes from the previous rank). Set "input_layout": "contiguous" and '
             '"load_balancing": "none".'
-        )
-    if cfg.long_context is not None:
-        raise NotImplementedError(
-            f'{name}: "{SECTION}.long_context" (tiled layers, offload) covers the Mamba2 mixers only; drop it for '
-            "the Gated DeltaNet families."
         )

@@ -1,4 +1,5 @@
-"""The causal-LM loss of transformers' six Mamba2 families without the (tokens x vocab) logits.
+"""The causal-LM loss of transformers' six Mamba2 families and four Gated DeltaNet families without the (tokens x
+vocab) logits.
 
 ``install_fused_loss(model, tile_tokens)`` replaces the model's ``forward`` as an instance attribute (the class,
 its hooks and the previous forward are kept; installing again is a no-op). A training call (the model in training
@@ -9,16 +10,17 @@ mode, grad enabled) with ``labels`` or ``shift_labels``:
     lm_head(hidden) with its forward swapped for tiled_causal_lm_loss(hidden, lm_head.weight, labels, ...)
         (``memory/logits_loss.py``; a module call, so that ZeRO-3's hooks gather the weight for its forward and
         again before its backward)
-    -> the model's output with that loss (plus GraniteMoeHybrid's router loss when the model returns one) and
+    -> the model's output with that loss (plus the MoE families' router loss when the model returns one) and
        logits=None
 
 Every other call (eval mode, no labels, no grad) runs the previous forward unchanged. The post-processing of each
 family's logits in transformers' ``ForCausalLM.forward`` (checked for 5.x): Mamba2 casts the hidden states to the
 head's dtype and the logits to fp32; Nemotron-H casts the logits to fp32; GraniteMoeHybrid divides them by
-``config.logits_scaling``; Falcon-H1 multiplies them by ``model.lm_head_multiplier``; Bamba and Zamba2 use them as
-they are. Scalars commute with the head, so they are applied to the hidden states; the fp32 casts are undone
-(the loss upcasts its logits itself). Refused: a head with a bias or that is not a plain ``nn.Linear``, Bamba's
-z-loss, a loss function other than transformers' ``ForCausalLMLoss``, non-scalar multipliers.
+``config.logits_scaling``; Falcon-H1 multiplies them by ``model.lm_head_multiplier``; Bamba, Zamba2 and the Gated
+DeltaNet families (Qwen3.5 dense and MoE, Qwen3-Next, OLMo-hybrid, Kimi Linear) use them as they are. Scalars
+commute with the head, so they are applied to the hidden states; the fp32 casts are undone (the loss upcasts its
+logits itself). Refused: a head with a bias or that is not a plain ``nn.Linear``, Bamba's z-loss, a loss function
+other than transformers' ``ForCausalLMLoss``, non-scalar multipliers.
 
 A call with ``fused_lm_head=True`` runs the previous forward unchanged too: TRL's ``add_fused_lm_head`` (which
 ``SFTTrainer`` and TRL's other trainers install on the model) answers it with its own chunked head, which never
@@ -58,7 +60,15 @@ FUSED_LOSS_CLASSES = {
     "GraniteMoeHybridForCausalLM": "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
     "FalconH1ForCausalLM": "transformers.models.falcon_h1.modeling_falcon_h1",
     "Zamba2ForCausalLM": "transformers.models.zamba2.modeling_zamba2",
+    # the Gated DeltaNet families (delta.py): their logits are lm_head's output as it is
+    "Qwen3_5ForCausalLM": "transformers.models.qwen3_5.modeling_qwen3_5",
+    "Qwen3_5MoeForCausalLM": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "Qwen3NextForCausalLM": "transformers.models.qwen3_next.modeling_qwen3_next",
+    "OlmoHybridForCausalLM": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+    "KimiLinearForCausalLM": "transformers.models.kimi_linear.modeling_kimi_linear",  # no router loss added
 }
+# the classes that add ``router_aux_loss_coef x aux_loss`` to their loss when they compute one (with labels)
+_ADDS_ROUTER_LOSS = ("GraniteMoeHybridForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 _ATTR = "_ds_mamba_spcp_fused_loss"
 _OFF = 'turn it off with "long_context": {"fused_loss": false} in the "mamba_sequence_parallel" section'
 
@@ -171,7 +181,7 @@ class _FusedForward:
         with _forward_swapped(head, loss_forward):
             loss = head(hidden)
         aux = getattr(out, "aux_loss", None)
-        if aux is not None and type(model).__name__ == "GraniteMoeHybridForCausalLM":  # its router loss, as it does
+        if aux is not None and type(model).__name__ in _ADDS_ROUTER_LOSS:  # its router loss, as it adds it
             loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         out = type(out)(loss=loss, **fields)

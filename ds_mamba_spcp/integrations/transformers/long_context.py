@@ -1,4 +1,4 @@
-"""Long context for transformers' Mamba2 families: memory per token that stays flat in the sequence length.
+"""Long context for transformers' Mamba2 and Gated DeltaNet families: memory per token flat in the sequence length.
 
 ``install(model, config)`` acts on the parsed section's ``"long_context"`` key (``config.LongContext``);
 ``prepare_sequence_parallel`` and ``enable()`` (the Trainer, TRL, accelerate) call it, at sequence_parallel_size 1
@@ -18,6 +18,10 @@ too. It finds a tiled layer's mixer through ``layers.adapters_in`` and tiles it 
     each layer's checkpoint (its input)                on the GPU up to offload_gpu_budget_gib per pass, then
                                                        pinned host memory (memory/offload.py), the host checked
                                                        when any rank's batch is longer than any before
+
+A Gated DeltaNet layer (delta.py; its adapter is no ``TileableMixer``) is never tiled: its decoder layer is one
+checkpoint like any other, the delta layer recomputed whole inside it on this package's op. ``tiled_layers`` at its
+default says so once (a warning); set explicitly on a model with no Mamba2 layer to tile, it is refused.
 
 Outside training, or with a cache, every layer runs as transformers runs it. A padding mask in a tiled layer:
 padding at the rows' ends only (right padding), a padded position's mixer output what transformers' is there
@@ -68,11 +72,13 @@ __all__ = ["install", "installed", "memory_report"]
 
 
 def _mlps(module: nn.Module) -> list[nn.Module]:
-    """transformers' per-token feed-forward blocks (``...MLP``, ``...MoE``) in ``module``."""
+    """transformers' per-token feed-forward blocks (``...MLP``, ``...MoE``, the Qwen families' ``...SparseMoeBlock``)
+    in ``module``."""
     return [
         m
         for m in module.modules()
-        if type(m).__module__.startswith("transformers.models.") and type(m).__name__.endswith(("MLP", "MoE"))
+        if type(m).__module__.startswith("transformers.models.")
+        and type(m).__name__.endswith(("MLP", "MoE", "SparseMoeBlock"))
     ]
 
 
@@ -375,11 +381,14 @@ def install(model: nn.Module, config: MambaSequenceParallelConfig) -> bool:
     if lc.offload_gpu_budget_gib is not None:
         offloader = offload_mod.CheckpointOffloader(int(lc.offload_gpu_budget_gib * offload_mod.GiB))
     state = _LongContext(lc, [], [], offloader)
-    layers = []
+    layers, whole = [], 0  # whole: decoder layers holding a mixer that cannot be tiled (a Gated DeltaNet layer)
     for layer in decoder_layers(model):
         adapters = adapters_in(layer)
-        tiled = lc.tiled_layers and len(adapters) == 1 and not attention_modules(layer)
+        whole += not all(map(_tileable, adapters))
+        tiled = lc.tiled_layers and len(adapters) == 1 and _tileable(adapters[0]) and not attention_modules(layer)
         layers.append((layer, adapters[0] if tiled else None))
+    if whole and lc.tiled_layers:
+        _delta_layers_whole(model, lc, whole, sum(a is not None for _, a in layers))
     in_tiled = set()
     for layer, adapter in layers:
         tiled = adapter is not None
@@ -405,6 +414,32 @@ def install(model: nn.Module, config: MambaSequenceParallelConfig) -> bool:
     if offloader is not None:
         model.register_forward_pre_hook(_check_host, with_kwargs=True)
     return True
+
+
+def _tileable(adapter) -> bool:
+    """Whether a wrapped mixer's adapter is a ``layers.TileableMixer`` (adapter.py's Mamba2 mixers; delta.py's Gated
+    DeltaNet layers are not: their layers are recomputed whole)."""
+    return all(callable(getattr(adapter, name, None)) for name in ("in_proj", "core", "out_proj", "seq_idx"))
+
+
+def _delta_layers_whole(model: nn.Module, lc, whole: int, tiled: int) -> None:
+    """``tiled_layers`` on a model with decoder layers whose mixer cannot be tiled (Gated DeltaNet): each of them is
+    recomputed whole inside its decoder layer's checkpoint (the other parts apply as to any layer). At the default
+    that is said once; set explicitly on a model with no Mamba2 layer to tile it is refused (it would do nothing)."""
+    name = type(model).__qualname__
+    if tiled == 0 and "tiled_layers" in lc.model_fields_set:
+        raise NotImplementedError(
+            f'"{KEY}": {{"tiled_layers": true}} is set but {name} has no Mamba2 layer to tile: its {whole} linear '
+            "decoder layer(s) hold Gated DeltaNet layers, for which no tiled recompute is written (each would be "
+            'recomputed whole inside the checkpoint of its decoder layer). Leave "tiled_layers" out (its default tiles '
+            "the Mamba2 layers of a model and recomputes the others whole) or set it to false."
+        )
+    warnings.warn(
+        f"{KEY}: {whole} decoder layer(s) of {name} hold a Gated DeltaNet layer, which is not tiled: each is "
+        f"recomputed whole inside its decoder layer's checkpoint ({tiled} Mamba2 layer(s) tiled); the tiled MLPs, "
+        "the fused loss and the offloaded checkpoints apply to them as to any layer.",
+        stacklevel=3,
+    )
 
 
 def _check_host(model: nn.Module, args: tuple, kwargs: dict):

@@ -1,8 +1,8 @@
 """The router load-balancing loss of transformers' MoE hybrids under the long-context key and across ranks.
 
-GraniteMoeHybrid and Qwen3.5-MoE (``output_router_logits=True``; TRL turns it on when ``router_aux_loss_coef`` is
-set) add ``coef x aux`` to their loss, with (transformers' ``load_balancing_loss_func``; sums over every layer's router
-rows, ``R`` of them)::
+GraniteMoeHybrid, Qwen3.5-MoE and Qwen3-Next (``output_router_logits=True``; TRL turns it on when
+``router_aux_loss_coef`` is set) add ``coef x aux`` to their loss, with (transformers' ``load_balancing_loss_func``;
+sums over every layer's router rows, ``R`` of them)::
 
     aux = E x sum_e (C_e / R) (P_e / R)    C_e: top-k assignments to expert e (no gradient)
                                            P_e: softmax probabilities of expert e, summed over the rows
@@ -56,6 +56,9 @@ ROUTER_LOSS_CLASSES = {
     ),
     # the same load_balancing_loss_func (transformers 5.24), its router returning (logits, weights, index) too
     "Qwen3_5MoeForCausalLM": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeTopKRouter"),
+    # the same function again; its router normalises the top-k weights only when config.norm_topk_prob (the weights
+    # pass through the hook unchanged: C, P and R read the logits alone)
+    "Qwen3NextForCausalLM": ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextTopKRouter"),
 }
 _ATTR = "_ds_mamba_spcp_router_loss"  # a model's _RouterLoss, in its __dict__
 
