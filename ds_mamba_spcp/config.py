@@ -100,7 +100,8 @@ class LongContext(DeepSpeedConfigModel):
     in backward tile by tile, the conv halo and the fp32 state carried (norms, mixer, residuals and the layer's MLP);
     every other decoder layer is checkpointed whole. Gated DeltaNet layers are not tiled: at the default they are
     recomputed whole inside their decoder layer's checkpoint (said once in a warning); set to true on a model with no
-    Mamba2 layer to tile, the key refuses. Needs ZeRO stage 0-2."""
+    Mamba2 layer to tile, the key refuses. Any ZeRO stage (under ZeRO-3 a tiled layer's parameters are gathered once
+    per pass, not per tile)."""
 
     tiled_mlp: bool = True
     """The MLPs outside tiled layers run tile by tile, recomputed in backward (DeepSpeed's ``TiledMLP``)."""
