@@ -23,7 +23,8 @@ contract (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
                 where fla's backward refuses (``fla_backward_refusal``: for a gate per head, Hopper with Triton >= 3.4
                 and < 3.7.1 and no TileLang, fla's issue 640; never for a gate per key channel, whose backward does
                 not reach the refusing kernel), so that no rank reaches the backward to fail there.
-                Not yet run on a GPU when written (tests/test_gpu_delta.py is its check; its KDA cases too).
+                Checked on one H100 (tests/test_gpu_delta.py, cp 2: the per-head gate's forward, KDA's forward and
+                backward).
     auto        fla for CUDA tensors when it imports, else the reference (with a warning on CUDA); also the
                 reference (warned once) for a call needing gradients where fla's backward refuses, and for K > 256
 
