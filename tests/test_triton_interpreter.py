@@ -33,7 +33,7 @@ round trip or a lost term is >= 1e-3. (Should a later Triton emulate tf32 in the
 errors would grow to ~1e-3 and the bound would need revisiting.)
 
 Runtime: ~1.5 s per segment forward and ~5-7 s per backward on one core; the whole file ~45 s on two idle cores,
-plus ~12 s for 5. (one row, four state-path backwards and one whole segment's).
+5. in a subprocess of its own, marked slow (one row, four state-path backwards and one whole segment's).
 """
 
 from __future__ import annotations
@@ -166,11 +166,16 @@ def _errors(got, want):
     return {k: rel_err(got[k], want[k]) for k in got}
 
 
-def segments_main():
-    """Subprocess entry: prints one line 'RESULT <json>' with the errors of every case."""
+def segments_main(only_state_path: bool = False):
+    """Subprocess entry: prints one line 'RESULT <json>' with the errors of every case (only_state_path: of 5. alone,
+    ``segment_state``, a slow test of its own)."""
     from tests import triton_cpu_shims
 
     triton_backend = triton_cpu_shims.install()
+    if only_state_path:
+        torch.set_num_threads(1)
+        print("RESULT " + json.dumps({"segment_state": _segment_state(triton_backend)}), flush=True)
+        return
     from ds_mamba_spcp.ops import reference
     from ds_mamba_spcp.ops.kernels import pass_states
 
@@ -202,7 +207,6 @@ def segments_main():
     results["fold_chunks"] = _fold_chunks_vs_upstream(triton_backend)
     results["pass_states"] = _pass_states_vs_upstream()
     results["group_of_one_tiled"] = _group_of_one_tiled(triton_backend)
-    results["segment_state"] = _segment_state(triton_backend)
     print("RESULT " + json.dumps(results), flush=True)
 
 
@@ -465,13 +469,16 @@ def test_group_of_one_tiles_in_known_mode_match_the_reference(segment_results):
     assert res["bug_no_carry"]["out"] > 100 * TOL, res["bug_no_carry"]
 
 
-def test_segment_state_matches_reference_and_the_whole_segment(segment_results):
+# slow (make test-slow): one more interpreter subprocess, ~40 s of CI's two cores; tests/test_gpu_state_path.py checks
+# the same contract on a GPU (bitwise against the whole segment: benchmarks/results/tiled_sp_62f467e_h100x1/)
+@pytest.mark.slow
+def test_segment_state_matches_reference_and_the_whole_segment(segment_state_results):
     """5. The Triton backend's state path alone: S_out and every gradient within TOL of the fp64 reference's
     ``segment_state`` without labels; packed, the gradients bitwise those of the whole segment's backward with a
     zero output gradient (the same kernels in the same order: the chunk scan's terms are exact zeros). Negative
     controls: without the state passing's chunk-decay gradient dA and ddt_bias are O(1) off; without the label mask
     the tokens before a start inside a chunk get a gradient they must not have."""
-    res = segment_results["segment_state"]
+    res = segment_state_results["segment_state"]
     want = {"S_out", *("d" + k for k in STATE_INPUTS)}
     assert set(res["errs"]) == want
     bad = {k: v for k, v in res["errs"].items() if not v <= TOL}
@@ -482,15 +489,24 @@ def test_segment_state_matches_reference_and_the_whole_segment(segment_results):
     assert min(res["bug_no_label_mask_vs_whole"][k] for k in ("dzxbcdt", "dconv1d_weight")) > 100 * TOL, res
 
 
-@pytest.fixture(scope="module")
-def segment_results():
+def _segments_subprocess(only_state_path: bool = False) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", MAMBA_DETERMINISTIC="1")  # install() sets them too
-    code = "from tests.test_triton_interpreter import segments_main; segments_main()"
+    code = f"from tests.test_triton_interpreter import segments_main; segments_main({only_state_path})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     why = f"subprocess failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     assert proc.returncode == 0 and lines, why
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def segment_results():
+    return _segments_subprocess()
+
+
+@pytest.fixture(scope="module")
+def segment_state_results():
+    return _segments_subprocess(only_state_path=True)
 
 
 SEGMENT_KEYS = {"out", "S_in", "final_states", "dinitial_states", "dzxbcdt", "dhalo", "dconv1d_weight",
