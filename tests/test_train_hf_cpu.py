@@ -22,6 +22,15 @@ def _train_hf():
     return load_script("benchmarks", "train_hf.py")
 
 
+def _train_hf_in_process(monkeypatch):
+    """train_hf.py's module, for a run in this test process: MASTER_PORT reserved for it (tests/dist_utils.py), the
+    DeepSpeed extensions' build directory the suite's."""
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or
+                       os.path.join(REPO, ".cache", "torch_extensions"))  # fmt: skip
+    return _train_hf()
+
+
 def test_search_lengths_and_factor_bound(tmp_path, capsys):
     bench = _train_hf()
     # the device search: 131072 x 1.5^k to 1.6M in multiples of 16384 (663552 -> 671744, 995328 -> 999424, ...)
@@ -38,13 +47,11 @@ def test_search_lengths_and_factor_bound(tmp_path, capsys):
     assert layers == ["linear_attention"] * 3 + ["full_attention"] + layers[:-4] and len(layers) == 24, layers
 
 
+@pytest.mark.slow  # a benchmark's CPU smoke, make test-slow (CI's two cores go to the package's own tests)
 def test_trials_on_cpu(tmp_path, monkeypatch):
     """Two driver runs into one JSON: both paths at 64 tokens (--compare-at) and the long-context path at 96, then
     the search on transformers' path from 96 with an OOM injected from 144: 96 trains, 144 fails, 224 never runs."""
-    bench = _train_hf()
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # reserved for this test process (tests/dist_utils.py)
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or
-                       os.path.join(REPO, ".cache", "torch_extensions"))  # fmt: skip
+    bench = _train_hf_in_process(monkeypatch)
     out = tmp_path / "hf.json"
     common = ["--preset", "hf-bamba-tiny", "--out", str(out), "--git-commit", "abc1234"]
     bench.main([*common, "--compare-at", "64", "--lengths", "96", "--long-context", "--tile-tokens", "32"])
@@ -104,10 +111,7 @@ def test_qwen35_preset_trains_on_cpu(tmp_path, monkeypatch):
     """The Qwen3.5-style preset's tiny twin (hf-qwen35-tiny) on the long-context path, 2 steps of 96 tokens in tiles
     of 32: it trains (finite losses), no layer tiled, its 4 decoder layers checkpointed whole, the 4 MLPs in tiles,
     the fused loss; transformers' kernel read from the Qwen3.5 modeling module."""
-    bench = _train_hf()
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or
-                       os.path.join(REPO, ".cache", "torch_extensions"))  # fmt: skip
+    bench = _train_hf_in_process(monkeypatch)
     out = tmp_path / "qwen.json"
     bench.main(["--preset", "hf-qwen35-tiny", "--out", str(out), "--long-context", "--lengths", "96", "--tile-tokens",
                 "32", "--steps", "2"])  # fmt: skip
@@ -126,10 +130,7 @@ def test_sp_trials_on_cpu(tmp_path, monkeypatch):
     """--sp 2 on gloo: both paths at 64 tokens (32 on each rank), then --peak-check 64: one process at 64 (the loss
     reference: the same row and seed) and two ranks at 128 with an OOM injected on rank 1; every rank's values in
     the record, the status from the rank that failed first."""
-    bench = _train_hf()
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or
-                       os.path.join(REPO, ".cache", "torch_extensions"))  # fmt: skip
+    bench = _train_hf_in_process(monkeypatch)
     out = tmp_path / "hf.json"
     bench.main(["--preset", "hf-bamba-tiny", "--out", str(out), "--sp", "2", "--compare-at", "64", "--long-context",
                 "--tile-tokens", "16", "--peak-check", "64", "--fail-from-length", "128"])  # fmt: skip
@@ -247,10 +248,7 @@ def test_sft_trial_and_run_options(tmp_path, monkeypatch, capsys):
     """--trainer sft: TRL's SFTTrainer with the key (its fused loss on: TRL's fused head crashed under it), packed
     rows, gradient accumulation 2, one tiny trial; the record states the run (trainer, accumulation, padding,
     steps) and TRL's metrics. --padded: each batch pairs a row of L and one of 3L/4 right-padded to L."""
-    bench = _train_hf()
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or
-                       os.path.join(REPO, ".cache", "torch_extensions"))  # fmt: skip
+    bench = _train_hf_in_process(monkeypatch)
     out = tmp_path / "sft.json"
     bench.main(["--preset", "hf-bamba-tiny", "--out", str(out), "--trainer", "sft", "--grad-accum", "2",
                 "--long-context", "--tile-tokens", "32", "--lengths", "64"])  # fmt: skip

@@ -289,6 +289,20 @@ def _scan_out(CB, x, dt, dA_cumsum, C, prev_states, D, z, rmsnorm_weight, spec, 
     return (out if out_rows is not None else res.view(batch, seqlen, -1)), y
 
 
+def _conv_bwd_into(xBC, conv1d_weight, conv1d_bias, dxBC, dxBC_given, seq_idx, init, spec):
+    """The conv's backward (causal-conv1d) from dxBC, the gradient of its output, written into dxBC_given (the xBC
+    columns of dzxbcdt). Returns (dweight, dbias, the halo's gradient (batch, d_conv-1, conv_dim) or None): the
+    halo's is causal-conv1d's dinitial_states."""
+    dxBC_done, dweight, dbias, dinit = _conv_bwd_fn(
+        _conv_layout(xBC), conv1d_weight, conv1d_bias, _conv_layout(dxBC), seq_idx, init, None,
+        _conv_layout(dxBC_given), init is not None, _silu(spec),
+    )  # fmt: skip
+    dxBC_done = dxBC_done.transpose(1, 2)
+    if dxBC_done.data_ptr() != dxBC_given.data_ptr() or dxBC_done.stride() != dxBC_given.stride():
+        dxBC_given.copy_(dxBC_done)
+    return dweight, dbias, None if dinit is None else dinit.transpose(1, 2)
+
+
 def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=None, dzxbcdt=None, dS_out=None):
     """Backward of ``segment_fwd`` by recomputation, a generator with the protocol of ``ops/reference.py``'s.
 
@@ -393,15 +407,9 @@ def segment_bwd(dout, zxbcdt, halo, params, S_in, *, spec, seq_idx=None, kept=No
     _bmm._bmm_chunk_bwd(C, dCB, residual=dB_states, out=dB)
     dD = dD_gate if dD_gate is not None else dD_x
 
-    # conv backward, writing the xBC part of dzxbcdt; the halo's gradient is causal-conv1d's dinitial_states
-    dxBC_done, dweight, dbias, dinit = _conv_bwd_fn(
-        _conv_layout(xBC), conv1d_weight, conv1d_bias, _conv_layout(dxBC), seq_idx, init, None,
-        _conv_layout(dxBC_given), init is not None, _silu(spec),
-    )  # fmt: skip
-    dxBC_done = dxBC_done.transpose(1, 2)
-    if dxBC_done.data_ptr() != dxBC_given.data_ptr() or dxBC_done.stride() != dxBC_given.stride():
-        dxBC_given.copy_(dxBC_done)
-    yield None if dinit is None else dinit.transpose(1, 2)  # -> (batch, d_conv-1, conv_dim), on its way back
+    dweight, dbias, dhalo = _conv_bwd_into(xBC, conv1d_weight, conv1d_bias, dxBC, dxBC_given, seq_idx, init, spec)
+    del dxBC
+    yield dhalo  # on its way back
 
     ddA = fold.ddA_tail(ddA, ddA_next, ddA_cumsum_prev, ddA_chunk_cumsum)  # upstream's six small ops in one launch
     _, dA, ddt_bias = _chunk_state._chunk_cumsum_bwd(
@@ -496,18 +504,11 @@ class _SegmentState(torch.autograd.Function):
         # chunk's last-position gradient (the state passing's) puts it on every position of the chunk
         ddA += ddA_chunk.unsqueeze(-1)
 
-        dxBC_done, dweight, dbias, dinit = _conv_bwd_fn(
-            _conv_layout(xBC), conv1d_weight, conv1d_bias, _conv_layout(dxBC), seq_idx, init, None,
-            _conv_layout(dxBC_given), init is not None, _silu(spec),
-        )  # fmt: skip
-        dxBC_done = dxBC_done.transpose(1, 2)
-        if dxBC_done.data_ptr() != dxBC_given.data_ptr() or dxBC_done.stride() != dxBC_given.stride():
-            dxBC_given.copy_(dxBC_done)
-        del dxBC, dxBC_done
+        dweight, dbias, dhalo = _conv_bwd_into(xBC, conv1d_weight, conv1d_bias, dxBC, dxBC_given, seq_idx, init, spec)
+        del dxBC
         _, dA, ddt_bias = _chunk_state._chunk_cumsum_bwd(
             ddA, ddt, dt_raw.clone(), A, dt_bias=dt_bias, dt_softplus=True, dt_limit=spec.dt_limit, ddt=ddt_given
         )  # (the clone: upstream's workaround, as in segment_bwd)
-        dhalo = None if dinit is None else dinit.transpose(1, 2)
         return (
             None, None, dzxbcdt, dhalo, dweight, dbias, None if ddt_bias is None else ddt_bias.to(dt_bias.dtype),
             dA.to(A.dtype), dS_in.view_as(S_in).to(S_in.dtype),
