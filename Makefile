@@ -46,7 +46,8 @@ test: setup lint
 	@$(PY) -m pytest -m "not gpu and not slow" -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the test suite is missing"; exit 1; fi; exit $$rc
 
-# The CPU tests marked slow (long, each path also covered by a faster test that make test runs).
+# The CPU tests marked slow: long ones whose paths faster tests in make test cover, and the CPU smokes of the
+# benchmarks and probes (their GPU runs are the benchmarks themselves).
 test-slow: setup
 	$(PY) -m pytest -m "slow and not gpu" -q $(PYTEST_ARGS)
 

@@ -60,6 +60,7 @@ def cpu_run(tmp_path_factory):
         return out, json.load(f)
 
 
+@pytest.mark.slow  # a benchmark's CPU smoke, make test-slow (CI's two cores go to the package's own tests)
 def test_cpu_run_schema(cpu_run):
     _, data = cpu_run
     bench = _load_bench()
@@ -105,6 +106,7 @@ def test_cpu_run_schema(cpu_run):
         assert sp["pct_of_ideal"] > 0
 
 
+@pytest.mark.slow  # a benchmark's CPU smoke, make test-slow (CI's two cores go to the package's own tests)
 def test_report_renders(cpu_run, tmp_path):
     path, data = cpu_run
     prefix = tmp_path / "report"
@@ -214,6 +216,7 @@ def test_report_keeps_cells_of_one_length_in_different_tiles_apart():
     assert "8.10" in text and "13.40" in text, text
 
 
+@pytest.mark.slow  # a benchmark's CPU smoke, make test-slow (CI's two cores go to the package's own tests)
 def test_profile_host_cpu(tmp_path):
     """benchmarks/probes/profile_host.py on 2 gloo ranks: one profile per mode, naming the op's own code."""
     port = free_port()
@@ -260,6 +263,7 @@ def test_target_check_cp4_cp8():
         report.check_targets(report.Index(cp4 + cp8))
 
 
+@pytest.mark.slow  # a benchmark's CPU smoke, make test-slow (CI's two cores go to the package's own tests)
 def test_packed_cells_run_every_mode(cpu_run):
     """--docs-per-row 0,3: every cell twice, unpacked and with 3 documents per row, recorded as such."""
     _, data = cpu_run

@@ -22,6 +22,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.dist_utils import REPO
 
 # per segment, measured (see the module docstring)
@@ -33,6 +35,7 @@ BOUNDS = {
 NOT_IN_FORWARD = ("cat", "flip", "sum", "arange", "where", "index", "cumsum", "mul", "copy_")
 
 
+@pytest.mark.slow  # the launch counts' probe under Triton's interpreter (~30 s), make test-slow
 def test_launches_and_torch_ops_per_segment(tmp_path):
     out = tmp_path / "counts.json"
     cmd = [sys.executable, "benchmarks/probes/count_launches.py", "--seqlen", "64", "--tile-length", "32"]

@@ -8,11 +8,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.dist_utils import REPO
 
 SCRIPT = os.path.join(REPO, "benchmarks", "memory_table.py")
 
 
+@pytest.mark.slow  # a benchmark's CPU smoke, make test-slow (CI's two cores go to the package's own tests)
 def test_memory_table_cpu_path(tmp_path):
     out = tmp_path / "memory_cpu.json"
     # its own process: it initialises torch.distributed (one rank, for DeepSpeed), which must not leak into pytest's
