@@ -55,7 +55,7 @@
 #                against fp64 beside fla's own; TEST_TIMEOUT= seconds, 230), then benchmarks/bench_delta.py (state
 #                passing, ulysses, fla on the shard alone; BENCH_BUDGET= seconds of cells, 70; BYPASS=0 leaves fla's
 #                refused backward untimed, else it is timed with fla's Hopper check off, values unused;
-#                DELTA_BENCH_ARGS= more arguments, e.g. "--seqlens 32K --cps 2")
+#                DELTA_BENCH_ARGS= more arguments, e.g. "--seqlens 32K --cps 2"; BENCH_TIMEOUT= seconds, 150)
 # Results land in $OUT (JSON + Markdown + logs); copy them into benchmarks/results/ with the commit named.
 set -u
 commit=${1:?commit} stage=${2:?stage}
@@ -174,7 +174,7 @@ delta)
     B=(--git-commit "$commit" --budget-s "${BENCH_BUDGET:-70}" --out "$out/delta_${card:-gpu}x1.json")
     [ "${BYPASS:-1}" = 1 ] && B+=(--time-refused-backward)
     # shellcheck disable=SC2086
-    timeout 150 python3 benchmarks/bench_delta.py "${B[@]}" ${DELTA_BENCH_ARGS:-} > "$out/bench_delta.log" 2>&1
+    timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_delta.py "${B[@]}" ${DELTA_BENCH_ARGS:-} > "$out/bench_delta.log" 2>&1
     echo "bench_delta exit $?"; cat "$out/delta_${card:-gpu}x1.md" 2>/dev/null || tail -20 "$out/bench_delta.log" ;;
 *)
     echo "unknown stage $stage (tests, cells, pass_states, longest, offload, hf_long, collect, tiled_sp, delta)"; exit 2 ;;
