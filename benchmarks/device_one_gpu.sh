@@ -69,6 +69,11 @@ fi
 export MAMBA_DETERMINISTIC=1 TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
 out=${OUT:-/tmp/ds_mamba_spcp_out}
 mkdir -p "$out"
+# A fresh machine spends minutes compiling Triton kernels. SAVE_TC=1: the Triton cache comes back as $OUT/tc.tgz
+# (parts of 15 MiB, tc.tgz.aa, .ab, ...); put them in .tc/ (ignored: `echo /.tc/ >> .git/info/exclude`), carry
+# [".whl", ".tc"], and the next machine starts from that cache (same GPU architecture; the autotuning choices too).
+if [ ! -d /tmp/tc ] && ls .tc/tc.tgz.* >/dev/null 2>&1; then mkdir -p /tmp/tc && cat .tc/tc.tgz.* | tar xzf - -C /tmp/tc; fi
+[ "${SAVE_TC:-0}" = 1 ] && trap 'tar czf - -C /tmp/tc . 2>/dev/null | split -b 15M - "$out/tc.tgz."' EXIT
 case "$stage" in
 tests)
     files=${TESTS:-"test_gpu_conv test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_gpu_state_path test_prefill_gpu test_gpu test_gpu_shared test_hf_gpu test_accelerate"}
