@@ -136,14 +136,18 @@ def test_refusals_name_the_setting():
         chunk_gated_delta_rule_sp(q, k, v, g, beta, backend="triton")
 
 
-def _fake_fla(monkeypatch, hopper: bool, triton_3_7_1: bool, tilelang: bool) -> list:
+def _fake_fla(monkeypatch, hopper: bool, triton_3_7_1: bool, tilelang: bool, registry: list | None = None) -> list:
     """A stand-in for flash-linear-attention 0.6.0's modules that the fla backend reads (its kernels
     ``chunk_gated_delta_rule`` and ``chunk_kda``: the reference, recording (name, grad enabled, arguments) per call,
     ``chunk_kda`` with fla 0.6.0's signature and its checks of g's shape and the initial state's dtype; the flags of
-    ``fla/ops/common/chunk_o.py``; the TileLang backend's availability)."""
+    ``fla/ops/common/chunk_o.py``; the TileLang backend's availability). registry: a list, then ``fla.backends``
+    exists too (its ``register(operation)`` appends (operation, backend instance) there); else it does not."""
     import sys
     import types
 
+    from ds_mamba_spcp.ops import delta_dqkwg
+
+    monkeypatch.setattr(delta_dqkwg, "_installed", False)
     calls = []
 
     def kernel(*args, **kwargs):
@@ -181,6 +185,11 @@ def _fake_fla(monkeypatch, hopper: bool, triton_3_7_1: bool, tilelang: bool) -> 
                                        TRITON_ABOVE_3_7_1=triton_3_7_1),
         "fla.ops.common.backends": dict(CommonTileLangBackend=TileLang), "triton": dict(__version__="3.6.0"),
     }  # fmt: skip
+    if registry is not None:
+        mods["fla.backends"] = dict(BaseBackend=object, _DISPATCH_DISABLED=False,
+                                    register=lambda op: lambda cls: registry.append((op, cls())))  # fmt: skip
+    else:
+        monkeypatch.setitem(sys.modules, "fla.backends", None)  # an fla without the dispatch: ImportError
     for name, attrs in mods.items():
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs, __path__=[]))
     return calls
@@ -213,6 +222,37 @@ def test_fla_backend_refuses_a_backward_that_fla_refuses(monkeypatch):
         calls = _fake_fla(monkeypatch, hopper=True, **fixed)
         D.get_delta_backend("fla", "cuda")(*ins)
         assert _grads_enabled(calls) == [True], fixed
+
+
+def test_fla_backend_installs_its_stand_in_where_fla_refuses(monkeypatch):
+    """Where fla refuses its gated backward (Hopper, Triton 3.4-3.7.0, no TileLang) and has its dispatch, the fla
+    backend registers ops/delta_dqkwg.py's kernel with fla's "common" operations (once, after TileLang in priority)
+    and runs the call with gradients on fla; the registered verifier takes the gated calls alone and only where fla
+    refuses; DS_MAMBA_SPCP_FLA_DQKWG=0 keeps the refusal."""
+    from ds_mamba_spcp.ops import delta as D
+    from ds_mamba_spcp.ops import delta_dqkwg
+
+    ins = [t.float().requires_grad_() for t in _data(B=1, N=1)[:5]]
+    registry = []
+    calls = _fake_fla(monkeypatch, hopper=True, triton_3_7_1=False, tilelang=False, registry=registry)
+    D.get_delta_backend("fla", "cuda")(*ins)
+    D.get_delta_backend("fla", "cuda")(*ins)
+    assert _grads_enabled(calls) == [True, True]
+    assert [op for op, _ in registry] == ["common"]  # once
+    backend = registry[0][1]
+    assert backend.backend_type == delta_dqkwg.BACKEND_TYPE and backend.priority == 6
+    assert backend.chunk_bwd_dqkwg.__func__.__qualname__.endswith("TorchDqkwg.chunk_bwd_dqkwg")
+    args = [torch.zeros(1)] * 6
+    assert backend.chunk_bwd_dqkwg_verifier(*args, g=torch.zeros(1)) == (True, None)
+    assert backend.chunk_bwd_dqkwg_verifier(*args)[0] is False  # ungated: fla's kernel is right
+    assert backend.chunk_bwd_dqkwg_verifier(*args, g=torch.zeros(1), g_gamma=torch.zeros(1))[0] is False
+    _fake_fla(monkeypatch, hopper=True, triton_3_7_1=True, tilelang=False, registry=[])
+    assert backend.chunk_bwd_dqkwg_verifier(*args, g=torch.zeros(1))[0] is False  # fla's kernel runs correctly
+    _fake_fla(monkeypatch, hopper=True, triton_3_7_1=False, tilelang=False, registry=registry)
+    monkeypatch.setenv(delta_dqkwg.ENV, "0")
+    with pytest.raises(RuntimeError, match="issue 640.*DS_MAMBA_SPCP_FLA_DQKWG=0"):
+        D.get_delta_backend("fla", "cuda")(*ins)
+    assert len(registry) == 1
 
 
 def test_fla_backend_sends_a_per_channel_gate_to_chunk_kda(monkeypatch):

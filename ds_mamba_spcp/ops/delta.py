@@ -19,10 +19,12 @@ contract (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
                 ``lower_bound=None`` (no bound assumed on g), ``state_v_first=False`` (states K x V), ``chunk_size``
                 64 (its default); fla's FlashKDA forward (``fla/ops/kda/backends/flash_kda.py``) declines such a
                 call (it needs the gate and beta sigmoid in the kernel), so the Triton path runs.
-                The call passes through unchanged, except that a call that will need gradients is refused up front
-                where fla's backward refuses (``fla_backward_refusal``: for a gate per head, Hopper with Triton >= 3.4
-                and < 3.7.1 and no TileLang, fla's issue 640; never for a gate per key channel, whose backward does
-                not reach the refusing kernel), so that no rank reaches the backward to fail there.
+                The call passes through unchanged. fla refuses the per-head gate's backward on Hopper with Triton
+                >= 3.4 and < 3.7.1 (fla's issue 640: one miscompiled kernel, ``chunk_bwd_dqkwg``); there this
+                package registers that one kernel in plain PyTorch with fla's dispatch (``ops/delta_dqkwg.py``), so
+                the backward runs on fla with it. Where that is switched off (``DS_MAMBA_SPCP_FLA_DQKWG=0``) a call
+                that will need gradients is refused up front (``fla_backward_refusal``), so that no rank reaches
+                the backward to fail there. A gate per key channel never reaches that kernel.
                 Checked on one H100 (tests/test_gpu_delta.py, cp 2: the per-head gate's forward, KDA's forward and
                 backward).
     auto        fla for CUDA tensors when it imports, else the reference (with a warning on CUDA); also the
@@ -54,6 +56,10 @@ def fla_backward_refusal(per_channel: bool = False) -> str | None:
     TileLang backend (the ``tilelang`` package and a usable nvcc) takes the call. The same test, on fla's own flags;
     None where a flag is missing (another fla).
 
+    Where fla would refuse, this package's stand-in for that one kernel (``ops/delta_dqkwg.py``, plain PyTorch,
+    registered with fla's dispatch) is installed and the answer is None; still refused where
+    ``DS_MAMBA_SPCP_FLA_DQKWG=0`` or fla's dispatch is off (``FLA_DISABLE_BACKEND_DISPATCH=1``).
+
     A gate per key channel (``chunk_kda``, per_channel=True): None. fla 0.6.0's ``chunk_kda_bwd``
     (``fla/ops/kda/chunk_bwd.py``) runs ``chunk_gated_delta_rule_bwd_dhu`` (``fla/ops/common/chunk_delta_h.py``), its
     own ``chunk_kda_bwd_dAv``, ``chunk_kda_bwd_wy_dqkg_fused`` (TileLang's where it is usable, else Triton) and
@@ -62,12 +68,9 @@ def fla_backward_refusal(per_channel: bool = False) -> str | None:
     configs for ``state_v_first``, which is not used here)."""
     if per_channel:
         return None
-    import importlib
+    from ds_mamba_spcp.ops import delta_dqkwg
 
-    chunk_o = importlib.import_module("fla.ops.common.chunk_o")
-    flags = ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1")
-    hopper, above_3_4, above_3_7_1 = (getattr(chunk_o, name, None) for name in flags)
-    if not (hopper and above_3_4) or above_3_7_1 is None or above_3_7_1:
+    if not delta_dqkwg._refused_here():
         return None
     try:
         from fla.ops.common.backends import CommonTileLangBackend
@@ -76,12 +79,15 @@ def fla_backward_refusal(per_channel: bool = False) -> str | None:
             return None
     except ImportError:
         pass
+    if delta_dqkwg.install():  # the one refused kernel in PyTorch, through fla's own dispatch (ops/delta_dqkwg.py)
+        return None
     import triton
 
     return (
         f"flash-linear-attention refuses the gated delta rule's backward on this Hopper GPU with Triton "
         f"{triton.__version__} (>= 3.4 and < 3.7.1 compute wrong db and dg there: fla's issue 640) unless TileLang "
-        "(the tilelang package and nvcc) is installed"
+        f"(the tilelang package and nvcc) is installed, and {delta_dqkwg.ENV}=0 switched off this package's "
+        "stand-in for the refused kernel"
     )
 
 
@@ -109,8 +115,9 @@ def _fla(auto: bool = False) -> Callable:
             way_out = "Pass backend='reference' (plain PyTorch, slow)."
         elif refusals[per_channel] is not None and _needs_grad(q, k, v, g, beta, initial_state):
             why = f"{refusals[per_channel]}; this call needs gradients"
-            way_out = ("Install Triton >= 3.7.1 or tilelang, or pass backend='reference' (plain PyTorch, slow) for "
-                       "training; calls without gradients (torch.no_grad) run on fla.")  # fmt: skip
+            way_out = ("Install Triton >= 3.7.1 or tilelang, or leave DS_MAMBA_SPCP_FLA_DQKWG unset with fla 0.6.0, "
+                       "or pass backend='reference' (plain PyTorch, slow) for training; calls without gradients "
+                       "(torch.no_grad) run on fla.")  # fmt: skip
         if why is not None:
             if not auto:
                 raise RuntimeError(f"backend='fla': {why}. {way_out}")

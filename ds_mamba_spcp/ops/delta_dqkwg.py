@@ -1,0 +1,188 @@
+"""flash-linear-attention's gated ``chunk_bwd_dqkwg`` in plain PyTorch, for the machines where fla refuses its own.
+
+fla 0.6.0's gated delta-rule backward computes dq, dk, dw and the gate's gradient of each 64-token chunk in one Triton
+kernel (``chunk_bwd_dqkwg``, ``fla/ops/common/chunk_o.py``). On Hopper GPUs with Triton >= 3.4 and < 3.7.1 that
+kernel is miscompiled (fla's issue 640: a transpose of a tensor-core accumulator; dk comes out wrong, and with it dg
+and db), so fla raises there instead, unless TileLang (the ``tilelang`` package and nvcc) takes the call. PyTorch
+2.11 ships Triton 3.6, so every H100 and H200 with the current PyTorch has no gated delta-rule backward on fla.
+
+This module gives fla's dispatch (``fla.backends``, the same hook TileLang uses) one more backend for that function
+alone: ``chunk_bwd_dqkwg`` below, batched matrix products over the chunks (no Triton, so nothing of issue 640). The
+verifier takes exactly the calls fla would refuse (a gated call on Hopper with Triton in [3.4, 3.7.1)), after TileLang
+in priority, so nothing changes on a machine where fla's kernel runs. The rest of fla's backward (the state
+recurrence's backward, the WY representation's, the reverse cumsum) stays fla's. ``ops/delta.py`` installs it when
+fla's backend is built; ``DS_MAMBA_SPCP_FLA_DQKWG=0`` keeps fla's refusal (the op then falls back as before).
+
+What it computes, per chunk (c) and value head, with fla's conventions: g is the chunk-local cumulative gate in log2
+units (fla scales the natural-log cumsum by 1/ln 2, so exp2(g) is the decay), h the state entering the chunk (K x V,
+or V x K with ``state_v_first``), dh the loss's gradient with respect to the state the chunk leaves, v the chunk's
+v_new (``u - w h``), dv the gradient with respect to it, do the output's gradient. The chunk's part of the forward is
+
+    o_t     = scale * (exp2(g_t) q_t^T h  +  sum_{s <= t} exp2(g_t - g_s) (q_t . k_s) v_s)
+    h_out   = exp2(g_last) h  +  sum_s exp2(g_last - g_s) k_s v_s^T
+    v_new   = u - w h
+
+and the function returns the gradients of <do, o> + <dh, h_out> + <dv, v_new> with respect to q, k, w and the
+natural-log cumulative gate (dg; fla reverse-cumsums it afterwards), v, h, u held fixed. q and k heads serve
+HV / H value heads each (grouped), dq and dk are summed back over each group. Every product reads its operands
+rounded as fla's kernel does (h and dh to the activations' dtype, the intra-chunk score matrix ds to k's dtype) and
+accumulates in fp32 (fp64 for fp64 inputs, which makes the function exact against autograd:
+tests/test_delta_dqkwg.py). Memory: the chunks are processed in slices of about ``SLICE_ELEMENTS`` elements per
+gathered tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SLICE_ELEMENTS = 1 << 24  # per gathered (chunks, 64, heads, K) tensor of a slice: 64 MiB in fp32
+BACKEND_TYPE = "ds_mamba_spcp_torch"
+ENV = "DS_MAMBA_SPCP_FLA_DQKWG"
+
+
+def chunk_bounds(batch: int, seqlen: int, chunk_size: int, cu_seqlens, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) token offsets into the flattened (batch x seqlen) tokens of every chunk, in fla's chunk order
+    (row by row, or document by document of ``cu_seqlens``; a document's last chunk may be short)."""
+    if cu_seqlens is None:
+        cu = torch.arange(batch + 1, device=device, dtype=torch.long) * seqlen
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]
+    counts = (lengths + chunk_size - 1) // chunk_size
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
+    first = torch.cumsum(counts, 0) - counts
+    start = cu[doc] + (torch.arange(doc.numel(), device=device) - first[doc]) * chunk_size
+    return start, torch.minimum(start + chunk_size, cu[doc + 1])
+
+
+def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None, state_v_first=False,
+                    cu_seqlens=None, chunk_size=64, chunk_indices=None):  # fmt: skip
+    """fla 0.6.0's ``chunk_bwd_dqkwg`` contract, gated case: (dq, dk, dw or None, dg) (see the module docstring).
+
+    q, k (B, T, H, K); v, do, dv (B, T, HV, V); w (B, T, HV, K) or None; g (B, T, HV) fp32; h, dh (B, NT, HV, K, V)
+    (NT: the chunks of a row; B = 1 and NT every document's chunks with ``cu_seqlens``). ``chunk_indices`` is
+    fla's precomputed chunk list; the bounds are recomputed here from ``cu_seqlens`` (the same order)."""
+    if g is None or g_gamma is not None:
+        raise NotImplementedError("ds_mamba_spcp's chunk_bwd_dqkwg takes the gated case only (g given, no g_gamma)")
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    group = HV // H
+    scale = K**-0.5 if scale is None else scale
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    start, end = chunk_bounds(B, T, chunk_size, cu_seqlens, q.device)
+    n_chunks = start.numel()
+    if h.shape[0] * h.shape[1] != n_chunks:
+        raise ValueError(f"h holds {h.shape[0] * h.shape[1]} chunk states, the tokens make {n_chunks} chunks")
+    flat = lambda x, heads: x.reshape(B * T, heads, x.shape[-1])  # noqa: E731
+    qf, kf, vf, dof = flat(q, H), flat(k, H), flat(v, HV), flat(do, HV)
+    dvf = flat(dv, HV) if w is not None else None
+    gf = g.reshape(B * T, HV)
+    hf, dhf = h.reshape(n_chunks, *h.shape[2:]), dh.reshape(n_chunks, *dh.shape[2:])
+    if state_v_first:  # (V, K) states: to (K, V)
+        hf, dhf = hf.transpose(-1, -2), dhf.transpose(-1, -2)
+
+    dq = torch.zeros(B * T, HV, K, dtype=acc, device=q.device)
+    dk = torch.zeros_like(dq)
+    dw = torch.zeros_like(dq) if w is not None else None
+    dg = torch.zeros(B * T, HV, dtype=torch.float32 if acc == torch.float32 else acc, device=q.device)
+    offs = torch.arange(chunk_size, device=q.device)
+    causal = offs[:, None] >= offs[None, :]
+    step = max(1, SLICE_ELEMENTS // (chunk_size * HV * max(K, V)))
+    for a in range(0, n_chunks, step):
+        s, e = start[a : a + step], end[a : a + step]
+        n = s.numel()
+        idx = s[:, None] + offs  # (n, BT)
+        valid = idx < e[:, None]
+        idx = torch.where(valid, idx, (e - 1)[:, None])  # past a short chunk's end: its last token, masked below
+        live = valid[..., None, None].to(acc)
+
+        def gather(x, to=None, idx=idx, live=live):  # (n, BT, heads, dim) in acc, zero past a chunk's end
+            x = x[idx]
+            return (x if to is None else x.to(to)).to(acc) * live  # to: the rounding fla's kernel applies first
+
+        qc = gather(qf).repeat_interleave(group, dim=2)
+        kc = gather(kf).repeat_interleave(group, dim=2)
+        vc, doc = gather(vf), gather(dof)
+        gc = gf[idx].to(acc)  # (n, BT, HV)
+        hc, dhc = hf[a : a + step], dhf[a : a + step]  # (n, HV, K, V)
+        h_r, dh_r = hc.to(do.dtype).to(acc), dhc.to(v.dtype).to(acc)
+
+        last = e - s - 1  # each chunk's last token
+        g_last = gc[torch.arange(n, device=q.device), last]  # (n, HV)
+        dg_last = (hc.to(acc) * dhc.to(acc)).sum((-2, -1)) * torch.exp2(g_last)
+        dqc = torch.einsum("nthv,nhkv->nthk", doc, h_r) * (torch.exp2(gc) * scale)[..., None]
+        into_state = torch.where(valid[..., None], torch.exp2(g_last[:, None] - gc), 0)  # (n, BT, HV)
+        dkc = torch.einsum("nthv,nhkv->nthk", vc, dh_r) * into_state[..., None]
+        dg_last = dg_last + (dkc * kc).sum((1, 3))
+        if dw is not None:
+            dvc = gather(dvf, to=v.dtype)
+            dw[idx[valid]] = -torch.einsum("nthv,nhkv->nthk", dvc, hc.to(v.dtype).to(acc))[valid]
+
+        gt = gc.transpose(1, 2)  # (n, HV, BT)
+        mask = causal & valid[:, :, None] & valid[:, None, :]  # (n, t, s)
+        ds = torch.einsum("nthv,nshv->nhts", doc, vc)
+        ds = torch.where(mask[:, None], ds * torch.exp2(gt[..., :, None] - gt[..., None, :]), 0) * scale
+        ds = ds.to(k.dtype).to(acc)
+        dqc = dqc + torch.einsum("nhts,nshk->nthk", ds, kc)
+        dkc = dkc + torch.einsum("nhts,nthk->nshk", ds, qc)
+        dgc = (dqc * qc).sum(-1) - (dkc * kc).sum(-1)  # (n, BT, HV)
+        dgc[torch.arange(n, device=q.device), last] += dg_last
+
+        tokens = idx[valid]
+        dq[tokens], dk[tokens], dg[tokens] = dqc[valid], dkc[valid], dgc[valid].to(dg.dtype)
+
+    def heads(x, dtype):  # (B*T, HV, K) -> (B, T, H, K): the group of value heads each q/k head serves, summed
+        return x.view(B, T, H, group, K).sum(3).to(dtype)
+
+    dw = dw.view(B, T, HV, K).to(w.dtype) if dw is not None else None
+    return heads(dq, q.dtype), heads(dk, k.dtype), dw, dg.view(B, T, HV)
+
+
+def _refused_here() -> bool:
+    """fla's own test for refusing its gated kernel (``fla/ops/common/chunk_o.py``): Hopper, Triton in [3.4, 3.7.1)."""
+    import importlib
+
+    chunk_o = importlib.import_module("fla.ops.common.chunk_o")
+    hopper, above_3_4, above_3_7_1 = (getattr(chunk_o, f, None) for f in
+                                      ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1"))  # fmt: skip
+    return bool(hopper and above_3_4 and above_3_7_1 is False)
+
+
+_installed = False
+
+
+def install() -> bool:
+    """Registers ``chunk_bwd_dqkwg`` with fla's dispatch for the calls fla refuses (once); returns whether it is
+    registered. False where ``DS_MAMBA_SPCP_FLA_DQKWG=0`` or fla has no dispatch (another fla than 0.6.0)."""
+    global _installed
+    if _installed:
+        return True
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    try:
+        import fla.ops.common.chunk_o  # noqa: F401  (its dispatch table, "common", exists from here on)
+        from fla.backends import _DISPATCH_DISABLED, BaseBackend, register
+    except ImportError:
+        return False
+    if _DISPATCH_DISABLED:  # FLA_DISABLE_BACKEND_DISPATCH=1: fla calls its own kernel whatever is registered
+        return False
+
+    class TorchDqkwg(BaseBackend):
+        backend_type = BACKEND_TYPE
+        priority = 6  # after TileLang's (5): where TileLang takes the call, it keeps it
+
+        def chunk_bwd_dqkwg_verifier(self, q, k, v, do, h, dh, w=None, g=None, g_gamma=None, *args, **kwargs):
+            if g is None or g_gamma is not None:
+                return False, "the gated case only"
+            if not _refused_here():
+                return False, "fla's Triton kernel runs correctly here"
+            return True, None
+
+        def chunk_bwd_dqkwg(self, *args, **kwargs):
+            return chunk_bwd_dqkwg(*args, **kwargs)
+
+    register("common")(TorchDqkwg)
+    _installed = True
+    return True
