@@ -36,11 +36,12 @@
 #                DETACH=1: the run started detached (setsid nohup) and the stage returns at once: its JSON, Markdown
 #                and log under DETACH_DIR (/tmp/hf_detached, emptied first), the ranks' own logs in its work/; the
 #                limits then TRIAL_TIMEOUT= 1680 and STAGE_TIMEOUT= 1700 (the machine's 30 minutes); `collect` below
-#                  1 H200:   DETACH=1 LENGTHS=1048576 STEPS=3 BUDGET_GIB=16 NAME=hf_1m ... COMMIT hf_long
+#                  1 H200:   DETACH=1 LENGTHS=1048576 STEPS=3 BUDGET_GIB=8 NAME=hf_1m ... COMMIT hf_long
 #                PRESET= train_hf's preset (hf-bamba-2b). hf-qwen35-2b (issue 44: Qwen3.5-style, 2.00B, 3 Gated DeltaNet
-#                layers to 1 attention layer): the key's parts that apply (delta layers recomputed whole, their
-#                gradients on the op's PyTorch backend, ~281 KiB a token while one layer's recompute is held, measured
-#                on CPU: the longest is likely between 256K and 384K on one H200); the longest that trains 3 steps:
+#                layers to 1 attention layer): the key's parts that apply (delta layers recomputed whole; their
+#                backward on fla, with ops/delta_dqkwg.py where fla refuses its kernel: on the op's PyTorch backend
+#                before it, ~281 KiB a token while one layer's recompute is held, measured on CPU, and 80 s a step at
+#                65,536 tokens on one H100, benchmarks/results/hf_qwen35_a731f5c_h100x1/); the longest that trains 3 steps:
 #                  1 H200:   DETACH=1 PRESET=hf-qwen35-2b SEARCH="65536 1.5 1048576" STEPS=3 BUDGET_GIB=8
 #                            NAME=hf_qwen35_long ... COMMIT hf_long   (then `collect`)
 #   collect      waits up to WAIT_S= seconds (540) for the run DETACH=1 started, printing its new [train_hf] lines (the

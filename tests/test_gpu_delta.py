@@ -36,13 +36,15 @@ rounded again); one bf16 rounding costs a relative RMS of about 2^-9 / sqrt(3) ~
 closer to fp64 by construction; 2x keeps the check meaningful (a lost or leaked state is O(0.1-1), which the
 negative control must show: it must fail the o bound by 3x at least).
 
-Backward: fla 0.6.0 refuses its gated backward for a gate per head on Hopper with Triton < 3.7.1 (fla's issue 640;
-``ops/delta.py`` ``fla_backward_refusal``). There the forward is checked on fla (under ``torch.no_grad``) and the
-gradients on the plain-PyTorch reference backend (fp32 compute, bf16 in and out: the op's sharding and exchange in the
-backward at bf16's I/O, not fla's backward). KDA's backward is not refused (its kernels are others), so the kda_*
-gradients are fla's on every machine. The printed table names the backend of every row.
+Backward: fla 0.6.0 refuses its gated backward for a gate per head on Hopper with Triton < 3.7.1 (fla's issue 640).
+There ``ops/delta_dqkwg.py`` stands in for the one refused kernel (``ops/delta.py`` ``fla_backward_refusal`` installs
+it), so the gradients are fla's backward with it; ``test_gated_backward_on_fla_in_one_process`` checks that path
+alone in one process, beside fla's own (miscompiled) kernel for the record. With the stand-in switched off
+(``DS_MAMBA_SPCP_FLA_DQKWG=0``) the forward is checked on fla (under ``torch.no_grad``) and the gradients on the
+plain-PyTorch reference backend (fp32 compute, bf16 in and out). KDA's backward is not refused (its kernels are
+others), so the kda_* gradients are fla's on every machine. The printed table names the backend of every row.
 
-Not yet run on a GPU when the kda_* cases were written.
+Run on one H100 at cp 2 (all cases) and, before the kda_* cases, cp 4; the stand-in not yet on a GPU when written.
 """
 
 from __future__ import annotations
