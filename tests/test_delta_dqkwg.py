@@ -155,6 +155,7 @@ for name, kw in LAYOUTS.items():
     want = chunk_bwd_dqkwg(x["q"], x["k"], x["v"], x["do"], x["h"], x["dh"], w=x["w"], g=x["g"], dv=x["dv"],
                            scale=0.3, state_v_first=v_first, cu_seqlens=cu, chunk_size=16)
     got = call(x, cu, 0.3, v_first)
+    assert [(a.shape, a.dtype) for a in got] == [(b.shape, b.dtype) for b in want], name
     errs = [rel(a, b) for a, b in zip(got, want)]
     print(name, errs)
     worst = max(worst, *errs)
