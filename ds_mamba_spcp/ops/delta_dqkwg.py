@@ -86,7 +86,7 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     dq = torch.zeros(B * T, HV, K, dtype=acc, device=q.device)
     dk = torch.zeros_like(dq)
     dw = torch.zeros_like(dq) if w is not None else None
-    dg = torch.zeros(B * T, HV, dtype=torch.float32 if acc == torch.float32 else acc, device=q.device)
+    dg = torch.zeros(B * T, HV, dtype=acc, device=q.device)  # fp32 as fla's (fp64 for fp64 inputs)
     offs = torch.arange(chunk_size, device=q.device)
     causal = offs[:, None] >= offs[None, :]
     step = max(1, SLICE_ELEMENTS // (chunk_size * HV * max(K, V)))
