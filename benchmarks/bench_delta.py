@@ -351,12 +351,15 @@ def main(argv=None):
     if args.device == "cpu":
         backward = "the plain-PyTorch reference (smoke run)"
     else:
+        from ds_mamba_spcp.ops import delta_dqkwg
         from ds_mamba_spcp.ops.delta import fla_backward_refusal
 
         refusal = fla_backward_refusal()
         if refusal is not None:
             backward = ("fla with its check bypassed, timing only (values wrong: fla issue 640)"
                         if args.time_refused_backward else f"refused ({refusal})")  # fmt: skip
+        elif delta_dqkwg._installed:
+            backward = "fla, its refused chunk_bwd_dqkwg replaced by ops/delta_dqkwg.py (PyTorch)"
     payload = dict(schema=SCHEMA, header=header(args),
                    config=dict(seqlens=args.seqlens, cps=args.cps, heads=args.heads, head_dim=args.head_dim,
                                modes=args.modes, iters=args.iters, warmup=args.warmup, budget_s=args.budget_s,

@@ -83,8 +83,9 @@ DeltaNet layers and gated attention 3 : 1 (attention at layers 3, 7, ..., 23, 8 
 heads), delta layers of 16 key and 16 value heads of K = V = 128, conv 4, MLP 6144, vocab 151,936, untied head);
 ``hf-qwen35-tiny`` (its CPU smoke: 4 layers, attention at layer 3, vocab 256). On the long-context path the delta
 layers run this package's op (at ``--sp`` 1 too) and each is recomputed whole inside its decoder layer's checkpoint
-(no tiled delta layer: docs/huggingface.md, "Long context"); their gradients run on the op's plain-PyTorch backend
-on a Hopper GPU (flash-linear-attention 0.6.0 refuses its backward there with Triton 3.6).
+(no tiled delta layer: docs/huggingface.md, "Long context"); their backward runs on flash-linear-attention, on a
+Hopper GPU with Triton 3.6 with ``ops/delta_dqkwg.py`` in place of the one kernel fla 0.6.0 refuses there (before it,
+on the op's plain-PyTorch backend: benchmarks/results/hf_qwen35_a731f5c_h100x1/).
 """
 
 from __future__ import annotations
