@@ -37,7 +37,7 @@ import os
 
 import torch
 
-SLICE_ELEMENTS = 1 << 24  # per gathered (chunks, 64, heads, K) tensor of a slice: 64 MiB in fp32
+SLICE_ELEMENTS = 1 << 24  # per tensor of a slice ((chunks, 64, heads, V) or (chunks, heads, K, V)): 64 MiB in fp32
 BACKEND_TYPE = "ds_mamba_spcp_torch"
 ENV = "DS_MAMBA_SPCP_FLA_DQKWG"
 
@@ -89,7 +89,7 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     dg = torch.zeros(B * T, HV, dtype=acc, device=q.device)  # fp32 as fla's (fp64 for fp64 inputs)
     offs = torch.arange(chunk_size, device=q.device)
     causal = offs[:, None] >= offs[None, :]
-    step = max(1, SLICE_ELEMENTS // (chunk_size * HV * max(K, V)))
+    step = max(1, SLICE_ELEMENTS // (HV * max(chunk_size * max(K, V), K * V)))  # a chunk's tokens or its state
     for a in range(0, n_chunks, step):
         s, e = start[a : a + step], end[a : a + step]
         n = s.numel()
