@@ -9,6 +9,8 @@ association (a triangular solve per chunk against token-by-token updates): seen 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -253,6 +255,23 @@ def test_fla_backend_installs_its_stand_in_where_fla_refuses(monkeypatch):
     with pytest.raises(RuntimeError, match="issue 640.*DS_MAMBA_SPCP_FLA_DQKWG=0"):
         D.get_delta_backend("fla", "cuda")(*ins)
     assert len(registry) == 1
+
+
+def test_wrapped_delta_layers_install_the_stand_in_on_cuda(monkeypatch):
+    """Wrapping Gated DeltaNet layers (integrations/transformers/delta.py) installs the stand-in where fla refuses,
+    for transformers' own calls into fla: on a CUDA machine only, and nothing where fla is not installed."""
+    from ds_mamba_spcp.integrations.transformers import delta as adapter
+
+    registry = []
+    _fake_fla(monkeypatch, hopper=True, triton_3_7_1=False, tilelang=False, registry=registry)
+    monkeypatch.setattr(adapter.torch.cuda, "is_available", lambda: False)
+    adapter._install_fla_stand_in()
+    assert registry == []
+    monkeypatch.setattr(adapter.torch.cuda, "is_available", lambda: True)
+    adapter._install_fla_stand_in()
+    assert [op for op, _ in registry] == ["common"]
+    monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", None)  # fla not installed: ImportError, passed over
+    adapter._install_fla_stand_in()
 
 
 def test_fla_backend_sends_a_per_channel_gate_to_chunk_kda(monkeypatch):

@@ -627,6 +627,21 @@ def test_generate_and_deepcopy_after_wrapping():
     assert torch.equal(twin.generate(prompt, **kw), plain.generate(prompt, **kw))
 
 
+def test_wrapping_delta_layers_installs_the_fla_stand_in(monkeypatch):
+    """wrap_delta_layers asks for the stand-in of fla's refused kernel once it wraps a layer (delta.py
+    ``_install_fla_stand_in``, which acts on CUDA machines only: tests/test_delta_rule.py), and not for a model with
+    none left to wrap."""
+    from ds_mamba_spcp.config import load_mamba_sp_config
+    from ds_mamba_spcp.integrations.transformers import delta
+    from ds_mamba_spcp.integrations.transformers.adapter import _Sharding
+
+    asked = []
+    monkeypatch.setattr(delta, "_install_fla_stand_in", lambda: asked.append(1))
+    model, cfg = hf_models.build("qwen3_5", seed=3), load_mamba_sp_config(_section())
+    assert delta.wrap_delta_layers(model, lambda: _Sharding(None, cfg)) > 0 and asked == [1]
+    assert delta.wrap_delta_layers(model, lambda: _Sharding(None, cfg)) == 0 and asked == [1]
+
+
 def test_deepcopy_of_a_wrapped_delta_model():
     """A Gated DeltaNet layer's adapter (delta.py, layers.copy_adapter) is deep-copied with its layer: the copy's
     adapter drives the copy, and the copy generates the unwrapped model's tokens."""
@@ -638,6 +653,7 @@ def test_deepcopy_of_a_wrapped_delta_model():
     plain, wrapped = hf_models.build("qwen3_5", seed=3).eval(), hf_models.build("qwen3_5", seed=3).eval()
     cfg = load_mamba_sp_config(_section())
     assert wrap_delta_layers(wrapped, lambda: _Sharding(None, cfg)) > 0
+    assert wrap_delta_layers(wrapped, lambda: _Sharding(None, cfg)) == 0  # wrapped once
     twin = copy.deepcopy(wrapped)
     layers = [m for m in twin.modules() if MIXER_ATTR in m.__dict__]
     assert layers and all(m.__dict__[MIXER_ATTR].mixer is m for m in layers)

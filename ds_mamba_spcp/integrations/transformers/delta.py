@@ -22,6 +22,8 @@ DeltaNet families".
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -260,7 +262,22 @@ def wrap_delta_layers(model: nn.Module, make_sharding) -> int:
         check_delta_supported(m, make_sharding().config)
     for m in todo:
         install_adapter(m, DeltaAdapter(m, make_sharding()))
+    if todo:
+        _install_fla_stand_in()
     return len(todo)
+
+
+def _install_fla_stand_in() -> None:
+    """On a CUDA machine with flash-linear-attention: where fla 0.6.0 refuses its gated backward (Hopper, Triton
+    3.4-3.7.0), registers ``ops/delta_dqkwg.py`` with fla's dispatch (``ops.delta.fla_backward_refusal`` does), so
+    that transformers' own calls into fla train there too (a layer's original forward: padded rows at
+    ``sequence_parallel_size`` 1, an adapter switched off), not only this package's op, which installs it itself."""
+    if not torch.cuda.is_available():
+        return
+    from ds_mamba_spcp.ops.delta import fla_backward_refusal
+
+    with contextlib.suppress(ImportError):  # no fla: transformers runs its own PyTorch code
+        fla_backward_refusal()
 
 
 def check_delta_supported(m: nn.Module, cfg: MambaSequenceParallelConfig) -> None:
