@@ -358,7 +358,7 @@ def main(argv=None):
         if refusal is not None:
             backward = ("fla with its check bypassed, timing only (values wrong: fla issue 640)"
                         if args.time_refused_backward else f"refused ({refusal})")  # fmt: skip
-        elif delta_dqkwg._installed:
+        elif delta_dqkwg.installed():
             backward = "fla, its refused chunk_bwd_dqkwg replaced by ops/delta_dqkwg.py (PyTorch)"
     payload = dict(schema=SCHEMA, header=header(args),
                    config=dict(seqlens=args.seqlens, cps=args.cps, heads=args.heads, head_dim=args.head_dim,

@@ -23,7 +23,7 @@ from ds_mamba_spcp.ops import delta_dqkwg
 
 H, HV, K, V, BT = 2, 4, 8, 6, 16  # K != V: a transposed state shows; HV = 2 H: grouped heads
 EXACT = 1e-12  # fp64 against fp64: only the order of the sums differs
-BF16 = 2e-2  # bf16 operands (2^-9 relative each) through two products and a bf16 score matrix: ~1e-2 measured 3e-3
+BF16 = 2e-2  # bf16 operands (2^-9 relative each) through two products and a bf16 score matrix; measured 2.4e-3
 
 
 def rel(a, b):

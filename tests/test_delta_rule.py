@@ -251,10 +251,12 @@ def test_fla_backend_installs_its_stand_in_where_fla_refuses(monkeypatch):
     _fake_fla(monkeypatch, hopper=True, triton_3_7_1=True, tilelang=False, registry=[])
     assert backend.chunk_bwd_dqkwg_verifier(*args, g=torch.zeros(1))[0] is False  # fla's kernel runs correctly
     _fake_fla(monkeypatch, hopper=True, triton_3_7_1=False, tilelang=False, registry=registry)
-    monkeypatch.setenv(delta_dqkwg.ENV, "0")
+    monkeypatch.setattr(delta_dqkwg, "_installed", True)  # the same process as above (_fake_fla resets it)
+    monkeypatch.setenv(delta_dqkwg.ENV, "0")  # switched off after it was registered: fla's refusal again
+    assert backend.chunk_bwd_dqkwg_verifier(*args, g=torch.zeros(1))[0] is False
     with pytest.raises(RuntimeError, match="issue 640.*DS_MAMBA_SPCP_FLA_DQKWG=0"):
         D.get_delta_backend("fla", "cuda")(*ins)
-    assert len(registry) == 1
+    assert len(registry) == 1 and delta_dqkwg.installed()
 
 
 def test_wrapped_delta_layers_install_the_stand_in_on_cuda(monkeypatch):

@@ -33,6 +33,7 @@ gathered tensor.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -142,8 +143,6 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
 
 def _refused_here() -> bool:
     """fla's own test for refusing its gated kernel (``fla/ops/common/chunk_o.py``): Hopper, Triton in [3.4, 3.7.1)."""
-    import importlib
-
     chunk_o = importlib.import_module("fla.ops.common.chunk_o")
     hopper, above_3_4, above_3_7_1 = (getattr(chunk_o, f, None) for f in
                                       ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1"))  # fmt: skip
@@ -153,20 +152,31 @@ def _refused_here() -> bool:
 _installed = False
 
 
+def _switched_off() -> bool:
+    return os.environ.get(ENV, "1") == "0"
+
+
+def installed() -> bool:
+    """Whether ``install`` registered the stand-in with fla in this process."""
+    return _installed
+
+
 def install() -> bool:
     """Registers ``chunk_bwd_dqkwg`` with fla's dispatch for the calls fla refuses (once); returns whether it is
     registered. False where ``DS_MAMBA_SPCP_FLA_DQKWG=0`` or fla has no dispatch (another fla than 0.6.0)."""
     global _installed
+    if _switched_off():
+        return False
     if _installed:
         return True
-    if os.environ.get(ENV, "1") == "0":
-        return False
     try:
         import fla.ops.common.chunk_o  # noqa: F401  (its dispatch table, "common", exists from here on)
-        from fla.backends import _DISPATCH_DISABLED, BaseBackend, register
+        from fla.backends import BaseBackend, register
+
+        fla_backends = importlib.import_module("fla.backends")
     except ImportError:
         return False
-    if _DISPATCH_DISABLED:  # FLA_DISABLE_BACKEND_DISPATCH=1: fla calls its own kernel whatever is registered
+    if getattr(fla_backends, "_DISPATCH_DISABLED", False):  # FLA_DISABLE_BACKEND_DISPATCH=1: fla's kernel always
         return False
 
     class TorchDqkwg(BaseBackend):
@@ -176,6 +186,8 @@ def install() -> bool:
         def chunk_bwd_dqkwg_verifier(self, q, k, v, do, h, dh, w=None, g=None, g_gamma=None, *args, **kwargs):
             if g is None or g_gamma is not None:
                 return False, "the gated case only"
+            if _switched_off():  # switched off after it was registered: fla's own path (its refusal) again
+                return False, f"{ENV}=0"
             if not _refused_here():
                 return False, "fla's Triton kernel runs correctly here"
             return True, None
