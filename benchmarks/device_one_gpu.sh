@@ -4,7 +4,8 @@
 #   bash benchmarks/device_one_gpu.sh COMMIT STAGE
 # STAGE:
 #   tests        every one-GPU test file at once, one process each (TESTS= picks them, TEST_TIMEOUT= seconds each,
-#                520 by default; transformers 5.24 from .whl/extra when it is there)
+#                520 by default; transformers 5.24 from .whl/extra when it is there); ONE_CONFIG=1: each Triton
+#                autotuner runs its first config (a cold machine's minutes of tuning saved; tests only, never timings)
 #   cells        bench_mixer's one-GPU cells, eager and CUDA graph: 128K in 4 tiles of 32K, 32K in 2 tiles of 16K and
 #                in 4 of 8K, against mamba-ssm's op (the ideal column); RUNS= repeats (2 by default)
 #   pass_states  ops/pass_states.py's kernels alone against mamba-ssm's (benchmarks/probes/probe_state_passing.py)
@@ -53,7 +54,8 @@
 #                backward passes); L_shard 64K and 128K in tiles of 16K. TILED_ARGS= more arguments (e.g.
 #                "--shard-lengths 32K --tile 8K"); BENCH_BUDGET= seconds of cells (200)
 #   delta        the gated delta rule on fla (issue 44): tests/test_gpu_delta.py (cp 2 and 4 sharing the GPU, errors
-#                against fp64 beside fla's own; TEST_TIMEOUT= seconds, 230), then benchmarks/bench_delta.py (state
+#                against fp64 beside fla's own; the gated backward in one process; TEST_TIMEOUT= seconds, 230;
+#                DELTA_TEST_ARGS= pytest's, e.g. "-k one_process"; ONE_CONFIG=1 as for tests), then benchmarks/bench_delta.py (state
 #                passing, ulysses, fla on the shard alone; BENCH_BUDGET= seconds of cells, 70; BYPASS=0 leaves fla's
 #                refused backward untimed, else it is timed with fla's Hopper check off, values unused;
 #                DELTA_BENCH_ARGS= more arguments, e.g. "--seqlens 32K --cps 2"; BENCH_TIMEOUT= seconds, 150)
@@ -68,6 +70,11 @@ if ls .whl/extra/*.whl >/dev/null 2>&1; then
 fi
 fi
 export MAMBA_DETERMINISTIC=1 TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
+# ONE_CONFIG=1: the tests (stage tests, and delta's test) run every Triton autotuner's first config, untimed
+# (benchmarks/one_config/sitecustomize.py): a cold machine skips minutes of compiling fla's and mamba-ssm's tuning
+# configs. Never the timings: the benchmarks keep the tuned choice.
+tests_env=(env)
+[ "${ONE_CONFIG:-0}" = 1 ] && tests_env=(env DS_MAMBA_SPCP_ONE_CONFIG=1 "PYTHONPATH=$PWD/benchmarks/one_config:${PYTHONPATH:-}")
 out=${OUT:-/tmp/ds_mamba_spcp_out}
 mkdir -p "$out"
 # A fresh machine spends minutes compiling Triton kernels. SAVE_TC=1: the Triton cache comes back as $OUT/tc.tgz
@@ -79,7 +86,7 @@ case "$stage" in
 tests)
     files=${TESTS:-"test_gpu_conv test_gpu_graphs test_gpu_offload test_gpu_tiles test_gpu_tiled_block test_gpu_state_path test_prefill_gpu test_gpu test_gpu_shared test_hf_gpu test_accelerate"}
     for t in $files; do
-        timeout "${TEST_TIMEOUT:-520}" python3 -u -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1 &
+        timeout "${TEST_TIMEOUT:-520}" "${tests_env[@]}" python3 -u -m pytest -m gpu -q -s -p no:cacheprovider "tests/$t.py" > "$out/$t.log" 2>&1 &
     done
     wait
     for t in $files; do echo "$t: $(grep -E '[0-9]+ (passed|failed|error)' "$out/$t.log" | tail -1)"; done ;;
@@ -173,8 +180,9 @@ tiled_sp)
 delta)
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
     python3 -c "import fla, transformers; print('fla', fla.__version__, 'transformers', transformers.__version__)"
-    timeout "${TEST_TIMEOUT:-230}" python3 -u -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_delta.py \
-        > "$out/test_gpu_delta.log" 2>&1
+    # shellcheck disable=SC2086
+    timeout "${TEST_TIMEOUT:-230}" "${tests_env[@]}" python3 -u -m pytest -m gpu -q -s -p no:cacheprovider \
+        tests/test_gpu_delta.py ${DELTA_TEST_ARGS:-} > "$out/test_gpu_delta.log" 2>&1
     echo "test_gpu_delta exit $?: $(grep -E '[0-9]+ (passed|failed|error)' "$out/test_gpu_delta.log" | tail -1)"
     grep -E "^\[delta|OVER|^(case|none|permute|ulysses|bug|kda)" "$out/test_gpu_delta.log" | cut -c1-160
     B=(--git-commit "$commit" --budget-s "${BENCH_BUDGET:-70}" --out "$out/delta_${card:-gpu}x1.json")

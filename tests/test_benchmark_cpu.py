@@ -336,3 +336,29 @@ def test_bench_tiled_sp_cpu(tmp_path):
     assert ratio["shard_length"] == 64 and ratio["shared_over_sp1"] > 0 and ratio["turns_over_sp1"] > 0, ratio
     text = (tmp_path / "tiled_sp.md").read_text()
     assert "| shared / sp 1 |" in text and "| 64 | sp2_turns |" in text, text
+
+
+def test_one_config_sitecustomize_leaves_one_config(tmp_path):
+    """benchmarks/one_config (device_one_gpu.sh ONE_CONFIG=1): with its switch on, a fresh interpreter's autotuners
+    keep the first of their configs after the kernel's own pruning; with it off (the negative control), all three."""
+    code = """if True:
+        import triton, triton.language as tl
+        def prune(configs, nargs, **kw):  # the kernel's own pruning runs first
+            return configs[1:]
+        @triton.autotune(configs=[triton.Config({"B": b}) for b in (8, 16, 32, 64)], key=[],
+                         prune_configs_by={"early_config_prune": prune})
+        @triton.jit
+        def k(x, B: tl.constexpr):
+            pass
+        k.nargs = {}
+        print([c.kwargs["B"] for c in k.prune_configs({})])"""
+    script = tmp_path / "tuned.py"  # Triton reads a kernel's source from its file
+    script.write_text(code)
+    seen = {}
+    for switch in ("1", "0"):
+        env = {**_env(), "DS_MAMBA_SPCP_ONE_CONFIG": switch}
+        env["PYTHONPATH"] = os.path.join(REPO, "benchmarks", "one_config") + os.pathsep + env["PYTHONPATH"]
+        run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        seen[switch] = run.stdout.strip()
+    assert seen == {"1": "[16]", "0": "[16, 32, 64]"}, seen
