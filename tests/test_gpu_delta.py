@@ -223,12 +223,17 @@ def test_delta_rule_fla_ranks_sharing_one_gpu(world):
 
 
 def test_gated_backward_on_fla_in_one_process():
-    """The per-head gate's backward on fla, one process, one packed row (T tokens, the cp 2 cases' documents): every
-    gradient within the module's bound of the fp64 reference (sharded replaced by fla's whole-sequence run, whole by
-    the reference backend's bf16 run). Where fla 0.6.0 refuses its gated ``chunk_bwd_dqkwg`` (Hopper, Triton 3.4-3.7.0:
-    fla's issue 640), the backward runs with ``ops/delta_dqkwg.py`` in its place; beside it, for the record only (not
-    asserted: whether the miscompilation hits these shapes depends on the tuned config), fla's own kernel with its
-    check switched off. The CPU suite checks the stand-in exactly (tests/test_delta_dqkwg.py)."""
+    """The per-head gate's backward on fla, one process, one packed row (T tokens, the cp 2 cases' documents). Where
+    fla 0.6.0 refuses its gated ``chunk_bwd_dqkwg`` (Hopper, Triton 3.4-3.7.0: fla's issue 640), the backward runs
+    with ``ops/delta_dqkwg.py`` in its place. Bound: every tensor's relative RMS error against fp64 within twice the
+    largest of fla's errors on what the stand-in does not touch (the output and final state: fla's forward; the
+    initial state's gradient: its dh recurrence, which runs before chunk_bwd_dqkwg), i.e. the stand-in's gradients are
+    as accurate as fla's bf16 pipeline itself. (The reference backend, printed beside, is no yardstick: it runs the
+    recurrence in fp32 from the bf16 inputs, 1e-7 on the final state where fla's forward is 3e-3.) Printed beside, for
+    the record only (not asserted: whether the miscompilation hits these shapes depends on the tuned config), fla's own
+    kernel with its check switched off: on one H100 at 8033fb4 its dg was 2.2e-2 off, over this bound, the stand-in's
+    3.8e-3 (benchmarks/results/delta_8033fb4_h100x1/). The CPU suite checks the stand-in exactly
+    (tests/test_delta_dqkwg.py, with a negative control)."""
     import time
 
     import fla.ops.common.chunk_o as chunk_o
@@ -274,9 +279,9 @@ def test_gated_backward_on_fla_in_one_process():
             bypassed = errs(run("fla", repeat=True)[0])
         finally:
             chunk_o.TRITON_ABOVE_3_7_1 = real
-    print(f"{'tensor':<15} {'fla':>9} {'reference':>9} {'bound':>9} {'fla own kernel (issue 640)':>27}")
+    bound = 2 * max(fla_e[n] for n in ("o", "final", "dinitial_state"))  # fla without the stand-in: the docstring
+    print(f"bound {bound:.2e}\n{'tensor':<15} {'fla':>9} {'reference':>9} {'fla own kernel (issue 640)':>27}")
     for n in truth:
-        bound = 2 * ref_e[n] + FLOOR
-        own = f"{bypassed[n]:27.2e}" if bypassed else f"{'-':>27}"
-        print(f"{n:<15} {fla_e[n]:9.2e} {ref_e[n]:9.2e} {bound:9.2e} {own}{'  OVER' if fla_e[n] > bound else ''}")
-    assert all(fla_e[n] <= 2 * ref_e[n] + FLOOR for n in truth), "a gradient on fla is over its bound (OVER above)"
+        own = f"{bypassed[n]:27.2e}{'  (over)' if bypassed[n] > bound else ''}" if bypassed else f"{'-':>27}"
+        print(f"{n:<15} {fla_e[n]:9.2e} {ref_e[n]:9.2e} {own}{'  OVER' if fla_e[n] > bound else ''}")
+    assert all(fla_e[n] <= bound for n in truth), "a gradient on fla is over its bound (OVER above)"
