@@ -27,10 +27,11 @@ in the benchmark's processes only (``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1``
 their db and dg values are wrong there (issue 640) and nothing reads them. The JSON's config says which.
 
 Shapes: Qwen3.5's linear-attention layer (16 heads, K = V = 128; bf16 q, k, v, beta, fp32 g, q and k L2-normalised in
-the kernel). Budget: ``--budget-s`` seconds in all, shared evenly by the group sizes still to run; within one, the
-forward cells come first; a cell past its share is recorded "skipped". On a fresh machine Triton's compilation and
-fla's autotuning (per head count and V) take most of the first cells' time: forward+backward cells then need a
-larger budget or ``--passes forward_backward``.
+the kernel). Budget: ``--budget-s`` seconds in all, shared evenly by the group sizes still to run; within one, length
+by length, each length's forward cells then its forward+backward cells; a cell past its share is recorded "skipped".
+On a fresh machine Triton's compilation and fla's autotuning (per head count and V) take most of the first cells'
+time (one H100 at 8033fb4: 170 s went to the forward cells of two lengths and two group sizes, the pass order then
+forward first for every length).
 """
 
 from __future__ import annotations
@@ -209,8 +210,8 @@ def _group(rank: int, cp: int, args, deadline: float) -> list[dict]:
 
             importlib.import_module("fla.ops.common.chunk_o").TRITON_ABOVE_3_7_1 = True  # timing only: see docstring
     records = []
-    for pass_name in args.passes:
-        for L in args.seqlens:
+    for L in args.seqlens:  # each length's passes together: a short budget still times both at the first length
+        for pass_name in args.passes:
             for mode in args.modes:
                 rec = dict(seqlen=L, cp=cp, mode=mode, pass_=pass_name, status="ok")
                 records.append(rec)
