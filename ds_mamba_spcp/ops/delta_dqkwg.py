@@ -33,9 +33,9 @@ slice's fp32 sums rounded once as they are written.
 
 Measured on one H100 (benchmarks/results/delta_8033fb4_h100x1/): fla's gated backward with this function matches fp64
 as fla's own forward does (relative RMS 3.8e-3 on dg, where fla's own kernel, its check off, is 2.2e-2 off). Speed:
-fla's forward + backward of a 16K-token shard (16 heads of 128) takes 31.3 ms with it, the forward alone 0.8 ms, so
-this function dominates the backward (a Triton kernel free of issue 640's transpose would be the fast fix); the ~2B
-preset trains 65,536 tokens in 6.35 s a step with it, 80 s on this package's PyTorch backward before.
+fla's forward + backward of a 16K-token shard (16 heads of 128) takes 31.3 ms with it, the forward alone 0.8 ms; this
+function is likely most of the difference (not timed alone; a Triton kernel free of issue 640's transpose would be the
+fast fix); the ~2B preset trains 65,536 tokens in 6.35 s a step with it, 80 s on this package's PyTorch backward before.
 """
 
 from __future__ import annotations
