@@ -246,7 +246,7 @@ def test_gated_backward_on_fla_in_one_process():
     from tests.dist_utils import rel_err
 
     dev = torch.device("cuda", 0)
-    refused = delta_dqkwg._refused_here()
+    refused = delta_dqkwg.fla_refuses_here()
     assert fla_backward_refusal() is None, "the gated backward should run on fla (with the stand-in where refused)"
     x, up = inputs(True, 2, dev)
     cu = torch.tensor(cu_seqlens(2), device=dev)

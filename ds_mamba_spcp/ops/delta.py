@@ -25,8 +25,8 @@ contract (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
                 the backward runs on fla with it. Where that is switched off (``DS_MAMBA_SPCP_FLA_DQKWG=0``) a call
                 that will need gradients is refused up front (``fla_backward_refusal``), so that no rank reaches
                 the backward to fail there. A gate per key channel never reaches that kernel.
-                Checked on one H100 (tests/test_gpu_delta.py, cp 2: the per-head gate's forward, KDA's forward and
-                backward).
+                Checked on one H100 (tests/test_gpu_delta.py, cp 2 and 4: both gates, forward and backward, the
+                per-head gate's backward with the stand-in; benchmarks/results/delta_8033fb4_h100x1/).
     auto        fla for CUDA tensors when it imports, else the reference (with a warning on CUDA); also the
                 reference (warned once) for a call needing gradients where fla's backward refuses, and for K > 256
 
@@ -70,7 +70,7 @@ def fla_backward_refusal(per_channel: bool = False) -> str | None:
         return None
     from ds_mamba_spcp.ops import delta_dqkwg
 
-    if not delta_dqkwg._refused_here():
+    if not delta_dqkwg.fla_refuses_here():
         return None
     try:
         from fla.ops.common.backends import CommonTileLangBackend

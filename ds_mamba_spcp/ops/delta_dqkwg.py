@@ -150,7 +150,7 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     return dq.view(B, T, H, K), dk.view(B, T, H, K), dw, dg.view(B, T, HV)
 
 
-def _refused_here() -> bool:
+def fla_refuses_here() -> bool:
     """fla's own test for refusing its gated kernel (``fla/ops/common/chunk_o.py``): Hopper, Triton in [3.4, 3.7.1)."""
     chunk_o = importlib.import_module("fla.ops.common.chunk_o")
     hopper, above_3_4, above_3_7_1 = (getattr(chunk_o, f, None) for f in
@@ -197,7 +197,7 @@ def install() -> bool:
                 return False, "the gated case only"
             if _switched_off():  # switched off after it was registered: fla's own path (its refusal) again
                 return False, f"{ENV}=0"
-            if not _refused_here():
+            if not fla_refuses_here():
                 return False, "fla's Triton kernel runs correctly here"
             return True, None
 
