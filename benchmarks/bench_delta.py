@@ -22,9 +22,9 @@ forward+backward, the rank-maximum of each rank's median of ``--iters`` (CUDA ev
 Backward: fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (fla's issue 640; ``ops/delta.py``); there
 ``ops/delta_dqkwg.py`` stands in for the refused kernel, so the backward is timed as it trains. With that switched off
 (``DS_MAMBA_SPCP_FLA_DQKWG=0``) the forward+backward columns are "refused" unless ``--time-refused-backward``: fla's
-check is then switched off
-in the benchmark's processes only (``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1``) so its kernels run and are timed;
-their db and dg values are wrong there (issue 640) and nothing reads them. The JSON's config says which.
+check is then switched off in the benchmark's processes only (``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1``) so its
+kernels run and are timed; their db and dg values are wrong there (issue 640) and nothing reads them. The JSON's
+config says which.
 
 Shapes: Qwen3.5's linear-attention layer (16 heads, K = V = 128; bf16 q, k, v, beta, fp32 g, q and k L2-normalised in
 the kernel). Budget: ``--budget-s`` seconds in all, shared evenly by the group sizes still to run; within one, length
