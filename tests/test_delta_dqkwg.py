@@ -173,3 +173,48 @@ def test_matches_fla_kernel():
     done = subprocess.run([sys.executable, "-c", _FLA_CHECK], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+_KERNEL_CHECK = r"""
+import sys, torch
+import triton.runtime.autotuner as tuner
+tuner.Autotuner.prune_configs = lambda self, kwargs, *a: self.configs[:1]  # the interpreter cannot time configs
+import tests.test_delta_dqkwg as t
+from ds_mamba_spcp.ops import delta_dqkwg, delta_dqkwg_kernel
+
+def kernel(x, cu, v_first, dh):
+    start, end = delta_dqkwg.chunk_bounds(x["q"].shape[0], x["q"].shape[1], t.BT, cu, x["q"].device)
+    return delta_dqkwg_kernel.chunk_bwd_dqkwg(x["q"], x["k"], x["v"], x["do"], x["h"], dh, x["w"], x["g"], x["dv"],
+                                              0.3, v_first, start, end, t.BT)
+
+worst, control = 0.0, []
+# the two layouts, then K = 144 and V = 80: two blocks of K (dg summed over them) and two of V
+for name, kw, kv in [*((n, kw, None) for n, kw in t.LAYOUTS.items()), ("wide", dict(cu=[0, 20, 50]), (144, 80))]:
+    if kv:
+        t.K, t.V = kv
+    kw = dict(kw); v_first = kw.pop("v_first", False)
+    x, cu = t.case(dtype=torch.float32, v_first=v_first, **kw)
+    x = {n: v.float() for n, v in x.items()}
+    want = t.call(x, cu, 0.3, v_first)
+    got = kernel(x, cu, v_first, x["dh"])
+    assert [(a.shape, a.dtype) for a in got] == [(b.shape, b.dtype) for b in want], name
+    errs = [t.rel(a, b) for a, b in zip(got, want)]
+    late = kernel(x, cu, v_first, torch.roll(x["dh"], 1, dims=1))
+    control.append(t.rel(late[1], want[1]))
+    print(name, errs, "dh one chunk late: dk", control[-1])
+    worst = max(worst, *errs)
+sys.exit(0 if worst < 1e-5 and min(control) > 0.1 else 1)
+"""
+
+
+def test_triton_kernel_matches_under_the_interpreter():
+    """``ops/delta_dqkwg_kernel.py`` under Triton's interpreter (fp32: the interpreter has no bf16) against the
+    PyTorch function: 1e-5 (fp32 sums in another order, values of order 1-100); packed documents with short chunks,
+    batch rows with the state stored V x K, and K = 144, V = 80 (two blocks of each). Negative control: dh handed one
+    chunk late must move dk by 10% at least. The GPU check at bf16 and full size: tests/test_gpu_delta.py."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]

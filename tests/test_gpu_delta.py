@@ -282,6 +282,13 @@ def test_gated_backward_on_fla_in_one_process():
             bypassed = errs(run("fla", repeat=True)[0])
         finally:
             chunk_o.TRITON_ABOVE_3_7_1 = real
+    torch_fn = None
+    if refused:  # the stand-in's plain-PyTorch function in place of its Triton kernel (asserted as well)
+        os.environ[delta_dqkwg.ENV] = "torch"
+        try:
+            torch_fn = errs(run("fla", repeat=True)[0])
+        finally:
+            os.environ.pop(delta_dqkwg.ENV)
     dropped = None
     if refused:  # the negative control: the stand-in handed a zero dh (the state's gradient lost)
         stand_in = delta_dqkwg.chunk_bwd_dqkwg  # fla's dispatch reaches it through this module attribute
@@ -297,12 +304,78 @@ def test_gated_backward_on_fla_in_one_process():
         finally:
             delta_dqkwg.chunk_bwd_dqkwg = stand_in
     bound = 2 * max(fla_e[n] for n in ("o", "final", "dinitial_state"))  # fla without the stand-in: the docstring
-    print(f"bound {bound:.2e}\n{'tensor':<15} {'fla':>9} {'reference':>9} {'fla own kernel (issue 640)':>27} "
-          f"{'stand-in, dh dropped':>21}")  # fmt: skip
+    print(f"bound {bound:.2e}\n{'tensor':<15} {'fla':>9} {'fla+torch':>9} {'reference':>9} "
+          f"{'fla own kernel (issue 640)':>27} {'stand-in, dh dropped':>21}")  # fmt: skip
     for n in truth:
         own = f"{bypassed[n]:27.2e}{'  (over)' if bypassed[n] > bound else ''}" if bypassed else f"{'-':>27}"
         bug = f"{dropped[n]:21.2e}" if dropped else f"{'-':>21}"
-        print(f"{n:<15} {fla_e[n]:9.2e} {ref_e[n]:9.2e} {own} {bug}{'  OVER' if fla_e[n] > bound else ''}")
+        alt = f"{torch_fn[n]:9.2e}" if torch_fn else f"{'-':>9}"
+        over = fla_e[n] > bound or (torch_fn and torch_fn[n] > bound)
+        print(f"{n:<15} {fla_e[n]:9.2e} {alt} {ref_e[n]:9.2e} {own} {bug}{'  OVER' if over else ''}")
     assert all(fla_e[n] <= bound for n in truth), "a gradient on fla is over its bound (OVER above)"
+    assert not torch_fn or all(torch_fn[n] <= bound for n in truth), "the PyTorch stand-in is over (OVER above)"
     if dropped:
         assert max(dropped.values()) > NEGATIVE_FACTOR * bound, "the negative control (dh dropped) is within the bound"
+
+
+def test_dqkwg_kernel_against_the_pytorch_function():
+    """``ops/delta_dqkwg_kernel.py`` (the Triton kernel, the stand-in's default on a GPU) against
+    ``delta_dqkwg.chunk_bwd_dqkwg`` in plain PyTorch on the same bf16 values (fla's dtypes: q, k, v, do, dv, h, dh
+    bf16, g fp32), a packed row of 8192 tokens at this file's head layout, both layouts of the state. The yardstick
+    is the PyTorch function in fp64 on those values (exact: tests/test_delta_dqkwg.py); bound: the kernel within
+    twice the PyTorch function's own bf16 error plus 1e-3 (both round at the same points; the kernel forms ds^T by a
+    second product, whose bf16 rounding can differ by an ulp from the transpose of ds). Negative control: the kernel
+    handed dh one chunk late must miss dk by 3x the bound."""
+    import math
+
+    from ds_mamba_spcp.ops import delta_dqkwg, delta_dqkwg_kernel
+    from tests.dist_utils import rel_err
+
+    dev = torch.device("cuda", 0)
+    L, BT = 2 * T, 64
+    cu = torch.tensor(cu_seqlens(4, L), device=dev)
+    g = torch.Generator(device=dev).manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g, device=dev)  # noqa: E731
+    start, end = delta_dqkwg.chunk_bounds(1, L, BT, cu, dev)
+    n = start.numel()
+    gate = torch.zeros(1, L, H, device=dev)
+    raw = -0.05 * torch.rand(1, L, H, generator=g, device=dev)
+    for s, e in zip(start.tolist(), end.tolist()):  # fla's chunk-local cumulative gate, log2 units
+        gate[:, s:e] = raw[:, s:e].cumsum(1) / math.log(2)
+    worst = {}
+    for v_first in (False, True):
+        state = (1, n, H, V, K) if v_first else (1, n, H, K, V)
+        x = dict(q=r(1, L, HK, K), k=r(1, L, HK, K), v=r(1, L, H, V), do=r(1, L, H, V), h=r(*state), dh=r(*state),
+                 w=r(1, L, H, K), dv=r(1, L, H, V))  # fmt: skip
+        x = {k_: t.bfloat16() for k_, t in x.items()}
+        kw = dict(g=gate, scale=K**-0.5, state_v_first=v_first, cu_seqlens=cu, chunk_size=BT)
+
+        def torch_fn(y, kw=kw, **over):
+            y = {**y, **over}
+            old = os.environ.get(delta_dqkwg.ENV)
+            os.environ[delta_dqkwg.ENV] = "torch"
+            try:
+                return delta_dqkwg.chunk_bwd_dqkwg(y["q"], y["k"], y["v"], y["do"], y["h"], y["dh"], w=y["w"],
+                                                   dv=y["dv"], **kw)  # fmt: skip
+            finally:
+                os.environ.pop(delta_dqkwg.ENV) if old is None else os.environ.__setitem__(delta_dqkwg.ENV, old)
+
+        def kernel(y, v_first=v_first, **over):
+            y = {**y, **over}
+            return delta_dqkwg_kernel.chunk_bwd_dqkwg(y["q"], y["k"], y["v"], y["do"], y["h"], y["dh"], y["w"], gate,
+                                                      y["dv"], K**-0.5, v_first, start, end, BT)  # fmt: skip
+
+        exact = torch_fn({k_: t.double() for k_, t in x.items()})
+        assert delta_dqkwg.kernel_applies(x["q"], BT)
+        got, ref = kernel(x), torch_fn(x)
+        late = kernel(x, dh=torch.roll(x["dh"], 1, dims=1))
+        names = ("dq", "dk", "dw", "dg")
+        assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in ref]
+        for name, a, b, c, e in zip(names, got, ref, late, exact):
+            k_err, t_err, l_err = rel_err(a, e), rel_err(b, e), rel_err(c, e)
+            bound = 2 * t_err + 1e-3
+            print(f"[dqkwg kernel] v_first={v_first} {name}: kernel {k_err:.2e} pytorch {t_err:.2e} bound {bound:.2e}"
+                  f" dh-late control {l_err:.2e}")  # fmt: skip
+            worst[(v_first, name)] = (k_err, bound, l_err)
+    assert all(k_err <= bound for k_err, bound, _ in worst.values()), worst
+    assert all(worst[(vf, "dk")][2] > NEGATIVE_FACTOR * worst[(vf, "dk")][1] for vf in (False, True)), worst

@@ -83,6 +83,11 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     n_chunks = start.numel()
     if h.shape[0] * h.shape[1] != n_chunks:
         raise ValueError(f"h holds {h.shape[0] * h.shape[1]} chunk states, the tokens make {n_chunks} chunks")
+    if kernel_applies(q, chunk_size):  # the Triton kernel (ops/delta_dqkwg_kernel.py), the same contract
+        from ds_mamba_spcp.ops import delta_dqkwg_kernel
+
+        return delta_dqkwg_kernel.chunk_bwd_dqkwg(q, k, v, do, h, dh, w, g, dv, scale, state_v_first, start, end,
+                                                  chunk_size)  # fmt: skip
     flat = lambda x, heads: x.reshape(B * T, heads, x.shape[-1])  # noqa: E731
     qf, kf, vf, dof = flat(q, H), flat(k, H), flat(v, HV), flat(do, HV)
     dvf = flat(dv, HV) if w is not None else None
@@ -148,6 +153,13 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
 
     dw = dw.view(B, T, HV, K) if dw is not None else None
     return dq.view(B, T, H, K), dk.view(B, T, H, K), dw, dg.view(B, T, HV)
+
+
+def kernel_applies(q: torch.Tensor, chunk_size: int) -> bool:
+    """Whether the call runs the Triton kernel: a CUDA tensor of 16 or 32 bits, fla's power-of-two chunks, and
+    ``DS_MAMBA_SPCP_FLA_DQKWG`` not ``torch`` (which keeps the plain-PyTorch function, its reference)."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and chunk_size >= 16
+            and chunk_size & (chunk_size - 1) == 0 and os.environ.get(ENV, "1") != "torch")  # fmt: skip
 
 
 def fla_refuses_here() -> bool:
