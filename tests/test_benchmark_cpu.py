@@ -362,3 +362,21 @@ def test_one_config_sitecustomize_leaves_one_config(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
         seen[switch] = run.stdout.strip()
     assert seen == {"1": "[16]", "0": "[16, 32, 64]"}, seen
+
+
+def test_bench_dqkwg_cpu(tmp_path):
+    """benchmarks/bench_dqkwg.py --device cpu: the PyTorch function's cell timed, the CUDA cells recorded "n/a" with
+    why (not errors), the JSON's schema and the Markdown's row. Times mean nothing here."""
+    out = tmp_path / "dqkwg.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_dqkwg.py"), "--device", "cpu", "--out", str(out),
+           "--iters", "2", "--warmup", "1", "--git-commit", "test"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (
+        f"bench_dqkwg failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
+    data = json.loads(out.read_text())
+    assert data["schema"] == "ds_mamba_spcp.bench_dqkwg/1" and data["header"]["git_commit"] == "test"
+    cells = {r["cell"]: r for r in data["records"]}
+    assert cells["dqkwg_pytorch"]["status"] == "ok" and len(cells["dqkwg_pytorch"]["times_ms"]) == 2
+    assert all(cells[c]["status"] == "n/a" and "CUDA" in cells[c]["reason"] for c in cells if c != "dqkwg_pytorch")
+    assert "| 256 | n/a |" in (tmp_path / "dqkwg.md").read_text()
