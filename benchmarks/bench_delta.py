@@ -360,7 +360,7 @@ def main(argv=None):
             backward = ("fla with its check bypassed, timing only (values wrong: fla issue 640)"
                         if args.time_refused_backward else f"refused ({refusal})")  # fmt: skip
         elif delta_dqkwg.installed():
-            how = "its PyTorch function" if os.environ.get(delta_dqkwg.ENV) == "torch" else "its Triton kernel"
+            how = {"torch": "its PyTorch function", "triton": "its Triton kernel"}[delta_dqkwg.implementation()]
             backward = f"fla, its refused chunk_bwd_dqkwg replaced by ops/delta_dqkwg.py ({how})"
     payload = dict(schema=SCHEMA, header=header(args),
                    config=dict(seqlens=args.seqlens, cps=args.cps, heads=args.heads, head_dim=args.head_dim,

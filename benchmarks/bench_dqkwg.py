@@ -13,7 +13,7 @@ of ``--iters`` (CUDA events) after ``--warmup`` calls (the first compiles and tu
                        [3.4, 3.7.1)) its check is switched off for this cell alone: miscompiled values (fla's issue
                        640), time only
     layer_kernel       fla's ``chunk_gated_delta_rule`` forward + backward (q, k L2-normalised in the kernel) with
-                       the stand-in's Triton kernel (the default)
+                       the stand-in's Triton kernel (``DS_MAMBA_SPCP_FLA_DQKWG=triton``)
     layer_pytorch      the same with ``DS_MAMBA_SPCP_FLA_DQKWG=torch`` (the PyTorch function)
 
 Shapes: Qwen3.5's linear-attention heads (8 query/key heads serving 16 value heads, K = V = 128), as
@@ -152,9 +152,9 @@ def _cell(name: str, L: int, args, device):
                     chunk_o.TRITON_ABOVE_3_7_1 = real
 
             return fla_own, None
-        if name == "dqkwg_kernel" and not delta_dqkwg.kernel_applies(x["q"], BT):
+        if name == "dqkwg_kernel" and not cuda:
             return None, "needs CUDA"
-        mode = None if name == "dqkwg_kernel" else "torch"
+        mode = "triton" if name == "dqkwg_kernel" else "torch"
 
         def ours():
             with _env(mode):
@@ -170,7 +170,7 @@ def _cell(name: str, L: int, args, device):
     if fla_backward_refusal() is not None:
         return None, f"fla's backward refused: {fla_backward_refusal()}"
     x, do = _layer_inputs(L, args.heads, device)
-    mode = None if name == "layer_kernel" else "torch"
+    mode = "triton" if name == "layer_kernel" else "torch"
 
     def layer():
         with _env(mode):

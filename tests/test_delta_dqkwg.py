@@ -218,3 +218,17 @@ def test_triton_kernel_matches_under_the_interpreter():
     done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+def test_implementation_choice(monkeypatch):
+    """``DS_MAMBA_SPCP_FLA_DQKWG`` picks the PyTorch function or the Triton kernel; unset, the default; a CPU tensor
+    never takes the kernel; a misspelt value is refused, not read as the default."""
+    monkeypatch.delenv(delta_dqkwg.ENV, raising=False)
+    assert delta_dqkwg.implementation() == delta_dqkwg.DEFAULT
+    for value in ("torch", "triton"):
+        monkeypatch.setenv(delta_dqkwg.ENV, value)
+        assert delta_dqkwg.implementation() == value
+    assert not delta_dqkwg.kernel_applies(torch.zeros(1), 64)  # "triton" still set: CPU tensors take the function
+    monkeypatch.setenv(delta_dqkwg.ENV, "trition")
+    with pytest.raises(ValueError, match="expected torch, triton"):
+        delta_dqkwg.implementation()

@@ -47,7 +47,8 @@ import torch
 
 SLICE_ELEMENTS = 1 << 24  # per tensor of a slice ((chunks, 64, heads, V) or (chunks, heads, K, V)): 64 MiB in fp32
 BACKEND_TYPE = "ds_mamba_spcp_torch"
-ENV = "DS_MAMBA_SPCP_FLA_DQKWG"
+ENV = "DS_MAMBA_SPCP_FLA_DQKWG"  # "torch" / "triton": which of the two computes the call; "0": fla's refusal stands
+DEFAULT = "torch"  # the Triton kernel is opt-in until its GPU check (tests/test_gpu_delta.py) has passed on Hopper
 
 
 def chunk_bounds(batch: int, seqlen: int, chunk_size: int, cu_seqlens, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,11 +156,20 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     return dq.view(B, T, H, K), dk.view(B, T, H, K), dw, dg.view(B, T, HV)
 
 
+def implementation() -> str:
+    """Which computes a call: "torch" (the plain-PyTorch function) or "triton" (ops/delta_dqkwg_kernel.py);
+    ``DS_MAMBA_SPCP_FLA_DQKWG`` where it names one, else ``DEFAULT``."""
+    chosen = os.environ.get(ENV, "1")
+    if chosen not in ("1", "0", "torch", "triton"):
+        raise ValueError(f"{ENV}={chosen!r}: expected torch, triton, 0 (off) or 1 (the default, {DEFAULT})")
+    return chosen if chosen in ("torch", "triton") else DEFAULT
+
+
 def kernel_applies(q: torch.Tensor, chunk_size: int) -> bool:
-    """Whether the call runs the Triton kernel: a CUDA tensor of 16 or 32 bits, fla's power-of-two chunks, and
-    ``DS_MAMBA_SPCP_FLA_DQKWG`` not ``torch`` (which keeps the plain-PyTorch function, its reference)."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and chunk_size >= 16
-            and chunk_size & (chunk_size - 1) == 0 and os.environ.get(ENV, "1") != "torch")  # fmt: skip
+    """Whether the call runs the Triton kernel: ``implementation()`` is "triton", a CUDA tensor of 16 or 32 bits,
+    fla's power-of-two chunks (anything else: the PyTorch function)."""
+    return (implementation() == "triton" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0)  # fmt: skip
 
 
 def fla_refuses_here() -> bool:
