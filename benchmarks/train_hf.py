@@ -789,7 +789,8 @@ def environment(args) -> dict:
     header = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
                   torch=torch.__version__, git_commit=args.git_commit, command=command,
                   pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                  mamba_deterministic=os.environ.get("MAMBA_DETERMINISTIC"))  # fmt: skip
+                  mamba_deterministic=os.environ.get("MAMBA_DETERMINISTIC"),
+                  fla_dqkwg=os.environ.get("DS_MAMBA_SPCP_FLA_DQKWG"))  # fmt: skip
     for dist in ("transformers", "deepspeed", "accelerate", "trl", "mamba-ssm"):
         try:
             header[dist] = importlib.metadata.version(dist)
