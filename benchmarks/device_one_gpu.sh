@@ -41,9 +41,10 @@
 #                PRESET= train_hf's preset (hf-bamba-2b). hf-qwen35-2b (issue 44: Qwen3.5-style, 2.00B, 3 Gated DeltaNet
 #                layers to 1 attention layer): the key's parts that apply (delta layers recomputed whole; their
 #                backward on fla, with ops/delta_dqkwg.py where fla refuses its kernel: one H100 trains 65,536 tokens
-#                at 6.35 s a step (80 s on the op's PyTorch backward before it) and 196,608 at most,
-#                benchmarks/results/hf_qwen35_8033fb4_h100x1/); the longest that trains 3 steps:
-#                  1 H200:   DETACH=1 PRESET=hf-qwen35-2b SEARCH="196608 1.5 1048576" STEPS=3 BUDGET_GIB=8
+#                at 6.35 s a step with its PyTorch function (80 s on the op's PyTorch backward before it), and with
+#                its Triton kernel 212,992 at most, 24.6 s a step, benchmarks/results/dqkwg_0b0ba72_h100x1/); the
+#                longest that trains 3 steps:
+#                  1 H200:   DETACH=1 PRESET=hf-qwen35-2b SEARCH="229376 1.25 1048576" STEPS=3 BUDGET_GIB=8
 #                            NAME=hf_qwen35_long ... COMMIT hf_long   (then `collect`)
 #   collect      waits up to WAIT_S= seconds (540) for the run DETACH=1 started, printing its new [train_hf] lines (the
 #                driver's and rank 0's, its steps) every POLL_S= seconds (20), then copies its JSON, Markdown and logs

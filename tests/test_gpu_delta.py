@@ -45,7 +45,9 @@ plain-PyTorch reference backend (fp32 compute, bf16 in and out). KDA's backward 
 others), so the kda_* gradients are fla's on every machine. The printed table names the backend of every row.
 
 Run on one H100 at 8033fb4: cp 2 and cp 4, every case, passed (benchmarks/results/delta_8033fb4_h100x1/); the
-one-process check then failed on its former bound (its docstring), and has not run on a GPU with the present one.
+one-process check then failed on its former bound (its docstring). At 0b0ba72 on one H100
+(benchmarks/results/dqkwg_0b0ba72_h100x1/): the one-process check passed with its present bound (with either of the
+stand-in's implementations), the Triton kernel's check passed, and cp 2 and 4 passed again with the kernel.
 """
 
 from __future__ import annotations
