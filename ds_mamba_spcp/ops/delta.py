@@ -21,10 +21,11 @@ contract (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
                 call (it needs the gate and beta sigmoid in the kernel), so the Triton path runs.
                 The call passes through unchanged. fla refuses the per-head gate's backward on Hopper with Triton
                 >= 3.4 and < 3.7.1 (fla's issue 640: one miscompiled kernel, ``chunk_bwd_dqkwg``); there this
-                package registers that one kernel in plain PyTorch with fla's dispatch (``ops/delta_dqkwg.py``), so
-                the backward runs on fla with it. Where that is switched off (``DS_MAMBA_SPCP_FLA_DQKWG=0``) a call
-                that will need gradients is refused up front (``fla_backward_refusal``), so that no rank reaches
-                the backward to fail there. A gate per key channel never reaches that kernel.
+                package registers that one kernel (a Triton kernel of its own, ``ops/delta_dqkwg.py``) with fla's
+                dispatch, so the backward runs on fla with it. Where that is switched off
+                (``DS_MAMBA_SPCP_FLA_DQKWG=0``) a call that will need gradients is refused up front
+                (``fla_backward_refusal``), so that no rank reaches the backward to fail there. A gate per key
+                channel never reaches that kernel.
                 Checked on one H100 (tests/test_gpu_delta.py, cp 2 and 4: both gates, forward and backward, the
                 per-head gate's backward with the stand-in; benchmarks/results/delta_8033fb4_h100x1/).
     auto        fla for CUDA tensors when it imports, else the reference (with a warning on CUDA); also the
@@ -56,8 +57,8 @@ def fla_backward_refusal(per_channel: bool = False) -> str | None:
     TileLang backend (the ``tilelang`` package and a usable nvcc) takes the call. The same test, on fla's own flags;
     None where a flag is missing (another fla).
 
-    Where fla would refuse, this package's stand-in for that one kernel (``ops/delta_dqkwg.py``, plain PyTorch,
-    registered with fla's dispatch) is installed and the answer is None; still refused where
+    Where fla would refuse, this package's stand-in for that one kernel (``ops/delta_dqkwg.py``, a Triton kernel
+    with a PyTorch reference, registered with fla's dispatch) is installed and the answer is None; still refused where
     ``DS_MAMBA_SPCP_FLA_DQKWG=0`` or fla's dispatch is off (``FLA_DISABLE_BACKEND_DISPATCH=1``).
 
     A gate per key channel (``chunk_kda``, per_channel=True): None. fla 0.6.0's ``chunk_kda_bwd``
@@ -79,7 +80,7 @@ def fla_backward_refusal(per_channel: bool = False) -> str | None:
             return None
     except ImportError:
         pass
-    if delta_dqkwg.install():  # the one refused kernel in PyTorch, through fla's own dispatch (ops/delta_dqkwg.py)
+    if delta_dqkwg.install():  # the one refused kernel, through fla's own dispatch (ops/delta_dqkwg.py)
         return None
     import triton
 
