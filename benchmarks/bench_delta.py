@@ -167,6 +167,11 @@ def _time(fn, iters: int, warmup: int, cuda: bool) -> list[float]:
         step_s = _rank_max(time.perf_counter() - t0)
         iters = max(2, min(iters, int(2.5 / max(step_s, 1e-6))))
     torch.distributed.barrier()
+    return measure_ms(fn, iters, cuda)
+
+
+def measure_ms(fn, iters: int, cuda: bool) -> list[float]:
+    """Each of ``iters`` calls' milliseconds: CUDA events on a GPU, the wall clock on a CPU."""
     times = []
     for _ in range(iters):
         if cuda:

@@ -38,6 +38,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_delta import measure_ms  # noqa: E402
 from bench_mixer import _fmt_len, _parse_len, provenance, versions, write_json  # noqa: E402  (shared with bench_mixer)
 
 from ds_mamba_spcp.ops import delta_dqkwg  # noqa: E402
@@ -114,21 +115,9 @@ def _layer_inputs(L: int, heads, device, seed: int = 1):
 def _time(fn, iters: int, warmup: int, cuda: bool) -> list[float]:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    if cuda:
+        torch.cuda.synchronize()
+    return measure_ms(fn, iters, cuda)
 
 
 def _cell(name: str, L: int, args, device):
