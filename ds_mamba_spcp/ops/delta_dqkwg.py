@@ -7,15 +7,14 @@ and db), so fla raises there instead, unless TileLang (the ``tilelang`` package 
 2.11 ships Triton 3.6, so every H100 and H200 with the current PyTorch has no gated delta-rule backward on fla.
 
 This module gives fla's dispatch (``fla.backends``, the same hook TileLang uses) one more backend for that function
-alone: ``chunk_bwd_dqkwg`` below, computed by one of two implementations of the same contract. "triton" (the
-default on CUDA): ``ops/delta_dqkwg_kernel.py``, a kernel of this package computing what fla's does, in which nothing
-transposed is a product (issue 640's trigger). "torch": batched matrix products over the chunks in plain PyTorch, the
-reference the kernel is checked against (and the path for fp64 or CPU tensors). ``DS_MAMBA_SPCP_FLA_DQKWG=torch`` or
-``=triton`` picks one. The
-verifier takes exactly the calls fla would refuse (a gated call on Hopper with Triton in [3.4, 3.7.1)), after TileLang
-in priority, so nothing changes on a machine where fla's kernel runs. The rest of fla's backward (the state
-recurrence's backward, the WY representation's, the reverse cumsum) stays fla's. ``ops/delta.py`` installs it when
-fla's backend is built; ``DS_MAMBA_SPCP_FLA_DQKWG=0`` keeps fla's refusal (the op then falls back as before).
+alone: ``chunk_bwd_dqkwg`` below, computed by one of two implementations of the same contract. "triton" (the default on
+CUDA): ``ops/delta_dqkwg_kernel.py``, a kernel of this package computing what fla's does, in which nothing transposed is
+a product (issue 640's trigger). "torch": batched matrix products over the chunks in plain PyTorch, the reference the
+kernel is checked against (and the path for fp64 or CPU tensors). ``DS_MAMBA_SPCP_FLA_DQKWG=torch`` or ``=triton`` picks
+one. The verifier takes exactly the calls fla would refuse (a gated call on Hopper with Triton in [3.4, 3.7.1)), after
+TileLang in priority, so nothing changes on a machine where fla's kernel runs. The rest of fla's backward (the state
+recurrence's backward, the WY representation's, the reverse cumsum) stays fla's. ``ops/delta.py`` installs it when fla's
+backend is built; ``DS_MAMBA_SPCP_FLA_DQKWG=0`` keeps fla's refusal (the op then falls back as before).
 
 What it computes, per chunk (c) and value head, with fla's conventions: g is the chunk-local cumulative gate in log2
 units (fla scales the natural-log cumsum by 1/ln 2, so exp2(g) is the decay), h the state entering the chunk (K x V,
@@ -35,13 +34,12 @@ tests/test_delta_dqkwg.py). The PyTorch function's memory: the chunks are proces
 ``SLICE_ELEMENTS`` elements per gathered tensor, and the outputs are held in fla's dtypes (dq, dk, dw in the
 activations' dtype, dg fp32), each slice's fp32 sums rounded once as they are written.
 
-Measured on one H100: fla's gated backward with the PyTorch function matches fp64 as fla's own forward does
-(relative RMS 3.8e-3 on dg, where fla's own kernel, its check off, is 2.2e-2 off:
-benchmarks/results/delta_8033fb4_h100x1/), and with the Triton kernel to three digits the same
-(benchmarks/results/dqkwg_0b0ba72_h100x1/, where the kernel alone is within 2x the PyTorch function's bf16 error of
-fp64 and cp 2 and 4 pass with it). Speed there
-(``benchmarks/bench_dqkwg.py``, 8 q/k heads serving 16 value heads of 128): at 16K tokens the kernel takes 0.95 ms,
-the PyTorch function 12.1 ms, fla's own (miscompiled) kernel 0.90 ms; at 64K 2.44, 42.3 and 3.07 ms; fla's whole layer
+Measured on one H100: fla's gated backward with the PyTorch function matches fp64 as fla's own forward does (relative
+RMS 3.8e-3 on dg, where fla's own kernel, its check off, is 2.2e-2 off: benchmarks/results/delta_8033fb4_h100x1/), and
+with the Triton kernel to three digits the same (benchmarks/results/dqkwg_0b0ba72_h100x1/, where the kernel alone is
+within 2x the PyTorch function's bf16 error of fp64 and cp 2 and 4 pass with it). Speed there
+(``benchmarks/bench_dqkwg.py``, 8 q/k heads serving 16 value heads of 128): at 16K tokens the kernel takes 0.95 ms, the
+PyTorch function 12.1 ms, fla's own (miscompiled) kernel 0.90 ms; at 64K 2.44, 42.3 and 3.07 ms; fla's whole layer
 forward + backward 3.95 ms against 15.0 (16K) and 12.3 against 54.3 (64K). The ~2B preset trains 196,608 tokens in
 21.9 s a step with the kernel (25.2 with the PyTorch function) and 212,992 at most (74.4 GiB).
 """
