@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import traceback
+from unittest import mock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -64,27 +65,6 @@ def parse_args(argv=None):
     if any(L % BT for L in args.seqlens):
         p.error(f"lengths must divide by {BT}")
     return args
-
-
-class _env:
-    """``DS_MAMBA_SPCP_FLA_DQKWG`` set for a block (None: unset)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __enter__(self):
-        self.old = os.environ.get(delta_dqkwg.ENV)
-        self._set(self.value)
-
-    def __exit__(self, *exc):
-        self._set(self.old)
-
-    @staticmethod
-    def _set(value):
-        if value is None:
-            os.environ.pop(delta_dqkwg.ENV, None)
-        else:
-            os.environ[delta_dqkwg.ENV] = value
 
 
 def _dqkwg_inputs(L: int, heads, device, seed: int = 0):
@@ -146,7 +126,7 @@ def _cell(name: str, L: int, args, device):
         mode = "triton" if name == "dqkwg_kernel" else "torch"
 
         def ours():
-            with _env(mode):
+            with mock.patch.dict(os.environ, {delta_dqkwg.ENV: mode}):
                 delta_dqkwg.chunk_bwd_dqkwg(*ins, **call)
 
         return ours, None
@@ -162,7 +142,7 @@ def _cell(name: str, L: int, args, device):
     mode = "triton" if name == "layer_kernel" else "torch"
 
     def layer():
-        with _env(mode):
+        with mock.patch.dict(os.environ, {delta_dqkwg.ENV: mode}):
             o, _ = chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True)
             o.backward(do)
 

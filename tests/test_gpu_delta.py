@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -286,12 +287,8 @@ def test_gated_backward_on_fla_in_one_process():
             chunk_o.TRITON_ABOVE_3_7_1 = real
     other, torch_fn = {"torch": "triton", "triton": "torch"}[delta_dqkwg.implementation()], None
     if refused:  # the stand-in's other implementation (the Triton kernel or the PyTorch function), asserted as well
-        old = os.environ.get(delta_dqkwg.ENV)
-        os.environ[delta_dqkwg.ENV] = other
-        try:
+        with mock.patch.dict(os.environ, {delta_dqkwg.ENV: other}):
             torch_fn = errs(run("fla", repeat=True)[0])
-        finally:
-            os.environ.pop(delta_dqkwg.ENV) if old is None else os.environ.__setitem__(delta_dqkwg.ENV, old)
     dropped = None
     if refused:  # the negative control: the stand-in handed a zero dh (the state's gradient lost)
         stand_in = delta_dqkwg.chunk_bwd_dqkwg  # fla's dispatch reaches it through this module attribute
@@ -356,13 +353,9 @@ def test_dqkwg_kernel_against_the_pytorch_function():
 
         def torch_fn(y, kw=kw, **over):
             y = {**y, **over}
-            old = os.environ.get(delta_dqkwg.ENV)
-            os.environ[delta_dqkwg.ENV] = "torch"
-            try:
+            with mock.patch.dict(os.environ, {delta_dqkwg.ENV: "torch"}):
                 return delta_dqkwg.chunk_bwd_dqkwg(y["q"], y["k"], y["v"], y["do"], y["h"], y["dh"], w=y["w"],
                                                    dv=y["dv"], **kw)  # fmt: skip
-            finally:
-                os.environ.pop(delta_dqkwg.ENV) if old is None else os.environ.__setitem__(delta_dqkwg.ENV, old)
 
         def kernel(y, v_first=v_first, **over):
             y = {**y, **over}
